@@ -1,0 +1,11 @@
+"""jaggc: JAGG (Jacobian-Aggregated Group Gradient) for GRPO on flow-matching DiTs."""
+
+from .errors import JaggError, JaggGraphError, JaggInputError, JaggTypeError, JaggUnsupportedError
+from .runtime import Basis, DitCall, WindowOptions, count_dit_passes, jagg_calls, run_exact, run_window
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Basis", "DitCall", "JaggError", "JaggGraphError", "JaggInputError", "JaggTypeError",
+    "JaggUnsupportedError", "WindowOptions", "count_dit_passes", "jagg_calls", "run_exact", "run_window",
+]

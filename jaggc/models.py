@@ -1,0 +1,89 @@
+"""Small real DiTs (diffusers SD3 and Flux transformers built from configs) and their inputs.
+
+Nothing is downloaded: the architectures are the real diffusers classes at small sizes, used by
+the tests, the examples, the benchmark and the CLI.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SD3_CONFIGS = {
+    # ~22k parameters: unit tests
+    "tiny": dict(sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
+                 num_attention_heads=2, joint_attention_dim=16, caption_projection_dim=16,
+                 pooled_projection_dim=8, out_channels=4),
+    # ~13.7M parameters (hidden 256, 6 layers): the benchmark's "10M" model
+    "10m": dict(sample_size=32, patch_size=2, in_channels=4, num_layers=6, attention_head_dim=64,
+                num_attention_heads=4, joint_attention_dim=32, caption_projection_dim=256,
+                pooled_projection_dim=64, out_channels=4),
+}
+
+FLUX_CONFIGS = {
+    "tiny": dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=8,
+                 num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=8,
+                 axes_dims_rope=(2, 2, 4)),
+    "10m": dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=4, attention_head_dim=64,
+                num_attention_heads=4, joint_attention_dim=32, pooled_projection_dim=32,
+                axes_dims_rope=(16, 24, 24)),
+}
+
+
+def sd3(size: str = "tiny", *, seed: int = 0, dtype=torch.float32):
+    from diffusers import SD3Transformer2DModel
+
+    torch.manual_seed(seed)
+    model = SD3Transformer2DModel(**SD3_CONFIGS[size])
+    return model if dtype == torch.float32 else model.to(dtype)
+
+
+def flux(size: str = "tiny", *, seed: int = 0, dtype=torch.float32):
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(seed)
+    model = FluxTransformer2DModel(**FLUX_CONFIGS[size])
+    return model if dtype == torch.float32 else model.to(dtype)
+
+
+@dataclass
+class Conditioning:
+    """Per-sample conditioning of a DiT call, as keyword arguments."""
+
+    kwargs: dict
+
+
+def sd3_conditioning(model, batch: int, *, text_len: int = 5, seed: int = 0) -> Conditioning:
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed)
+    dtype = next(model.parameters()).dtype
+    return Conditioning(dict(
+        encoder_hidden_states=torch.randn(batch, text_len, cfg.joint_attention_dim, generator=g).to(dtype),
+        pooled_projections=torch.randn(batch, cfg.pooled_projection_dim, generator=g).to(dtype),
+    ))
+
+
+def sd3_latent_shape(model, batch: int) -> tuple[int, ...]:
+    cfg = model.config
+    return (batch, cfg.in_channels, cfg.sample_size, cfg.sample_size)
+
+
+def flux_conditioning(model, batch: int, *, height: int = 4, width: int = 4, text_len: int = 4,
+                      seed: int = 0) -> Conditioning:
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed)
+    dtype = next(model.parameters()).dtype
+    img_ids = torch.zeros(height, width, 3)
+    img_ids[..., 1] = torch.arange(height)[:, None]
+    img_ids[..., 2] = torch.arange(width)[None, :]
+    return Conditioning(dict(
+        encoder_hidden_states=torch.randn(batch, text_len, cfg.joint_attention_dim, generator=g).to(dtype),
+        pooled_projections=torch.randn(batch, cfg.pooled_projection_dim, generator=g).to(dtype),
+        img_ids=img_ids.reshape(height * width, 3),
+        txt_ids=torch.zeros(text_len, 3),
+    ))
+
+
+def flux_latent_shape(model, batch: int, *, height: int = 4, width: int = 4) -> tuple[int, ...]:
+    return (batch, height * width, model.config.in_channels)

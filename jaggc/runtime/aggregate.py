@@ -1,0 +1,56 @@
+"""The aggregation node: W step outputs forward, K composite gradients backward.
+
+Forward returns each step's output unchanged: knot steps are slices of the single batched knot
+forward, interior steps are no-grad outputs. Backward receives the W upstream gradients g_s and
+returns, for the batched knot output, cat_j Γ_j with Γ_j = Σ_s Φ[s, j] ⊙ g_s, so that autograd
+runs ONE DiT backward through the knot forward with all composites at once.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+class KnotAggregate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, phi: torch.Tensor, knot_out: torch.Tensor, knot_steps: tuple[int, ...], *step_outs):
+        # step_outs[s] is None for knot steps (their value is a slice of knot_out)
+        num_knots = len(knot_steps)
+        batch = knot_out.shape[0] // num_knots
+        ctx.batch = batch
+        ctx.save_for_backward(phi)
+        slices = knot_out.split(batch, 0)
+        outs = []
+        knot_of = {s: j for j, s in enumerate(knot_steps)}
+        for s, v in enumerate(step_outs):
+            outs.append(slices[knot_of[s]] if s in knot_of else v)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        (phi,) = ctx.saved_tensors
+        num_steps, num_knots, batch = phi.shape
+        ref = next(g for g in grads if g is not None)
+        # accumulate low-precision gradients in fp32; fp32/fp64 stay as they are
+        acc = ref.dtype if ref.dtype in (torch.float32, torch.float64) else torch.float32
+        phi = phi.to(device=ref.device, dtype=acc)
+        shape = (batch,) + (1,) * (ref.ndim - 1)
+        composites = []
+        for j in range(num_knots):
+            total = None
+            for s, g in enumerate(grads):
+                if g is None:
+                    continue
+                term = g.to(acc) * phi[s, j].view(shape)
+                total = term if total is None else total.add_(term)
+            composites.append(total)
+        grad_knots = torch.cat(composites, 0).to(ref.dtype)
+        return (None, grad_knots, None) + (None,) * num_steps
+
+
+def aggregate(phi: torch.Tensor, knot_out: torch.Tensor, knot_steps: Sequence[int],
+              step_outs: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+    """Step outputs whose backward is the knot aggregation (see module docstring)."""
+    return list(KnotAggregate.apply(phi, knot_out, tuple(knot_steps), *step_outs))

@@ -1,0 +1,195 @@
+"""One DiT call as data, and the batching of several calls into one.
+
+A window's knot steps run as ONE forward on their batch-concatenated inputs, and its interior
+steps as one no-grad forward per chunk. ``concat_calls`` builds that batched call and
+``split_output`` cuts the batched output back into one output per step, with the structure the
+DiT returned (tensor, ``return_dict=False`` tuple, or a diffusers ``BaseOutput``).
+
+Which tensors are batched: every tensor leaf whose leading dimension equals the batch size of the
+call's primary input (``hidden_states`` or the first positional tensor). Other tensors (Flux's
+``img_ids``/``txt_ids``) and non-tensor leaves are shared and must agree across steps. The
+timestep is always batched: a scalar is expanded to one value per sample.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from .._compat import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+from ..errors import JaggInputError, JaggTypeError
+
+
+@dataclass(frozen=True)
+class DitCall:
+    """The positional and keyword arguments of one ``dit(*args, **kwargs)`` call."""
+
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+    def __call__(self, dit):
+        return dit(*self.args, **self.kwargs)
+
+
+def primary_input(call: DitCall) -> torch.Tensor:
+    """The state tensor of a call: ``hidden_states`` if given by name, else the first tensor."""
+    if isinstance(call.kwargs.get("hidden_states"), torch.Tensor):
+        return call.kwargs["hidden_states"]
+    for a in call.args:
+        if isinstance(a, torch.Tensor):
+            return a
+    for v in call.kwargs.values():
+        if isinstance(v, torch.Tensor):
+            return v
+    raise JaggInputError(
+        "a DiT call has no tensor input; jaggc needs the state (hidden_states) as a tensor argument"
+    )
+
+
+def batch_size(call: DitCall) -> int:
+    x = primary_input(call)
+    if x.ndim == 0:
+        raise JaggInputError("the DiT's state input is a 0-d tensor; it needs a leading batch dimension")
+    return x.shape[0]
+
+
+def resolve_time_arg(call: DitCall, time_arg: str | int | None) -> str | int:
+    """Where the timestep sits: the keyword ``timestep`` if passed, else position 1."""
+    if time_arg is None:
+        if "timestep" in call.kwargs:
+            return "timestep"
+        return 1
+    return time_arg
+
+
+def get_time(call: DitCall, time_arg: str | int) -> Any:
+    if isinstance(time_arg, str):
+        if time_arg not in call.kwargs:
+            raise JaggInputError(
+                f"the DiT call has no keyword argument {time_arg!r} to read the timestep from; "
+                f"pass time_arg= the keyword name or position of the timestep argument"
+            )
+        return call.kwargs[time_arg]
+    if time_arg >= len(call.args):
+        raise JaggInputError(
+            f"the DiT call has {len(call.args)} positional arguments, so position {time_arg} "
+            f"cannot hold the timestep; pass time_arg= the keyword name or position of the timestep"
+        )
+    return call.args[time_arg]
+
+
+def set_time(call: DitCall, time_arg: str | int, value: Any) -> DitCall:
+    if isinstance(time_arg, str):
+        return DitCall(call.args, {**call.kwargs, time_arg: value})
+    args = list(call.args)
+    args[time_arg] = value
+    return DitCall(tuple(args), call.kwargs)
+
+
+def per_sample_time(call: DitCall, time_arg: str | int, step: int | None = None) -> torch.Tensor:
+    """The timestep of each sample as a (B,) tensor on the state's device (no host sync)."""
+    b = batch_size(call)
+    t = get_time(call, time_arg)
+    x = primary_input(call)
+    if isinstance(t, numbers.Number):
+        return torch.full((b,), float(t), dtype=torch.float64, device=x.device)
+    if not isinstance(t, torch.Tensor):
+        raise JaggTypeError(
+            f"step {step}: the timestep is a {type(t).__name__}; pass a number or a tensor"
+        )
+    if t.ndim == 0 or t.numel() == 1:
+        return t.reshape(()).expand(b)
+    if t.ndim == 1 and t.shape[0] == b:
+        return t
+    raise JaggInputError(
+        f"step {step}: the timestep has shape {tuple(t.shape)}; jaggc needs a scalar or one value per "
+        f"sample (shape ({b},))"
+    )
+
+
+def _leaf_name(path) -> str:
+    s = keystr(path)
+    return s or "<root>"
+
+
+def concat_calls(calls: Sequence[DitCall], time_arg: str | int, *, steps: Sequence[int] | None = None,
+                 unbatched: Sequence[str] = ()) -> DitCall:
+    """One call whose batch is the concatenation of the given calls' batches, in order."""
+    if len(calls) == 1:
+        return calls[0]
+    steps = list(steps) if steps is not None else list(range(len(calls)))
+    b = batch_size(calls[0])
+    # the timestep is batched even when a step passes a scalar, so normalise it first
+    calls = [set_time(c, time_arg, per_sample_time(c, time_arg, s)) for c, s in zip(calls, steps)]
+    flat0, spec0 = tree_flatten_with_path((calls[0].args, calls[0].kwargs))
+    flats = [flat0]
+    for c, s in zip(calls[1:], steps[1:]):
+        flat, spec = tree_flatten_with_path((c.args, c.kwargs))
+        if spec != spec0:
+            raise JaggInputError(
+                f"step {s} calls the DiT with different arguments than step {steps[0]} "
+                f"({spec} vs {spec0}); calls in one window must have the same argument structure"
+            )
+        if batch_size(c) != b:
+            raise JaggInputError(
+                f"step {s}: batch size {batch_size(c)} differs from step {steps[0]}'s {b}; "
+                f"all steps of a window must have the same batch"
+            )
+        flats.append(flat)
+    out = []
+    for i, (path, leaf0) in enumerate(flat0):
+        name = _leaf_name(path)
+        leaves = [f[i][1] for f in flats]
+        if isinstance(leaf0, torch.Tensor):
+            batched = leaf0.ndim >= 1 and leaf0.shape[0] == b and not any(u in name for u in unbatched)
+            for leaf, s in zip(leaves[1:], steps[1:]):
+                if not isinstance(leaf, torch.Tensor) or leaf.shape != leaf0.shape:
+                    got = tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else type(leaf).__name__
+                    raise JaggInputError(
+                        f"step {s}, input {name}: shape {got} differs from step {steps[0]}'s "
+                        f"{tuple(leaf0.shape)}; steps of one window must be batch-compatible"
+                    )
+            if batched:
+                out.append(torch.cat(leaves, 0))
+            else:
+                for leaf, s in zip(leaves[1:], steps[1:]):
+                    if leaf is not leaf0 and not torch.equal(leaf, leaf0):
+                        raise JaggInputError(
+                            f"step {s}, input {name}: this unbatched tensor (leading dim != batch {b}) "
+                            f"differs from step {steps[0]}'s; it cannot be shared by a batched call"
+                        )
+                out.append(leaf0)
+        else:
+            for leaf, s in zip(leaves[1:], steps[1:]):
+                if leaf != leaf0:
+                    raise JaggInputError(
+                        f"step {s}, input {name}: value {leaf!r} differs from step {steps[0]}'s "
+                        f"{leaf0!r}; non-tensor arguments must be the same in every step of a window"
+                    )
+            out.append(leaf0)
+    args, kwargs = tree_unflatten(out, spec0)
+    return DitCall(tuple(args), dict(kwargs))
+
+
+def split_output(output: Any, num_calls: int, batch: int) -> list[Any]:
+    """Cut a batched DiT output into ``num_calls`` outputs of ``batch`` samples each."""
+    if num_calls == 1:
+        return [output]
+    leaves, spec = tree_flatten(output)
+    per_call = [[] for _ in range(num_calls)]
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.ndim >= 1 and leaf.shape[0] == num_calls * batch:
+            for k, chunk in enumerate(leaf.split(batch, 0)):
+                per_call[k].append(chunk)
+        elif isinstance(leaf, torch.Tensor):
+            raise JaggTypeError(
+                f"the DiT returned a tensor of shape {tuple(leaf.shape)} for a batch of "
+                f"{num_calls * batch}; jaggc needs every output tensor to carry the batch dimension first"
+            )
+        else:
+            for k in range(num_calls):
+                per_call[k].append(leaf)
+    return [tree_unflatten(p, spec) for p in per_call]

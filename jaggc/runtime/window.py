@@ -1,0 +1,152 @@
+"""Execute W consecutive DiT calls so that their values are exact and their backward is JAGG.
+
+``run_window`` is the runtime the compiler pass emits one node for per window:
+  * interior steps: no-grad forwards, batched across steps (``interior_chunk`` steps per call);
+  * knot steps (the two endpoints for plain JAGG): ONE forward with grad on their
+    batch-concatenated inputs, so the backward is one joint DiT backward;
+  * a ``KnotAggregate`` node maps the W upstream gradients onto the knot outputs.
+Everything goes through the normal ``dit(...)`` call and plain autograd, so DDP, FSDP, gradient
+checkpointing, peft adapters and autocast see an ordinary forward/backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from .._compat import tree_flatten, tree_unflatten
+from ..errors import JaggInputError
+from .aggregate import aggregate
+from .calls import DitCall, batch_size, concat_calls, per_sample_time, resolve_time_arg, split_output
+from .checks import check_calls, check_times
+from .weights import Basis, resolve_basis
+
+
+@dataclass(frozen=True)
+class WindowOptions:
+    """How a window runs. ``weights``: "t", "index" or a Basis. ``interior_chunk``: at most this
+    many interior steps per no-grad forward (None: all at once). ``batch_knots=False`` runs each
+    knot as its own forward (lower peak memory, same FLOPs). ``unbatched``: names of tensor inputs
+    that are shared rather than batched even if their leading dim equals the batch."""
+
+    weights: str | Basis = "t"
+    time_arg: str | int | None = None
+    interior_chunk: int | None = None
+    batch_knots: bool = True
+    unbatched: tuple[str, ...] = ()
+    check_inputs: bool = True
+
+    @property
+    def basis(self) -> Basis:
+        return resolve_basis(self.weights)
+
+
+def run_exact(dit: nn.Module, calls: Sequence[DitCall], *, steps: Sequence[int] | None = None,
+              options: WindowOptions = WindowOptions()) -> list[Any]:
+    """Plain per-step calls: the exact gradient, one DiT backward per step."""
+    steps = list(steps) if steps is not None else list(range(len(calls)))
+    if options.check_inputs and torch.is_grad_enabled():
+        check_calls(dit, calls, steps)
+    return [c(dit) for c in calls]
+
+
+def _forward_batched(dit: nn.Module, calls: Sequence[DitCall], steps: Sequence[int], time_arg,
+                     options: WindowOptions) -> Any:
+    return concat_calls(calls, time_arg, steps=steps, unbatched=options.unbatched)(dit)
+
+
+def _interior_outputs(dit, calls, steps, time_arg, options, batch) -> dict[int, Any]:
+    """No-grad outputs of the interior steps, keyed by window position."""
+    positions = list(range(len(calls)))
+    chunk = options.interior_chunk or max(len(positions), 1)
+    if chunk < 1:
+        raise JaggInputError(f"interior_chunk={options.interior_chunk} must be a positive number of steps")
+    outs: dict[int, Any] = {}
+    with torch.no_grad():
+        for lo in range(0, len(positions), chunk):
+            pos = positions[lo:lo + chunk]
+            out = _forward_batched(dit, [calls[p] for p in pos], [steps[p] for p in pos], time_arg, options)
+            for p, o in zip(pos, split_output(out, len(pos), batch)):
+                outs[p] = o
+    return outs
+
+
+def run_window(dit: nn.Module, calls: Sequence[DitCall], *, steps: Sequence[int] | None = None,
+               options: WindowOptions = WindowOptions()) -> list[Any]:
+    """Outputs of ``dit`` on each call, exact in value, with a JAGG backward (module docstring)."""
+    steps = list(steps) if steps is not None else list(range(len(calls)))
+    if len(calls) <= 2 or not torch.is_grad_enabled():
+        # a window of <= 2 steps is all knots: per-step autograd is the same gradient, simpler
+        return run_exact(dit, calls, steps=steps, options=options)
+    time_arg = resolve_time_arg(calls[0], options.time_arg)
+    batch = batch_size(calls[0])
+    if options.check_inputs:
+        check_calls(dit, calls, steps)
+    times = torch.stack([per_sample_time(c, time_arg, s) for c, s in zip(calls, steps)])
+    if options.check_inputs:
+        check_times(times, steps)
+    basis = options.basis
+    knots = basis.knot_positions(len(calls))
+    phi = basis.matrix(times)
+
+    interior = [p for p in range(len(calls)) if p not in knots]
+    interior_out = _interior_outputs(dit, [calls[p] for p in interior], [steps[p] for p in interior],
+                                     time_arg, options, batch)
+    interior_out = {interior[i]: o for i, o in interior_out.items()}
+
+    if options.batch_knots:
+        knot_out = _forward_batched(dit, [calls[p] for p in knots], [steps[p] for p in knots], time_arg, options)
+    else:
+        outs = [calls[p](dit) for p in knots]
+        knot_leaves = [tree_flatten(o)[0] for o in outs]
+        spec = tree_flatten(outs[0])[1]
+        knot_out = tree_unflatten(
+            [torch.cat(ls, 0) if isinstance(ls[0], torch.Tensor) else ls[0] for ls in zip(*knot_leaves)], spec)
+    return _assemble(phi, knot_out, knots, interior_out, len(calls), batch)
+
+
+def _assemble(phi, knot_out, knots, interior_out, num_steps, batch) -> list[Any]:
+    """Per-step outputs: differentiable leaves through KnotAggregate, the rest split as is."""
+    knot_leaves, spec = tree_flatten(knot_out)
+    interior_leaves = {p: tree_flatten(o)[0] for p, o in interior_out.items()}
+    per_step = [[] for _ in range(num_steps)]
+    for i, leaf in enumerate(knot_leaves):
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            if leaf.ndim == 0 or leaf.shape[0] != len(knots) * batch:
+                raise JaggInputError(
+                    f"the DiT returned a tensor of shape {tuple(leaf.shape)} for {len(knots)} knot steps of "
+                    f"batch {batch}; jaggc needs the batch dimension first in every output tensor")
+            step_leaves = [None if p in knots else interior_leaves[p][i] for p in range(num_steps)]
+            for p, v in enumerate(aggregate(phi.to(leaf.device), leaf, knots, step_leaves)):
+                per_step[p].append(v)
+        else:
+            knot_parts = split_output(leaf, len(knots), batch)
+            for p in range(num_steps):
+                per_step[p].append(knot_parts[knots.index(p)] if p in knots else interior_leaves[p][i])
+    return [tree_unflatten(leaves, spec) for leaves in per_step]
+
+
+def partition(num_steps: int, window: int) -> list[list[int]]:
+    """Consecutive windows of ``window`` steps; a shorter tail is its own (shorter) window."""
+    if window < 2:
+        raise JaggInputError(f"window={window}: a JAGG window needs at least 2 steps")
+    return [list(range(lo, min(lo + window, num_steps))) for lo in range(0, num_steps, window)]
+
+
+def jagg_calls(dit: nn.Module, calls: Sequence[DitCall], *, window: int = 4,
+               options: WindowOptions = WindowOptions(), exact_windows: Sequence[int] = ()) -> list[Any]:
+    """Run a trajectory's DiT calls in consecutive windows of ``window`` steps.
+
+    Windows listed in ``exact_windows`` (by index) run as plain per-step calls. A tail shorter
+    than ``window`` is a JAGG window of its own length (exact when it has <= 2 steps).
+    """
+    if not calls:
+        raise JaggInputError("no DiT calls to run: the trajectory is empty")
+    outs: list[Any] = []
+    for w, idx in enumerate(partition(len(calls), window)):
+        run = run_exact if w in exact_windows else run_window
+        outs.extend(run(dit, [calls[i] for i in idx], steps=idx, options=options))
+    return outs
