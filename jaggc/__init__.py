@@ -9,3 +9,7 @@ __all__ = [
     "Basis", "DitCall", "JaggError", "JaggGraphError", "JaggInputError", "JaggTypeError",
     "JaggUnsupportedError", "WindowOptions", "count_dit_passes", "jagg_calls", "run_exact", "run_window",
 ]
+from .api import JaggCompiled, explain, jagg_compile
+from .report import Report
+
+__all__ += ["JaggCompiled", "Report", "explain", "jagg_compile"]

@@ -16,3 +16,66 @@ tree_flatten_with_path = _pytree.tree_flatten_with_path
 keystr = _pytree.keystr
 
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+
+# --- Dynamo: keeping the DiT opaque ---------------------------------------------------------
+# torch 2.13's Dynamo always inlines nn.Modules. ``nonstrict_trace`` makes a function one opaque
+# ``flat_apply`` node (args: a _LeafCallable, the input TreeSpec, then the flat inputs) whose
+# output is the flat list of the function's output leaves.
+
+def nonstrict_trace(fn):
+    return torch._dynamo.nonstrict_trace(fn)
+
+
+def is_flat_apply_node(node) -> bool:
+    target = node.target
+    return node.op == "call_function" and getattr(target, "__name__", "").startswith("flat_apply")
+
+
+def flat_apply_function(gm, node):
+    """The Python function behind a flat_apply node (unwrapping Dynamo's patched_fn closure)."""
+    import inspect
+
+    callable_node = node.args[0]
+    leaf_callable = getattr(gm, callable_node.target) if callable_node.op == "get_attr" else callable_node
+    fn = getattr(leaf_callable, "_fn", leaf_callable)
+    try:
+        return inspect.getclosurevars(fn).nonlocals.get("fn", fn)
+    except (TypeError, ValueError):
+        return fn
+
+
+def flat_apply_inputs(gm, node):
+    """(args, kwargs) of a flat_apply node, with graph nodes as leaves."""
+    spec_node = node.args[1]
+    spec = getattr(gm, spec_node.target) if spec_node.op == "get_attr" else spec_node
+    return tree_unflatten(list(node.args[2:]), spec)
+
+
+def dynamo_reset():
+    torch._dynamo.reset()
+
+
+def legalize_graph(gm):
+    from torch.fx.passes.tools_common import legalize_graph as _legalize
+
+    return _legalize(gm)
+
+
+def unwrap_backend_error(exc: BaseException) -> BaseException:
+    """Dynamo wraps exceptions raised in a backend; return the one jaggc raised."""
+    inner = getattr(exc, "inner_exception", None)
+    return inner if inner is not None else exc
+
+
+def dynamo_unsupported_types() -> tuple[type, ...]:
+    import torch._dynamo.exc as exc
+
+    return tuple(t for t in (getattr(exc, "Unsupported", None), getattr(exc, "UserError", None),
+                             getattr(exc, "TorchRuntimeError", None)) if t is not None)
+
+
+def backend_failed_type() -> type:
+    import torch._dynamo.exc as exc
+
+    return exc.BackendCompilerFailed

@@ -70,7 +70,8 @@ def _check_state(v: torch.Tensor, z: torch.Tensor, prev_sample: torch.Tensor | N
 
 def _as_sigma(x, name: str, batch: int | None, dtype: torch.dtype, device) -> torch.Tensor:
     """A float, 0-d or (B,) noise level as a tensor (shape kept; broadcasting is done later)."""
-    t = torch.as_tensor(x).detach().to(dtype=dtype, device=device)
+    # straight to the compute dtype: a Python float must not pass through fp32 on the way to fp64
+    t = torch.as_tensor(x, dtype=dtype, device=device).detach()
     if t.ndim > 1 or (t.ndim == 1 and batch is not None and t.numel() not in (1, batch)):
         raise JaggInputError(f"input {name!r} must be a float, a 0-d tensor or shape ({batch},), "
                              f"got shape {tuple(t.shape)}")
@@ -83,6 +84,9 @@ def _as_sigma(x, name: str, batch: int | None, dtype: torch.dtype, device) -> to
 def _sigmas(sigma, sigma_next, batch, dtype, device, *, positive_sigma: bool):
     s = _as_sigma(sigma, "sigma", batch, dtype, device)
     sn = _as_sigma(sigma_next, "sigma_next", batch, dtype, device)
+    if s.numel() > 1 and sn.numel() > 1 and s.shape != sn.shape:
+        raise JaggInputError(f"inputs 'sigma' {tuple(s.shape)} and 'sigma_next' "
+                             f"{tuple(sn.shape)} must have one value per sample each")
     if bool((sn >= s).any()):
         raise JaggInputError(f"input 'sigma_next' must be < 'sigma' (steps go from noise to data); "
                              f"got sigma={s.tolist()}, sigma_next={sn.tolist()}")

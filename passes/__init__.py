@@ -1,0 +1,19 @@
+"""jaggc's graph passes (installed as ``jaggc.passes``). Each is ``fn(gm, ctx) -> gm`` with an
+invariant stated in its module docstring; ``run_passes`` runs them with a lint and a snapshot
+after each."""
+
+from .check_frontend import check_frontend
+from .cleanup import cleanup
+from .context import CallSite, CompileConfig, PassContext, Window
+from .find_dit_calls import find_dit_calls
+from .independence import check_independence
+from .pipeline import DEFAULT_PASSES, Stage, run_passes
+from .rewrite import rewrite_windows
+from .weights import compute_weights
+from .windows import assign_windows
+
+__all__ = [
+    "CallSite", "CompileConfig", "DEFAULT_PASSES", "PassContext", "Stage", "Window", "assign_windows",
+    "check_frontend", "check_independence", "cleanup", "compute_weights", "find_dit_calls",
+    "rewrite_windows", "run_passes",
+]

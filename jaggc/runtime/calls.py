@@ -115,11 +115,15 @@ def _leaf_name(path) -> str:
     return s or "<root>"
 
 
-def concat_calls(calls: Sequence[DitCall], time_arg: str | int, *, steps: Sequence[int] | None = None,
-                 unbatched: Sequence[str] = ()) -> DitCall:
-    """One call whose batch is the concatenation of the given calls' batches, in order."""
-    if len(calls) == 1:
-        return calls[0]
+def check_compatible(calls: Sequence[DitCall], time_arg: str | int, *, steps: Sequence[int] | None = None,
+                     unbatched: Sequence[str] = ()) -> tuple:
+    """Refuse calls that cannot share one batched call: different argument structure, batch size
+    or tensor shapes, or different shared (unbatched tensor or non-tensor) values.
+
+    ``run_window`` runs this on the WHOLE window, whatever ``interior_chunk``/``batch_knots`` say,
+    so a step that runs alone is still checked against the rest. Returns what ``concat_calls``
+    needs: (flattened leaves of every call, the tree spec, the batch, whether each leaf is batched).
+    """
     steps = list(steps) if steps is not None else list(range(len(calls)))
     b = batch_size(calls[0])
     # the timestep is batched even when a step passes a scalar, so normalise it first
@@ -139,10 +143,11 @@ def concat_calls(calls: Sequence[DitCall], time_arg: str | int, *, steps: Sequen
                 f"all steps of a window must have the same batch"
             )
         flats.append(flat)
-    out = []
+    batched_flags = []
     for i, (path, leaf0) in enumerate(flat0):
         name = _leaf_name(path)
         leaves = [f[i][1] for f in flats]
+        batched = False
         if isinstance(leaf0, torch.Tensor):
             batched = leaf0.ndim >= 1 and leaf0.shape[0] == b and not any(u in name for u in unbatched)
             for leaf, s in zip(leaves[1:], steps[1:]):
@@ -152,16 +157,13 @@ def concat_calls(calls: Sequence[DitCall], time_arg: str | int, *, steps: Sequen
                         f"step {s}, input {name}: shape {got} differs from step {steps[0]}'s "
                         f"{tuple(leaf0.shape)}; steps of one window must be batch-compatible"
                     )
-            if batched:
-                out.append(torch.cat(leaves, 0))
-            else:
+            if not batched:
                 for leaf, s in zip(leaves[1:], steps[1:]):
                     if leaf is not leaf0 and not torch.equal(leaf, leaf0):
                         raise JaggInputError(
                             f"step {s}, input {name}: this unbatched tensor (leading dim != batch {b}) "
                             f"differs from step {steps[0]}'s; it cannot be shared by a batched call"
                         )
-                out.append(leaf0)
         else:
             for leaf, s in zip(leaves[1:], steps[1:]):
                 if leaf != leaf0:
@@ -169,7 +171,20 @@ def concat_calls(calls: Sequence[DitCall], time_arg: str | int, *, steps: Sequen
                         f"step {s}, input {name}: value {leaf!r} differs from step {steps[0]}'s "
                         f"{leaf0!r}; non-tensor arguments must be the same in every step of a window"
                     )
-            out.append(leaf0)
+        batched_flags.append(batched)
+    return flats, spec0, b, batched_flags
+
+
+def concat_calls(calls: Sequence[DitCall], time_arg: str | int, *, steps: Sequence[int] | None = None,
+                 unbatched: Sequence[str] = ()) -> DitCall:
+    """One call whose batch is the concatenation of the given calls' batches, in order."""
+    if len(calls) == 1:
+        return calls[0]
+    flats, spec0, _, batched_flags = check_compatible(calls, time_arg, steps=steps, unbatched=unbatched)
+    out = []
+    for i, batched in enumerate(batched_flags):
+        leaves = [f[i][1] for f in flats]
+        out.append(torch.cat(leaves, 0) if batched else leaves[0])
     args, kwargs = tree_unflatten(out, spec0)
     return DitCall(tuple(args), dict(kwargs))
 

@@ -74,7 +74,9 @@ def check_times(times: torch.Tensor, steps: Sequence[int]) -> None:
     finite = torch.isfinite(t)
     if not bool(finite.all()):
         s = int(torch.nonzero(~finite.all(1))[0])
-        raise JaggInputError(f"step {steps[s]}, input 'timestep': NaN or Inf timestep")
+        raise JaggInputError(
+            f"step {steps[s]}, input 'timestep': NaN or Inf timestep; pass each step's finite timestep "
+            f"(sigma) from the sampler's schedule and check the stored trajectory")
     for i in range(d.shape[0]):
         if bool((d[i] == 0).any()):
             raise JaggInputError(

@@ -20,7 +20,8 @@ from torch import nn
 from .._compat import tree_flatten, tree_unflatten
 from ..errors import JaggInputError
 from .aggregate import aggregate
-from .calls import DitCall, batch_size, concat_calls, per_sample_time, resolve_time_arg, split_output
+from .calls import (DitCall, batch_size, check_compatible, concat_calls, per_sample_time, resolve_time_arg,
+                    split_output)
 from .checks import check_calls, check_times
 from .weights import Basis, resolve_basis
 
@@ -85,6 +86,8 @@ def run_window(dit: nn.Module, calls: Sequence[DitCall], *, steps: Sequence[int]
     batch = batch_size(calls[0])
     if options.check_inputs:
         check_calls(dit, calls, steps)
+        # the whole window, not only the groups that happen to be batched together below
+        check_compatible(calls, time_arg, steps=steps, unbatched=options.unbatched)
     times = torch.stack([per_sample_time(c, time_arg, s) for c, s in zip(calls, steps)])
     if options.check_inputs:
         check_times(times, steps)

@@ -1,0 +1,223 @@
+"""``@jagg_compile`` and ``explain``: capture a GRPO loss, rewrite its DiT windows, run it.
+
+The compiled loss returns the same value as the undecorated function; its backward runs one
+joint DiT backward per window instead of one per step. ``.report`` shows what was rewritten.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any, Callable
+
+import torch
+from torch import fx, nn
+
+from . import _compat
+from .errors import JaggError, JaggInputError, JaggUnsupportedError
+from .frontends.dynamo import canonicalize_dynamo_calls, opaque_modules
+from .frontends.fx import capture_fx
+from .report import Report, WindowRow
+from .runtime.window import WindowOptions
+
+_CAPTURES = ("auto", "dynamo", "fx")
+
+
+def _passes():
+    # jaggc.passes is a separate source folder (passes/); import lazily to keep import order simple
+    from jaggc import passes
+
+    return passes
+
+
+class JaggCompiled:
+    """A GRPO loss whose DiT calls run in JAGG windows. Call it like the original function."""
+
+    def __init__(self, fn: Callable, *, dit: nn.Module | None = None, window: int = 4, weights="t",
+                 jagg_frac: float = 1.0, time_arg: str | int | None = None, capture: str = "auto",
+                 backend: str | None = None, on_unsupported: str = "raise", interior_chunk: int | None = None,
+                 batch_knots: bool = True, check_inputs: bool = True):
+        if capture not in _CAPTURES:
+            raise JaggInputError(f"capture={capture!r}: use one of {_CAPTURES}")
+        if on_unsupported not in ("raise", "exact"):
+            raise JaggInputError(f"on_unsupported={on_unsupported!r}: use 'raise' or 'exact'")
+        if backend is not None:
+            raise JaggUnsupportedError(
+                f"backend={backend!r} is not implemented yet: the rewritten graph runs eagerly (backend=None). "
+                f"Compile the DiT itself with torch.compile for kernel speedups")
+        if not isinstance(window, int) or window < 2:
+            raise JaggInputError(f"window={window!r}: a JAGG window needs an int of at least 2 steps")
+        if not 0.0 <= float(jagg_frac) <= 1.0:
+            raise JaggInputError(f"jagg_frac={jagg_frac!r} must be in [0, 1]")
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.dit = dit
+        self.capture = capture
+        self.on_unsupported = on_unsupported
+        options = WindowOptions(weights=weights, time_arg=time_arg, interior_chunk=interior_chunk,
+                                batch_knots=batch_knots, check_inputs=check_inputs)
+        self.config = _passes().CompileConfig(window=window, weights=weights, jagg_frac=float(jagg_frac),
+                                              time_arg=time_arg, options=options)
+        self._report: Report | None = None
+        self.traces = 0
+        self._path: str | None = None if capture == "auto" else capture
+        self._dynamo_fn = None
+        self._fx_cache: dict[Any, tuple[fx.GraphModule, Report]] = {}
+        self._fallback_reasons: list[str] = []
+
+    @property
+    def report(self) -> Report | None:
+        """The inspection report of the current compiled graph (timesteps from the latest run)."""
+        _refresh_times(self._report)
+        return self._report
+
+    # --- entry --------------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        if self._path == "uncompiled":
+            return self.fn(*args, **kwargs)
+        order = [self._path] if self._path else ["dynamo", "fx"]
+        errors = []
+        for path in order:
+            try:
+                out = self._run(path, args, kwargs)
+                self._path = path
+                return out
+            except JaggUnsupportedError as e:
+                if self.capture != "auto" or self._path is not None:
+                    return self._unsupported(e)
+                errors.append(f"{path}: {e}")
+                self._reset_dynamo()
+        return self._unsupported(JaggUnsupportedError(
+            "no frontend could capture the loss:\n  " + "\n  ".join(errors)))
+
+    def _unsupported(self, err: JaggUnsupportedError):
+        if self.on_unsupported == "raise":
+            raise err
+        warnings.warn(f"jaggc: running {self.__qualname__} uncompiled (exact per-step gradient): {err}",
+                      stacklevel=3)
+        self._path = "uncompiled"
+        self._report = Report(path="uncompiled", notes=[str(err)])
+        return self.fn(*self._last_args, **self._last_kwargs)
+
+    def _run(self, path, args, kwargs):
+        self._last_args, self._last_kwargs = args, kwargs
+        return self._run_dynamo(args, kwargs) if path == "dynamo" else self._run_fx(args, kwargs)
+
+    def _candidates(self, args, kwargs) -> list[nn.Module]:
+        if self.dit is not None:
+            return [self.dit]
+        found = []
+        for v in list(args) + list(kwargs.values()):
+            if isinstance(v, nn.Module):
+                found.append(v)
+        if not found:
+            raise JaggUnsupportedError(
+                f"{self.__qualname__} takes no nn.Module argument, so jaggc cannot tell which module is "
+                f"the DiT; pass it: jagg_compile(fn, dit=model)")
+        return found
+
+    # --- dynamo -------------------------------------------------------------------------------
+    def _reset_dynamo(self):
+        self._dynamo_fn = None
+
+    def _run_dynamo(self, args, kwargs):
+        candidates = self._candidates(args, kwargs)
+        if self._dynamo_fn is None:
+            self._dynamo_fn = torch.compile(self.fn, backend=self._dynamo_backend, fullgraph=True, dynamic=False)
+        try:
+            with opaque_modules(candidates):
+                return self._dynamo_fn(*args, **kwargs)
+        except _compat.backend_failed_type() as e:
+            raise _compat.unwrap_backend_error(e) from None
+        except _compat.dynamo_unsupported_types() as e:
+            raise JaggUnsupportedError(f"Dynamo could not capture the loss in one graph: {_first_lines(e)}") from e
+
+    def _dynamo_backend(self, gm: fx.GraphModule, example_inputs):
+        gm = canonicalize_dynamo_calls(gm)
+        gm, report = self._rewrite(gm, "dynamo")
+        return gm.forward
+
+    # --- fx -----------------------------------------------------------------------------------
+    def _run_fx(self, args, kwargs):
+        key = _structure_key(args, kwargs)
+        entry = self._fx_cache.get(key)
+        if entry is None:
+            candidates = self._candidates(args, kwargs)
+            gm = capture_fx(self.fn, args, kwargs, candidates)
+            gm, report = self._rewrite(gm, "fx")
+            entry = self._fx_cache[key] = (gm, report)
+        gm, self._report = entry
+        flat = [x for x in _compat.tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+        return gm(*flat)
+
+    # --- shared ---------------------------------------------------------------------------------
+    def _rewrite(self, gm: fx.GraphModule, frontend: str):
+        passes = _passes()
+        ctx = passes.PassContext(config=self.config, dit=self.dit, frontend=frontend)
+        gm, stages = passes.run_passes(gm, ctx)
+        self.traces += 1
+        self._report = build_report(frontend, gm, stages, ctx, self.traces)
+        return gm, self.report
+
+
+def build_report(frontend: str, gm: fx.GraphModule, stages, ctx, traces: int) -> Report:
+    rows = []
+    for w in ctx.windows:
+        times = list(w.plan.observed_times) if w.plan is not None else []
+        rows.append(WindowRow(window=w.index, steps=list(w.steps), mode=w.mode, knots=list(w.knots),
+                              basis=w.basis, timesteps=times, backward_before=len(w.steps),
+                              backward_after=1 if w.mode == "jagg" else len(w.steps)))
+    report = Report(path=frontend, stages=stages, windows=rows, graph_module=gm, traces=traces,
+                    notes=list(ctx.notes))
+    report.reference_calls = sum(1 for n in gm.graph.nodes
+                                 if getattr(n.meta.get("jagg_call"), "role", None) == "reference")
+    report._plans = [w.plan for w in ctx.windows]
+    return report
+
+
+def _refresh_times(report: Report | None) -> None:
+    if report is None:
+        return
+    for row, plan in zip(report.windows, getattr(report, "_plans", [])):
+        if plan is not None and plan.observed_times:
+            row.timesteps = list(plan.observed_times)
+
+
+def _structure_key(args, kwargs):
+    leaves, spec = _compat.tree_flatten((args, kwargs))
+    parts = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            parts.append(("T", tuple(x.shape), x.dtype, x.device.type, x.requires_grad))
+        elif isinstance(x, nn.Module):
+            parts.append(("M", id(x)))
+        else:
+            try:
+                hash(x)
+                parts.append(("C", x))
+            except TypeError:
+                parts.append(("C", id(x)))
+    return (str(spec), tuple(parts))
+
+
+def _first_lines(e: BaseException, n: int = 12) -> str:
+    return "\n".join(str(e).strip().splitlines()[:n])
+
+
+def jagg_compile(fn: Callable | None = None, **options) -> Any:
+    """Decorate a GRPO loss so its DiT calls run as JAGG windows (see README for the options)."""
+    if fn is None:
+        return lambda f: JaggCompiled(f, **options)
+    return JaggCompiled(fn, **options)
+
+
+def explain(fn: Callable, *args, **kwargs) -> Report:
+    """Compile ``fn`` with the jagg_compile options in ``kwargs``, run its forward once on
+    ``args`` (no backward), and return the inspection report."""
+    option_names = ("dit", "window", "weights", "jagg_frac", "time_arg", "capture", "backend",
+                    "on_unsupported", "interior_chunk", "batch_knots", "check_inputs")
+    options = {k: kwargs.pop(k) for k in list(kwargs) if k in option_names}
+    compiled = fn if isinstance(fn, JaggCompiled) else JaggCompiled(fn, **options)
+    compiled(*args, **kwargs)
+    return compiled.report
+

@@ -1,0 +1,138 @@
+"""Dynamo capture with the DiT kept opaque, canonicalised to ``dit_call`` nodes.
+
+torch 2.13's Dynamo inlines every nn.Module. While a jaggc-compiled function runs, the DiT (and
+every wrapper around it: DDP, PeftModel, ...) has its ``_compiled_call_impl`` (the slot
+``nn.Module.compile`` uses, read by ``Module.__call__``) set to a ``nonstrict_trace``d function that
+runs the module's normal call, hooks included; Dynamo records each call as one
+opaque ``flat_apply`` node, and ``canonicalize_dynamo_calls`` turns that node into
+``dit_call(dit, args, kwargs)`` followed by ``flatten_output`` (Dynamo expects the opaque call to
+return its flat output leaves). The patched forward is created once per module and reinstalled
+for every call, so Dynamo's guards see the same function and never recompile for it; outside a
+jaggc call the module is untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Iterable
+
+import torch
+from torch import fx, nn
+
+from .. import _compat
+from ..graph_ops import dit_call, flatten_output
+
+_OPAQUE: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+_MISSING = object()
+
+
+def module_chain(module: nn.Module) -> list[nn.Module]:
+    """The module and every wrapper-held module under it (DDP/FSDP .module, peft, compile)."""
+    chain = [module]
+    while True:
+        m = chain[-1]
+        inner = None
+        if hasattr(m, "_orig_mod") and isinstance(m._orig_mod, nn.Module):  # torch.compile
+            inner = m._orig_mod
+        elif hasattr(m, "get_base_model") and callable(m.get_base_model):  # peft PeftModel
+            inner = m.get_base_model()
+        elif type(m).__name__ in ("DistributedDataParallel", "FullyShardedDataParallel", "DataParallel"):
+            inner = m.module
+        if inner is None or inner is m or inner in chain:
+            return chain
+        chain.append(inner)
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    return module_chain(module)[-1]
+
+
+def _opaque_functions(module: nn.Module):
+    """(call, forward): the opaque stand-ins for ``module._compiled_call_impl`` and ``module.forward``.
+
+    Dynamo reaches a module either through ``__call__`` (which reads ``_compiled_call_impl``, the
+    path with hooks) or, when the module has no hooks, straight through ``forward``; both slots are
+    patched so both paths end in one opaque node. At run time they call the real implementation.
+    """
+    fns = _OPAQUE.get(module)
+    if fns is None:
+        original_call = module.__dict__.get("_compiled_call_impl") or module._call_impl
+        original_forward = module.forward
+
+        def jaggc_opaque_dit_call(*args, **kwargs):
+            return original_call(*args, **kwargs)
+
+        def jaggc_opaque_dit_forward(*args, **kwargs):
+            return original_forward(*args, **kwargs)
+
+        fns = (_compat.nonstrict_trace(jaggc_opaque_dit_call), _compat.nonstrict_trace(jaggc_opaque_dit_forward))
+        _OPAQUE[module] = fns
+    return fns
+
+
+def module_of_opaque(fn) -> nn.Module | None:
+    for module, fns in _OPAQUE.items():
+        if fn in fns:
+            return module
+    return None
+
+
+_SLOTS = ("_compiled_call_impl", "forward")
+
+
+@contextlib.contextmanager
+def opaque_modules(modules: Iterable[nn.Module]):
+    """Install the opaque call slots on ``modules`` (and their wrapped modules) for the duration."""
+    saved = []
+    seen = set()
+    for top in modules:
+        for m in module_chain(top):
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            for slot, fn in zip(_SLOTS, _opaque_functions(m)):
+                saved.append((m, slot, m.__dict__.get(slot, _MISSING)))
+                m.__dict__[slot] = fn
+    try:
+        yield
+    finally:
+        for m, slot, old in reversed(saved):
+            if old is _MISSING:
+                m.__dict__.pop(slot, None)
+            else:
+                m.__dict__[slot] = old
+
+
+def canonicalize_dynamo_calls(gm: fx.GraphModule) -> fx.GraphModule:
+    """Replace each opaque DiT ``flat_apply`` node with ``dit_call`` + ``flatten_output``.
+
+    Invariant after: no flat_apply node of a jaggc-opaque module remains; every DiT call is a
+    ``dit_call`` node whose first argument is a ``get_attr`` of the called module.
+    """
+    graph = gm.graph
+    names: dict[int, str] = {}
+    for node in list(graph.nodes):
+        if not _compat.is_flat_apply_node(node):
+            continue
+        module = module_of_opaque(_compat.flat_apply_function(gm, node))
+        if module is None:
+            continue
+        if id(module) not in names:
+            names[id(module)] = f"jagg_dit_{len(names)}" if names else "jagg_dit"
+            gm.add_submodule(names[id(module)], module)
+        args, kwargs = _compat.flat_apply_inputs(gm, node)
+        with graph.inserting_before(node):
+            dit = graph.get_attr(names[id(module)])
+            call = graph.call_function(dit_call, (dit, tuple(args), dict(kwargs)))
+            call.meta.update({k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")})
+            flat = graph.call_function(flatten_output, (call,))
+        node.replace_all_uses_with(flat)
+        spec_node, callable_node = node.args[1], node.args[0]
+        graph.erase_node(node)
+        for attr_node in (spec_node, callable_node):
+            if isinstance(attr_node, fx.Node) and not attr_node.users:
+                graph.erase_node(attr_node)
+    graph.lint()
+    gm.recompile()
+    return gm

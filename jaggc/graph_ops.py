@@ -1,0 +1,64 @@
+"""The node targets of jaggc's graphs: module-level functions that call into the runtime.
+
+Every captured DiT call becomes ``dit_call(dit, args, kwargs)`` (the canonical form both
+frontends produce), and every rewritten window one ``jagg_window(dit, calls, ...)`` node whose
+output tuple is read by one ``getitem`` per step. They are ``torch.fx.wrap``ped so that an FX
+retrace keeps them opaque, and module-level so that generated code can name them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.fx
+
+from ._compat import tree_flatten
+from .runtime.calls import DitCall, per_sample_time, resolve_time_arg
+from .runtime.window import WindowOptions, run_exact, run_window
+
+
+@torch.fx.wrap
+def dit_call(dit, args: tuple, kwargs: dict, step: int | None = None, options: WindowOptions | None = None) -> Any:
+    """One DiT call that was not rewritten (exact, or a no-grad reference call)."""
+    call = DitCall(tuple(args), dict(kwargs))
+    if step is None:
+        return call(dit)
+    return run_exact(dit, [call], steps=[step], options=options or WindowOptions())[0]
+
+
+@dataclass
+class WindowPlan:
+    """What a ``jagg_window`` node runs (held by the GraphModule, read through ``get_attr``).
+
+    ``observed_times`` keeps the first sample's timesteps of the latest execution, for reports.
+    """
+
+    index: int
+    steps: tuple[int, ...]
+    options: WindowOptions
+    observed_times: list[float] = field(default_factory=list)
+
+
+@torch.fx.wrap
+def jagg_window(dit, calls: tuple, plan: WindowPlan) -> tuple:
+    """The W outputs of one window (values exact, backward JAGG); ``calls`` = ((args, kwargs), ...)."""
+    dit_calls = [DitCall(tuple(a), dict(k)) for a, k in calls]
+    if not plan.observed_times:
+        plan.observed_times = observed_times(dit_calls, plan.options.time_arg)
+    return tuple(run_window(dit, dit_calls, steps=list(plan.steps), options=plan.options))
+
+
+def observed_times(calls, time_arg) -> list[float]:
+    """The first sample's timestep of each call (one host sync; only on a plan's first run)."""
+    arg = resolve_time_arg(calls[0], time_arg)
+    try:
+        return [float(per_sample_time(c, arg)[0]) for c in calls]
+    except Exception:  # reporting must never break a training step
+        return []
+
+
+@torch.fx.wrap
+def flatten_output(output: Any) -> tuple:
+    """The flat output leaves a Dynamo graph expects from an opaque call."""
+    return tuple(tree_flatten(output)[0])

@@ -1,0 +1,147 @@
+"""The inspection report of a compiled loss: stages, diffs, the window table, graph exports."""
+
+from __future__ import annotations
+
+import difflib
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+from torch import fx
+
+
+@dataclass
+class WindowRow:
+    window: int
+    steps: list[int]
+    mode: str
+    knots: list[int]
+    basis: str
+    timesteps: list[float]
+    backward_before: int   # DiT backward passes of the uncompiled loss (one per step)
+    backward_after: int    # after the rewrite (one joint pass per JAGG window)
+
+    def roles(self) -> str:
+        if self.mode != "jagg":
+            return "exact per step"
+        return " ".join("K" if i in self.knots else "i" for i in range(len(self.steps)))
+
+
+@dataclass
+class Report:
+    path: str                              # "dynamo", "fx", "intercept" or "uncompiled"
+    stages: list = field(default_factory=list)
+    windows: list[WindowRow] = field(default_factory=list)
+    graph_module: fx.GraphModule | None = None
+    traces: int = 0
+    notes: list[str] = field(default_factory=list)
+    reference_calls: int = 0
+
+    # --- stages -----------------------------------------------------------------------------
+    def stage(self, name: str) -> str:
+        for s in self.stages:
+            if s.name == name or s.name.startswith(name):
+                return s.code
+        raise KeyError(f"no stage {name!r}; stages: {[s.name for s in self.stages]}")
+
+    def diff(self, a: str | None = None, b: str | None = None) -> str:
+        """Unified diff between two stages (default: first capture vs final graph)."""
+        a = a or self.stages[0].name
+        b = b or self.stages[-1].name
+        return "".join(difflib.unified_diff(self.stage(a).splitlines(True), self.stage(b).splitlines(True),
+                                            fromfile=a, tofile=b))
+
+    # --- table ------------------------------------------------------------------------------
+    @property
+    def backward_before(self) -> int:
+        return sum(w.backward_before for w in self.windows)
+
+    @property
+    def backward_after(self) -> int:
+        return sum(w.backward_after for w in self.windows)
+
+    def table(self) -> str:
+        head = ["window", "steps", "mode", "roles", "weights", "timesteps", "DiT bwd before->after"]
+        rows = []
+        for w in self.windows:
+            ts = ", ".join(f"{t:.4g}" for t in w.timesteps) if w.timesteps else "(not run yet)"
+            rows.append([str(w.window), f"{w.steps[0]}-{w.steps[-1]}", w.mode, w.roles(), w.basis or "-", ts,
+                         f"{w.backward_before} -> {w.backward_after}"])
+        rows.append(["total", "", "", "", "", "", f"{self.backward_before} -> {self.backward_after}"])
+        widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
+        fmt = lambda r: "  ".join(c.ljust(wd) for c, wd in zip(r, widths)).rstrip()
+        lines = [fmt(head), fmt(["-" * wd for wd in widths])] + [fmt(r) for r in rows]
+        return "\n".join(lines)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "path": self.path, "traces": self.traces, "windows": len(self.windows),
+            "backward_before": self.backward_before, "backward_after": self.backward_after,
+            "reference_calls": self.reference_calls, "notes": list(self.notes),
+        }
+
+    def __str__(self) -> str:
+        lines = [f"jaggc report: capture path = {self.path}, traces = {self.traces}"]
+        lines += [f"note: {n}" for n in self.notes]
+        if self.windows:
+            lines.append(self.table())
+        return "\n".join(lines)
+
+    # --- graph exports ----------------------------------------------------------------------
+    def to_networkx(self) -> nx.DiGraph:
+        g = nx.DiGraph()
+        if self.graph_module is None:
+            return g
+        for node in self.graph_module.graph.nodes:
+            site = node.meta.get("jagg_call")
+            g.add_node(node.name, op=node.op, target=_target_name(node), window=node.meta.get("jagg_window"),
+                       role=getattr(site, "role", None), step=getattr(site, "step", None))
+            for inp in node.all_input_nodes:
+                g.add_edge(inp.name, node.name)
+        return g
+
+    def to_dot(self) -> str:
+        """Graphviz DOT text with one cluster per window (no Graphviz needed to produce it)."""
+        g = self.to_networkx()
+        lines = ["digraph jagg {", "  rankdir=TB;", '  node [shape=box, fontname="monospace", fontsize=10];']
+        by_window: dict[Any, list[str]] = {}
+        for name, data in g.nodes(data=True):
+            by_window.setdefault(data.get("window"), []).append(name)
+        for w, names in by_window.items():
+            indent = "  "
+            if w is not None:
+                lines.append(f"  subgraph cluster_window_{w} {{")
+                lines.append(f'    label="window {w}"; style=rounded; color=blue;')
+                indent = "    "
+            for name in names:
+                data = g.nodes[name]
+                label = f"{name}\\n{data['target']}"
+                style = ', style=filled, fillcolor="#cfe2ff"' if data.get("window") is not None else ""
+                lines.append(f'{indent}"{name}" [label="{label}"{style}];')
+            if w is not None:
+                lines.append("  }")
+        for a, b in g.edges():
+            lines.append(f'  "{a}" -> "{b}";')
+        lines.append("}")
+        return "\n".join(lines) + "\n"
+
+    def render(self, path: str) -> str:
+        """Write the graph as SVG (needs Graphviz's ``dot``) or, without it, as DOT text."""
+        dot_text = self.to_dot()
+        exe = shutil.which("dot")
+        if exe is None or not str(path).endswith(".svg"):
+            out = str(path) if not str(path).endswith(".svg") else str(path)[:-4] + ".dot"
+            with open(out, "w") as f:
+                f.write(dot_text)
+            return out
+        subprocess.run([exe, "-Tsvg", "-o", str(path)], input=dot_text.encode(), check=True)
+        return str(path)
+
+
+def _target_name(node: fx.Node) -> str:
+    t = node.target
+    if isinstance(t, str):
+        return t
+    return getattr(t, "__name__", str(t))

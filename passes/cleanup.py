@@ -1,0 +1,26 @@
+"""cleanup: drop dead pure nodes, lint and recompile.
+
+DiT calls and window nodes are kept even when unused: they run module hooks (DDP's forward
+bookkeeping, buffer broadcasts) that the user's uncompiled loss would run too.
+
+Invariant after: the graph lints, and every node is used or has an effect.
+"""
+
+from __future__ import annotations
+
+from torch import fx
+
+from jaggc.graph_ops import dit_call, jagg_window
+
+from .context import PassContext
+
+
+def _is_impure(node: fx.Node) -> bool:
+    return node.is_impure() or (node.op == "call_function" and node.target in (dit_call, jagg_window))
+
+
+def cleanup(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    gm.graph.eliminate_dead_code(is_impure_node=_is_impure)
+    gm.graph.lint()
+    gm.recompile()
+    return gm

@@ -1,0 +1,63 @@
+"""The facts passes share: the compile configuration and what each analysis found.
+
+Analyses store per-node facts in ``node.meta`` (``jagg_call`` on DiT calls, ``jagg_grad`` on every
+node) and per-graph facts (the windows) here; a pass never recomputes what an earlier one stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import fx, nn
+
+from jaggc.runtime.window import WindowOptions
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    window: int = 4
+    weights: str = "t"
+    jagg_frac: float = 1.0
+    time_arg: str | int | None = None
+    options: WindowOptions = WindowOptions()
+
+
+@dataclass
+class CallSite:
+    """A DiT call found in the graph (``node.meta["jagg_call"]``)."""
+
+    index: int                 # order among all DiT calls
+    module: str                # get_attr target of the called module
+    grad_enabled: bool
+    step: int | None = None    # order among the grad-enabled calls of the trained DiT
+    window: int | None = None
+    role: str | None = None    # "knot", "interior", "exact", "reference"
+    source: str = ""           # file:line of the call in the user's code
+
+
+@dataclass
+class Window:
+    index: int
+    nodes: list[fx.Node]
+    steps: list[int]
+    mode: str                  # "jagg" or "exact"
+    knots: tuple[int, ...] = ()
+    basis: str = ""
+    time_arg: str | int | None = None
+    node: fx.Node | None = None    # the runtime node after rewrite_windows
+    plan: object = None
+
+
+@dataclass
+class PassContext:
+    config: CompileConfig
+    dit: nn.Module | None = None
+    frontend: str = ""
+    windows: list[Window] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def dit_calls(self, gm: fx.GraphModule) -> list[fx.Node]:
+        return [n for n in gm.graph.nodes if "jagg_call" in n.meta]
+
+    def trained_calls(self, gm: fx.GraphModule) -> list[fx.Node]:
+        return [n for n in self.dit_calls(gm) if n.meta["jagg_call"].step is not None]

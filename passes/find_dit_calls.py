@@ -1,0 +1,73 @@
+"""find_dit_calls: tag every DiT call with a CallSite and every node with its grad mode.
+
+Invariant after: each ``dit_call`` node has ``meta["jagg_call"]``; calls of the trained DiT made
+with grad enabled carry consecutive ``step`` numbers in graph order; every node has
+``meta["jagg_grad"]`` (the grad mode it runs under, from Dynamo's ``_set_grad_enabled`` nodes).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import torch
+from torch import fx
+
+from jaggc.errors import JaggGraphError
+from jaggc.frontends.dynamo import unwrap
+from jaggc.graph_ops import dit_call
+
+from .context import CallSite, PassContext
+
+
+def source_of(node: fx.Node) -> str:
+    """``file:line`` of the user code that made this node (from the Dynamo/FX stack trace)."""
+    trace = node.meta.get("stack_trace") or ""
+    found = re.findall(r'File "([^"]+)", line (\d+)', trace)
+    return f"{found[-1][0]}:{found[-1][1]}" if found else ""
+
+
+def tag_grad_mode(gm: fx.GraphModule) -> None:
+    enabled = True
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+            enabled = bool(node.args[0])
+        node.meta["jagg_grad"] = enabled
+
+
+def find_dit_calls(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    tag_grad_mode(gm)
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is dit_call]
+    if not calls:
+        seen = sorted({type(m).__name__ for name, m in gm.named_children()})
+        raise JaggGraphError(
+            f"no DiT call found in the loss (modules called: {seen or 'none'}). Call the DiT as a module, "
+            f"`dit(...)`, and pass it as an argument or with jagg_compile(dit=model)")
+
+    def module_of(node):
+        return unwrap(gm.get_submodule(node.args[0].target))
+
+    if ctx.dit is None:
+        counts = Counter(id(module_of(n)) for n in calls if n.meta["jagg_grad"])
+        if not counts:
+            raise JaggGraphError("the loss calls its modules only without grad; there is no DiT backward to rewrite")
+        target_id = counts.most_common(1)[0][0]
+        ctx.dit = next(module_of(n) for n in calls if id(module_of(n)) == target_id)
+    dit = unwrap(ctx.dit)
+    step = 0
+    for index, node in enumerate(calls):
+        is_dit = module_of(node) is dit
+        grad = node.meta["jagg_grad"]
+        site = CallSite(index=index, module=node.args[0].target, grad_enabled=grad, source=source_of(node))
+        if is_dit and grad:
+            site.step = step
+            step += 1
+        elif is_dit:
+            site.role = "reference"
+        else:
+            site.role = "other"
+        node.meta["jagg_call"] = site
+    if step == 0:
+        raise JaggGraphError(
+            f"the DiT ({type(dit).__name__}) is only called without grad; there is nothing to train")
+    return gm

@@ -1,0 +1,48 @@
+"""compute_weights: fix each JAGG window's knots, basis and timestep argument.
+
+The weights themselves depend on the timestep values, which are data: the runtime computes
+Φ from them at every call. This pass fixes everything static: where the timestep is read from
+(``time_arg``: the keyword ``timestep`` if the calls pass it, else position 1), the basis, and
+which window positions are knots.
+
+Invariant after: every JAGG window has ``knots``, ``basis`` and ``time_arg``, its knot calls have
+role "knot", and every call of the window passes the timestep argument.
+"""
+
+from __future__ import annotations
+
+from torch import fx
+
+from jaggc.errors import JaggInputError
+from jaggc.runtime.weights import resolve_basis
+
+from .context import PassContext
+
+
+def resolve_time_arg(node: fx.Node, time_arg):
+    _, args, kwargs = node.args[:3]
+    if time_arg is None:
+        time_arg = "timestep" if "timestep" in kwargs else 1
+    present = time_arg in kwargs if isinstance(time_arg, str) else time_arg < len(args)
+    if not present:
+        site = node.meta["jagg_call"]
+        raise JaggInputError(
+            f"step {site.step} (node {node.name}, {site.source}): the DiT call has no timestep argument "
+            f"{time_arg!r}; pass jagg_compile(time_arg=<keyword name or position of the timestep>)")
+    return time_arg
+
+
+def compute_weights(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    basis = resolve_basis(ctx.config.weights)
+    for w in ctx.windows:
+        if w.mode != "jagg":
+            continue
+        w.time_arg = resolve_time_arg(w.nodes[0], ctx.config.time_arg)
+        for node in w.nodes[1:]:
+            if resolve_time_arg(node, w.time_arg) != w.time_arg:
+                raise JaggInputError(f"node {node.name}: timestep argument differs within window {w.index}")
+        w.knots = basis.knot_positions(len(w.nodes))
+        w.basis = f"{basis.kind}/{basis.by}"
+        for pos in w.knots:
+            w.nodes[pos].meta["jagg_call"].role = "knot"
+    return gm

@@ -1,0 +1,69 @@
+"""assign_windows: group consecutive trained DiT calls into windows of ``config.window`` steps.
+
+A window holds consecutive trained calls of the same module with the same static argument
+structure (same keywords, same constants), so their inputs can be batch-concatenated. A call
+that breaks the structure starts a new run; each run is cut into windows of ``window`` steps and
+a shorter tail becomes a window of its own length (exact when it has <= 2 steps, since then every
+step is a knot). ``jagg_frac`` = 1 sends every window to JAGG and 0 none (per-window routing by a
+score is not implemented yet: other values are refused).
+
+Invariant after: every trained call belongs to exactly one window, windows are ordered by step,
+and each call's CallSite has its window index and role ("knot", "interior" or "exact").
+"""
+
+from __future__ import annotations
+
+from torch import fx
+
+from jaggc._compat import tree_flatten
+from jaggc.errors import JaggInputError, JaggUnsupportedError
+from jaggc.runtime.window import partition
+
+from .context import PassContext, Window
+
+
+def static_signature(node: fx.Node):
+    """The call's structure with graph values erased: calls with equal signatures can be batched."""
+    _, args, kwargs = node.args[:3]
+    leaves, spec = tree_flatten((args, kwargs))
+    return node.args[0].target, spec, tuple("<node>" if isinstance(x, fx.Node) else repr(x) for x in leaves)
+
+
+def batch_compatible_runs(calls: list[fx.Node]) -> list[list[fx.Node]]:
+    runs: list[list[fx.Node]] = []
+    for node in calls:
+        if runs and static_signature(runs[-1][-1]) == static_signature(node):
+            runs[-1].append(node)
+        else:
+            runs.append([node])
+    return runs
+
+
+def assign_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    cfg = ctx.config
+    if not isinstance(cfg.window, int) or cfg.window < 2:
+        raise JaggInputError(f"window={cfg.window!r}: a JAGG window needs an int of at least 2 steps")
+    if cfg.jagg_frac not in (0.0, 1.0):
+        raise JaggUnsupportedError(
+            f"jagg_frac={cfg.jagg_frac}: per-window routing is not implemented yet; use 1.0 (all windows "
+            f"JAGG) or 0.0 (all exact)")
+    trained = ctx.trained_calls(gm)
+    if cfg.window > len(trained):
+        raise JaggInputError(
+            f"window={cfg.window} is larger than the {len(trained)} grad-enabled DiT calls in the loss; "
+            f"use window <= {len(trained)}")
+    ctx.windows = []
+    for run in batch_compatible_runs(trained):
+        for idx in partition(len(run), cfg.window):
+            nodes = [run[i] for i in idx]
+            mode = "jagg" if cfg.jagg_frac == 1.0 and len(nodes) > 2 else "exact"
+            w = Window(index=len(ctx.windows), nodes=nodes, mode=mode,
+                       steps=[n.meta["jagg_call"].step for n in nodes])
+            ctx.windows.append(w)
+            for n in nodes:
+                site = n.meta["jagg_call"]
+                site.window = w.index
+                site.role = "exact" if mode == "exact" else "interior"
+    if len(ctx.windows) > len(partition(len(trained), cfg.window)):
+        ctx.notes.append("some DiT calls differ in argument structure; windows were cut at those calls")
+    return gm

@@ -1,0 +1,26 @@
+"""Shared pytest configuration for the jaggc test suite.
+
+Hypothesis profiles
+-------------------
+* ``ci`` (default): 15 derandomized examples per property, no deadline. Fast and reproducible:
+  every run explores the same examples, so a failure in CI reproduces locally.
+* ``thorough``: 300 random examples per property, no deadline. Select it with the environment
+  variable ``JAGGC_HYPOTHESIS_PROFILE=thorough``, e.g.
+
+      JAGGC_HYPOTHESIS_PROFILE=thorough pytest -q tests/test_runtime_exact.py
+
+Reusable numeric helpers (flattened gradients, relative error, cosine) live in ``tests/helpers.py``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci", max_examples=15, deadline=None, derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("thorough", max_examples=300, deadline=None)
+settings.load_profile(os.environ.get("JAGGC_HYPOTHESIS_PROFILE", "ci"))

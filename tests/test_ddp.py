@@ -1,0 +1,266 @@
+"""JAGG windows under DistributedDataParallel (2 processes, gloo, CPU).
+
+Each rank holds half of a global batch of GLOBAL_B samples and runs its windows through the DDP
+module (``ddp(...)``), then ONE ``loss.backward()`` over its summed loss. DDP averages gradients
+over ranks, so with the GRPO normalisation "mean over the global batch" the per-rank loss is
+
+    L_r = world_size / GLOBAL_B * Σ_{samples of r} Σ_k <v_k, g_k>,
+
+and avg_r ∇L_r = 1/GLOBAL_B * Σ_{all samples} Σ_k J_kᵀ g_k (JAGG-aggregated): the single-process
+JAGG gradient of the full batch with loss L = 1/GLOBAL_B * Σ_{all samples} Σ_k <v_k, g_k>.
+(Samples are independent in a DiT and the JAGG weights are per sample, so the JAGG gradient of a
+batch is the sum of its samples' JAGG gradients.)
+
+Negative controls document the silent-desync traps of spec §4: running the window through
+``ddp.module`` (no DDP forward, hence no all-reduce) and two separate ``backward()`` calls after two
+DDP forwards both finish without error and leave wrong, rank-dependent gradients.
+
+The ranks are plain subprocesses running this file (``__main__`` below), so the test does not
+depend on pytest's import mode; they write their gradients to a temporary folder.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+WORLD = 2
+GLOBAL_B = 4
+T = 7  # steps 0..3 are a W=4 window, 4..6 a W=3 window
+START = 3
+OFFSETS = (0, 1, 0, 2)  # per-sample schedule offset: per-sample timesteps, hence per-sample α
+SCENARIOS = ("w4", "w3", "traj", "nosync", "two_backward")
+TIMEOUT_S = 240
+
+
+# --------------------------------------------------------------------------- shared inputs
+
+
+def _sigmas() -> torch.Tensor:
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    sched = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    sched.set_timesteps(16)
+    return sched.sigmas.to(torch.float32)
+
+
+def global_inputs(model):
+    """T DiT calls on stored states of the full global batch, and the upstream signals g_k."""
+    from jaggc import models
+    from jaggc.runtime import DitCall
+
+    sigmas = _sigmas()
+    cond = models.sd3_conditioning(model, GLOBAL_B, seed=1).kwargs
+    shape = models.sd3_latent_shape(model, GLOBAL_B)
+    g = torch.Generator().manual_seed(2)
+    calls = []
+    for k in range(T):
+        t = torch.stack([sigmas[START + off + k] for off in OFFSETS]) * 1000.0
+        calls.append(DitCall((), dict(hidden_states=torch.randn(shape, generator=g), timestep=t,
+                                      return_dict=False, **cond)))
+    gs = [torch.randn(shape, generator=g) for _ in range(T)]
+    return calls, gs
+
+
+def shard(calls, gs, rank: int, world: int):
+    """The rank's contiguous half of every batched input (conditioning included)."""
+    from jaggc.runtime import DitCall
+
+    per = GLOBAL_B // world
+    sl = slice(rank * per, (rank + 1) * per)
+
+    def cut(v):
+        return v[sl] if isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == GLOBAL_B else v
+
+    return ([DitCall(c.args, {k: cut(v) for k, v in c.kwargs.items()}) for c in calls],
+            [g[sl] for g in gs])
+
+
+def loss_of(outs, gs, world: int) -> torch.Tensor:
+    """world/GLOBAL_B * Σ <v_k, g_k>: DDP's average over ranks gives the global-batch mean."""
+    return sum((o[0] * g).sum() for o, g in zip(outs, gs)) * (world / GLOBAL_B)
+
+
+def grads_of(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def window_slices():
+    return {"w4": slice(0, 4), "w3": slice(4, 7)}
+
+
+# --------------------------------------------------------------------------- rank process
+
+
+def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from jaggc import models
+    from jaggc.runtime import count_dit_passes, jagg_calls, run_window
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        model = models.sd3(seed=0)
+        ddp = DDP(model)
+        calls, gs = shard(*global_inputs(model), rank, world)
+        results: dict = {}
+
+        for name, sl in window_slices().items():
+            ddp.zero_grad(set_to_none=True)
+            with count_dit_passes(ddp) as counts:
+                outs = run_window(ddp, calls[sl])
+                loss_of(outs, gs[sl], world).backward()
+            results[name] = grads_of(model)
+            results[name + "_counts"] = (counts.grad_forward_batches, counts.nograd_forward_batches,
+                                         counts.backward_batches)
+
+        # a whole trajectory: two windows (W=4 and W=3), two knot forwards through DDP, ONE backward
+        ddp.zero_grad(set_to_none=True)
+        outs = jagg_calls(ddp, calls, window=4)
+        loss_of(outs, gs, world).backward()
+        results["traj"] = grads_of(model)
+
+        # negative control 1: the window bypasses DDP's forward, so nothing is all-reduced
+        ddp.zero_grad(set_to_none=True)
+        sl = window_slices()["w4"]
+        outs = run_window(ddp.module, calls[sl])
+        loss_of(outs, gs[sl], world).backward()
+        results["nosync"] = grads_of(model)
+
+        # negative control 2 (spec §4): two DDP forwards, then two separate backward calls
+        ddp.zero_grad(set_to_none=True)
+        losses = []
+        for sl in window_slices().values():
+            losses.append(loss_of(run_window(ddp, calls[sl]), gs[sl], world))
+        for loss in losses:
+            loss.backward()
+        results["two_backward"] = grads_of(model)
+
+        dist.barrier()
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- test side
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def rank_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    last_err = ""
+    for _attempt in range(2):  # a second try only if the free port was taken in between
+        port = _free_port()
+        procs = [subprocess.Popen([sys.executable, __file__, str(r), str(WORLD), str(port), str(out)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+                 for r in range(WORLD)]
+        logs = []
+        try:
+            for p in procs:
+                logs.append(p.communicate(timeout=TIMEOUT_S)[0])
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+                p.communicate()
+            pytest.fail(f"DDP ranks did not finish within {TIMEOUT_S}s")
+        if all(p.returncode == 0 for p in procs):
+            return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+        last_err = "\n".join(f"--- rank {r} (rc {p.returncode}):\n{log[-4000:]}"
+                             for r, (p, log) in enumerate(zip(procs, logs)))
+        if "address already in use" not in last_err.lower():
+            break
+    pytest.fail(f"DDP ranks failed:\n{last_err}")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Single-process JAGG gradients on the full global batch (same model, same inputs)."""
+    from jaggc import models
+    from jaggc.runtime import jagg_calls, run_window
+
+    model = models.sd3(seed=0)
+    calls, gs = global_inputs(model)
+    ref = {}
+    for name, sl in window_slices().items():
+        model.zero_grad(set_to_none=True)
+        loss_of(run_window(model, calls[sl]), gs[sl], 1).backward()
+        ref[name] = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    loss_of(jagg_calls(model, calls, window=4), gs, 1).backward()
+    ref["traj"] = grads_of(model)
+    # the sum of both windows' gradients: what two correctly synced backward calls would give
+    ref["w4+w3"] = {n: ref["w4"][n] + ref["w3"][n] for n in ref["w4"]}
+    return ref
+
+
+def _flat(grads: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([g.reshape(-1).double() for _, g in sorted(grads.items())])
+
+
+def rel_err(a: dict, b: dict) -> float:
+    assert set(a) == set(b), sorted(set(a) ^ set(b))
+    fa, fb = _flat(a), _flat(b)
+    return float((fa - fb).norm() / fb.norm())
+
+
+def assert_grads_match(got: dict, want: dict, tol: float = 1e-5):
+    assert rel_err(got, want) < tol, f"relative error {rel_err(got, want):.3g}"
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=tol, atol=tol * float(want[n].abs().max()) + 1e-12,
+                                   msg=n)
+
+
+@pytest.mark.parametrize("name", ["w4", "w3", "traj"])
+def test_ddp_jagg_gradient_equals_single_process(rank_results, reference, name):
+    for r, res in enumerate(rank_results):
+        assert_grads_match(res[name], reference[name])
+    # DDP left every rank with the same (all-reduced) gradient
+    for n in rank_results[0][name]:
+        torch.testing.assert_close(rank_results[0][name][n], rank_results[1][name][n], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name,W", [("w4", 4), ("w3", 3)])
+def test_ddp_one_joint_backward_per_window(rank_results, name, W):
+    b = GLOBAL_B // WORLD
+    for res in rank_results:
+        grad_fw, nograd_fw, bw = res[name + "_counts"]
+        assert grad_fw == [2 * b] and bw == [2 * b] and nograd_fw == [(W - 2) * b]
+
+
+def test_ddp_negative_control_module_bypass_desyncs(rank_results, reference):
+    """Calling ``ddp.module`` skips DDP's all-reduce: each rank keeps its own half-batch gradient,
+    silently. The ranks disagree and neither matches the global gradient; their mean does."""
+    r0, r1 = (res["nosync"] for res in rank_results)
+    assert rel_err(r0, reference["w4"]) > 0.05
+    assert rel_err(r1, reference["w4"]) > 0.05
+    assert rel_err(r0, r1) > 0.05
+    mean = {n: (r0[n] + r1[n]) / WORLD for n in r0}
+    assert_grads_match(mean, reference["w4"])
+
+
+def test_ddp_negative_control_two_backward_calls(rank_results, reference):
+    """Spec §4: two DDP forwards followed by two ``backward()`` calls runs without error but does
+    not give the synced sum of both windows' gradients (one backward over the summed loss does,
+    see test_ddp_jagg_gradient_equals_single_process[traj])."""
+    for res in rank_results:
+        assert rel_err(res["two_backward"], reference["w4+w3"]) > 1e-3
+    assert_grads_match(reference["traj"], reference["w4+w3"])
+
+
+if __name__ == "__main__":
+    run_rank(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
