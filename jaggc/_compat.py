@@ -56,10 +56,11 @@ def dynamo_reset():
     torch._dynamo.reset()
 
 
-def legalize_graph(gm):
-    from torch.fx.passes.tools_common import legalize_graph as _legalize
+def topological_sort(gm):
+    """Re-sort the graph so every node follows its inputs, moving as few nodes as possible."""
+    from torch.fx.passes.tools_common import stable_topological_sort
 
-    return _legalize(gm)
+    return stable_topological_sort(gm)
 
 
 def unwrap_backend_error(exc: BaseException) -> BaseException:

@@ -7,6 +7,7 @@ joint DiT backward per window instead of one per step. ``.report`` shows what wa
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 from typing import Any, Callable
 
@@ -147,8 +148,9 @@ class JaggCompiled:
             gm, report = self._rewrite(gm, "fx")
             entry = self._fx_cache[key] = (gm, report)
         gm, self._report = entry
-        flat = [x for x in _compat.tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
-        return gm(*flat)
+        bound = inspect.signature(self.fn).bind(*args, **kwargs)
+        bound.apply_defaults()
+        return gm(*bound.arguments.values())
 
     # --- shared ---------------------------------------------------------------------------------
     def _rewrite(self, gm: fx.GraphModule, frontend: str):

@@ -46,14 +46,14 @@ def check_independence(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     later = {n.name: n for n in trained}
     for node in trained:
         reach = nx.descendants(flow, node.name)
-        for name in reach:
-            if name in later and name != node.name:
-                dst = later[name]
-                path = nx.shortest_path(flow, node.name, name)
-                a, b = node.meta["jagg_call"], dst.meta["jagg_call"]
-                raise JaggGraphError(
-                    f"step {b.step} (node {dst.name}, {b.source}) takes an input that depends on the output of "
-                    f"step {a.step} (node {node.name}, {a.source}) through {' -> '.join(path)}. JAGG needs "
-                    f"stored trajectory states: `.detach()` the states (or compute them under torch.no_grad()) "
-                    f"so no gradient flows between DiT calls")
+        dependent = [later[name] for name in reach if name in later and name != node.name]
+        if dependent:
+            dst = min(dependent, key=lambda n: n.meta["jagg_call"].step)
+            path = nx.shortest_path(flow, node.name, dst.name)
+            a, b = node.meta["jagg_call"], dst.meta["jagg_call"]
+            raise JaggGraphError(
+                f"step {b.step} (node {dst.name}, {b.source or 'no source line'}) takes an input that depends on "
+                f"the output of step {a.step} (node {node.name}) through {' -> '.join(path)}. JAGG needs "
+                f"stored trajectory states: `.detach()` the states (or compute them under torch.no_grad()) "
+                f"so no gradient flows between DiT calls")
     return gm

@@ -55,5 +55,5 @@ def rewrite_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         for old in w.nodes:
             graph.erase_node(old)
         w.nodes = [u for u in window_node.users]
-    _compat.legalize_graph(gm)
+    _compat.topological_sort(gm)
     return gm

@@ -15,20 +15,26 @@ Negative controls document the silent-desync traps of spec §4: running the wind
 ``ddp.module`` (no DDP forward, hence no all-reduce) and two separate ``backward()`` calls after two
 DDP forwards both finish without error and leave wrong, rank-dependent gradients.
 
-The ranks are plain subprocesses running this file (``__main__`` below), so the test does not
-depend on pytest's import mode; they write their gradients to a temporary folder.
+The ranks are forked from the test process (which has torch and diffusers imported already: a cold
+``import diffusers`` costs 10-20 s per process on a 2-core machine); they write their gradients,
+or their traceback, to a temporary folder.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
-import subprocess
-import sys
+import traceback
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from jaggc import models
+from jaggc.runtime import DitCall, count_dit_passes, jagg_calls, run_window
 
 WORLD = 2
 GLOBAL_B = 4
@@ -52,9 +58,6 @@ def _sigmas() -> torch.Tensor:
 
 def global_inputs(model):
     """T DiT calls on stored states of the full global batch, and the upstream signals g_k."""
-    from jaggc import models
-    from jaggc.runtime import DitCall
-
     sigmas = _sigmas()
     cond = models.sd3_conditioning(model, GLOBAL_B, seed=1).kwargs
     shape = models.sd3_latent_shape(model, GLOBAL_B)
@@ -70,8 +73,6 @@ def global_inputs(model):
 
 def shard(calls, gs, rank: int, world: int):
     """The rank's contiguous half of every batched input (conditioning included)."""
-    from jaggc.runtime import DitCall
-
     per = GLOBAL_B // world
     sl = slice(rank * per, (rank + 1) * per)
 
@@ -99,12 +100,14 @@ def window_slices():
 
 
 def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
+    try:
+        _run_rank(rank, world, port, out_dir)
+    except BaseException:
+        (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
+        os._exit(1)
 
-    from jaggc import models
-    from jaggc.runtime import count_dit_passes, jagg_calls, run_window
 
+def _run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -161,38 +164,39 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def rank_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    last_err = ""
+    if "fork" not in multiprocessing.get_all_start_methods() or not dist.is_available():
+        pytest.skip("needs the fork start method and torch.distributed")
+    # build a model once here so the forked ranks inherit every lazily imported diffusers module
+    models.sd3(seed=0)
+    ctx = multiprocessing.get_context("fork")
+    errors = ""
     for _attempt in range(2):  # a second try only if the free port was taken in between
+        out = tmp_path_factory.mktemp("ddp")
         port = _free_port()
-        procs = [subprocess.Popen([sys.executable, __file__, str(r), str(WORLD), str(port), str(out)],
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
-                 for r in range(WORLD)]
-        logs = []
-        try:
-            for p in procs:
-                logs.append(p.communicate(timeout=TIMEOUT_S)[0])
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-                p.communicate()
+        procs = [ctx.Process(target=run_rank, args=(r, WORLD, port, str(out))) for r in range(WORLD)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(TIMEOUT_S)
+        hung = [p for p in procs if p.is_alive()]
+        for p in hung:
+            p.kill()
+            p.join()
+        if hung:
             pytest.fail(f"DDP ranks did not finish within {TIMEOUT_S}s")
-        if all(p.returncode == 0 for p in procs):
+        if all(p.exitcode == 0 for p in procs):
             return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
-        last_err = "\n".join(f"--- rank {r} (rc {p.returncode}):\n{log[-4000:]}"
-                             for r, (p, log) in enumerate(zip(procs, logs)))
-        if "address already in use" not in last_err.lower():
+        errors = "\n".join(f"--- rank {r} (exit code {p.exitcode}):\n"
+                           + ((out / f"rank{r}.err").read_text() if (out / f"rank{r}.err").exists() else "")
+                           for r, p in enumerate(procs))
+        if "address already in use" not in errors.lower():
             break
-    pytest.fail(f"DDP ranks failed:\n{last_err}")
+    pytest.fail(f"DDP ranks failed:\n{errors}")
 
 
 @pytest.fixture(scope="module")
 def reference():
     """Single-process JAGG gradients on the full global batch (same model, same inputs)."""
-    from jaggc import models
-    from jaggc.runtime import jagg_calls, run_window
-
     model = models.sd3(seed=0)
     calls, gs = global_inputs(model)
     ref = {}
@@ -261,6 +265,3 @@ def test_ddp_negative_control_two_backward_calls(rank_results, reference):
         assert rel_err(res["two_backward"], reference["w4+w3"]) > 1e-3
     assert_grads_match(reference["traj"], reference["w4+w3"])
 
-
-if __name__ == "__main__":
-    run_rank(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

@@ -13,6 +13,7 @@ import ast
 import contextlib
 import inspect
 import textwrap
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -118,7 +119,8 @@ class _RefuseFunctionApply:
     """FX runs ``Function.apply`` on proxies and loses the custom backward: refuse it."""
 
     def __enter__(self):
-        self.original = torch.autograd.Function.apply
+        # the raw classmethod object: restoring the bound method would break every Function
+        self.original = torch.autograd.Function.__dict__["apply"]
 
         def refuse(cls, *args, **kwargs):
             raise JaggUnsupportedError(
@@ -139,7 +141,9 @@ def capture_fx(fn: Callable, args: tuple, kwargs: dict, dits: list[nn.Module]) -
     tracer = DiTLeafTracer(dits)
     concrete = concrete_args_for(fn, args, kwargs)
     try:
-        with _refuse_direct_forward(dits), _RefuseFunctionApply():
+        with _refuse_direct_forward(dits), _RefuseFunctionApply(), warnings.catch_warnings():
+            # fx cannot add an assertion for a module-valued concrete argument; the cache key has its id
+            warnings.filterwarnings("ignore", message="Was not able to add assertion")
             graph = tracer.trace(fn, concrete_args=concrete)
     except JaggUnsupportedError:
         raise

@@ -148,6 +148,9 @@ def jagg_calls(dit: nn.Module, calls: Sequence[DitCall], *, window: int = 4,
     """
     if not calls:
         raise JaggInputError("no DiT calls to run: the trajectory is empty")
+    if window > len(calls):
+        raise JaggInputError(f"window={window} is larger than the {len(calls)} steps of the trajectory; "
+                             f"use window <= {len(calls)}")
     outs: list[Any] = []
     for w, idx in enumerate(partition(len(calls), window)):
         run = run_exact if w in exact_windows else run_window
