@@ -14,6 +14,7 @@ jaggc call the module is untouched.
 from __future__ import annotations
 
 import contextlib
+import re
 import weakref
 from typing import Iterable
 
@@ -21,6 +22,7 @@ import torch
 from torch import fx, nn
 
 from .. import _compat
+from ..errors import JaggGraphError
 from ..graph_ops import dit_call, flatten_output
 
 _OPAQUE: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
@@ -104,6 +106,32 @@ def opaque_modules(modules: Iterable[nn.Module]):
                 m.__dict__[slot] = old
 
 
+def _user_source(node: fx.Node) -> str:
+    found = re.findall(r'File "([^"]+)", line (\d+)', node.meta.get("stack_trace") or "")
+    return f"{found[-1][0]}:{found[-1][1]}" if found else "unknown source line"
+
+
+def check_called_as_module(node: fx.Node, module: nn.Module, fn) -> None:
+    """Refuse a DiT reached through ``module.forward(...)`` rather than ``module(...)``.
+
+    ``dit.forward(...)`` skips the module's hooks (DDP/FSDP gradient sync, peft), and the rewritten
+    graph would run ``dit(...)`` with its hooks: the compiled loss would not compute what the user
+    wrote. Dynamo records a call through ``Module.__call__`` in ``nn_module_stack`` under the key
+    ``str(id(module))`` (``"<id>@<n>"`` for later calls); a direct ``.forward`` call has no entry
+    for the module. The ``_compiled_call_impl`` stand-in is only reachable through ``__call__``.
+    """
+    call_fn, forward_fn = _opaque_functions(module)
+    if fn is call_fn:
+        return
+    stack = node.meta.get("nn_module_stack") or {}
+    if any(str(key).split("@")[0] == str(id(module)) for key in stack):
+        return
+    raise JaggGraphError(
+        f"{_user_source(node)}: the DiT ({type(module).__name__}) is called through `.forward(...)` "
+        f"(graph node {node.name}); `.forward` skips the module's hooks (DDP/FSDP gradient sync, peft) and "
+        f"jaggc would run it with them. Call the module itself: `dit(...)`")
+
+
 def canonicalize_dynamo_calls(gm: fx.GraphModule) -> fx.GraphModule:
     """Replace each opaque DiT ``flat_apply`` node with ``dit_call`` + ``flatten_output``.
 
@@ -115,9 +143,11 @@ def canonicalize_dynamo_calls(gm: fx.GraphModule) -> fx.GraphModule:
     for node in list(graph.nodes):
         if not _compat.is_flat_apply_node(node):
             continue
-        module = module_of_opaque(_compat.flat_apply_function(gm, node))
+        fn = _compat.flat_apply_function(gm, node)
+        module = module_of_opaque(fn)
         if module is None:
             continue
+        check_called_as_module(node, module, fn)
         if id(module) not in names:
             names[id(module)] = f"jagg_dit_{len(names)}" if names else "jagg_dit"
             gm.add_submodule(names[id(module)], module)

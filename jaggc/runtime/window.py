@@ -31,13 +31,14 @@ class WindowOptions:
     """How a window runs. ``weights``: "t", "index" or a Basis. ``interior_chunk``: at most this
     many interior steps per no-grad forward (None: all at once). ``batch_knots=False`` runs each
     knot as its own forward (lower peak memory, same FLOPs). ``unbatched``: names of tensor inputs
-    that are shared rather than batched even if their leading dim equals the batch."""
+    that are shared rather than batched even if their leading dim equals the batch (default: the
+    position ids of Flux/Qwen-Image transformers, which never carry a batch dimension)."""
 
     weights: str | Basis = "t"
     time_arg: str | int | None = None
     interior_chunk: int | None = None
     batch_knots: bool = True
-    unbatched: tuple[str, ...] = ()
+    unbatched: tuple[str, ...] = ("img_ids", "txt_ids")
     check_inputs: bool = True
 
     @property
