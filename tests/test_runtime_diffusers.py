@@ -24,7 +24,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 
 from jaggc import models
 from jaggc.runtime import DitCall, WindowOptions, count_dit_passes, run_exact, run_window
-from jaggc.runtime.aggregate import aggregate
+from jaggc.runtime.aggregate import aggregate_knots
 
 B = 2
 START = 3  # first step of the window in the 16-step schedule
@@ -422,7 +422,7 @@ def test_aggregate_accepts_bf16_upstream_grads():
     phi = torch.stack([1 - alpha, alpha], 1)  # (W, 2, B)
     knot_out = torch.randn(2 * B, D, dtype=torch.bfloat16, requires_grad=True)
     interior = [None, torch.randn(B, D, dtype=torch.bfloat16), torch.randn(B, D, dtype=torch.bfloat16), None]
-    outs = aggregate(phi, knot_out, (0, W - 1), interior)
+    outs = aggregate_knots(phi, knot_out, (0, W - 1), interior)
     gs = [torch.randn(B, D, dtype=torch.bfloat16) for _ in range(W)]
     torch.autograd.backward(outs, gs)
     assert knot_out.grad.dtype == torch.bfloat16

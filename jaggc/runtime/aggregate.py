@@ -50,7 +50,7 @@ class KnotAggregate(torch.autograd.Function):
         return (None, grad_knots, None) + (None,) * num_steps
 
 
-def aggregate(phi: torch.Tensor, knot_out: torch.Tensor, knot_steps: Sequence[int],
+def aggregate_knots(phi: torch.Tensor, knot_out: torch.Tensor, knot_steps: Sequence[int],
               step_outs: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
     """Step outputs whose backward is the knot aggregation (see module docstring)."""
     return list(KnotAggregate.apply(phi, knot_out, tuple(knot_steps), *step_outs))

@@ -19,7 +19,7 @@ from torch import nn
 
 from .._compat import tree_flatten, tree_unflatten
 from ..errors import JaggInputError
-from .aggregate import aggregate
+from .aggregate import aggregate_knots
 from .calls import (DitCall, batch_size, check_compatible, concat_calls, per_sample_time, resolve_time_arg,
                     split_output)
 from .checks import check_calls, check_times
@@ -124,7 +124,7 @@ def _assemble(phi, knot_out, knots, interior_out, num_steps, batch) -> list[Any]
                     f"the DiT returned a tensor of shape {tuple(leaf.shape)} for {len(knots)} knot steps of "
                     f"batch {batch}; jaggc needs the batch dimension first in every output tensor")
             step_leaves = [None if p in knots else interior_leaves[p][i] for p in range(num_steps)]
-            for p, v in enumerate(aggregate(phi.to(leaf.device), leaf, knots, step_leaves)):
+            for p, v in enumerate(aggregate_knots(phi.to(leaf.device), leaf, knots, step_leaves)):
                 per_step[p].append(v)
         else:
             knot_parts = split_output(leaf, len(knots), batch)
