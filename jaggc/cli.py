@@ -2,6 +2,7 @@
 
   jaggc example   the built-in example: one GRPO loss, exact vs JAGG, backward passes and agreement
   jaggc inspect   compile the built-in example losses and print/write what was rewritten
+  jaggc verify    the symbolic proof and the property checks of JAGG's exactness
 """
 
 from __future__ import annotations
@@ -104,10 +105,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="jaggc-inspect", help="folder for the DOT/SVG graphs and diffs")
     p.set_defaults(func=cmd_inspect)
+
+    sub.add_parser("verify", help="symbolic proof + property checks (jaggc verify --help)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["verify"]:  # the verifier owns its flags
+        from jaggc.verify.cli import main_verify
+
+        return main_verify(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -18,6 +18,7 @@ the claim's residual to (``0`` for an identity), ``ok`` whether that is what the
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import sympy as sp
@@ -275,6 +276,12 @@ def prove_index_vs_t() -> list[ProofLine]:
 # ----------------------------------------------------------------------------- entry points
 
 def prove_all() -> list[ProofLine]:
+    """Every proof line (computed once per process; the result is immutable)."""
+    return list(_prove_all())
+
+
+@functools.lru_cache(maxsize=1)
+def _prove_all() -> tuple[ProofLine, ...]:
     lines = [prove_aggregation_general_w()]
     lines += [prove_aggregation_scalar(W) for W in range(2, 9)]
     lines.append(prove_aggregation_matrix(3))
@@ -283,7 +290,7 @@ def prove_all() -> list[ProofLine]:
     lines += prove_off_chord_residual()
     lines += prove_h2_over_8()
     lines += prove_index_vs_t()
-    return lines
+    return tuple(lines)
 
 
 def transcript(lines: list[ProofLine] | None = None) -> str:

@@ -50,12 +50,34 @@ def unwrap(module: nn.Module) -> nn.Module:
     return module_chain(module)[-1]
 
 
-def _opaque_functions(module: nn.Module):
-    """(call, forward): the opaque stand-ins for ``module._compiled_call_impl`` and ``module.forward``.
+# nonstrict_trace accepts only graphable leaves (tensors, numbers, str, ...), and None is a leaf
+# that is not graphable; trainers pass ``joint_attention_kwargs=None``, ``guidance=None``. A top-level
+# None argument travels through the opaque call as this string and is turned back into None on
+# both sides (the fake-tensor run inside Dynamo, and the ``dit_call`` node). A None nested deeper
+# still fails the capture (a JaggUnsupportedError, never a silent change).
+_NONE = "<jaggc:None>"
 
-    Dynamo reaches a module either through ``__call__`` (which reads ``_compiled_call_impl``, the
-    path with hooks) or, when the module has no hooks, straight through ``forward``; both slots are
-    patched so both paths end in one opaque node. At run time they call the real implementation.
+
+def _encode_none(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return (tuple(_NONE if a is None else a for a in args),
+            {k: (_NONE if v is None else v) for k, v in kwargs.items()})
+
+
+def decode_none(args, kwargs) -> tuple[tuple, dict]:
+    return (tuple(None if isinstance(a, str) and a == _NONE else a for a in args),
+            {k: (None if isinstance(v, str) and v == _NONE else v) for k, v in kwargs.items()})
+
+
+def _opaque_functions(module: nn.Module):
+    """(call, forward, call_slot, forward_slot) for ``module``.
+
+    ``call``/``forward`` are the ``nonstrict_trace``d opaque functions (what a flat_apply node
+    names); ``call_slot``/``forward_slot`` are what is installed in ``module._compiled_call_impl``
+    and ``module.forward``: plain functions Dynamo inlines, which encode None arguments and call
+    the opaque ones. Dynamo reaches a module either through ``__call__`` (which reads
+    ``_compiled_call_impl``, the path with hooks) or, when the module has no hooks, straight
+    through ``forward``; both slots are patched so both paths end in one opaque node. At run time
+    they call the real implementation.
     """
     fns = _OPAQUE.get(module)
     if fns is None:
@@ -63,19 +85,32 @@ def _opaque_functions(module: nn.Module):
         original_forward = module.forward
 
         def jaggc_opaque_dit_call(*args, **kwargs):
+            args, kwargs = decode_none(args, kwargs)
             return original_call(*args, **kwargs)
 
         def jaggc_opaque_dit_forward(*args, **kwargs):
+            args, kwargs = decode_none(args, kwargs)
             return original_forward(*args, **kwargs)
 
-        fns = (_compat.nonstrict_trace(jaggc_opaque_dit_call), _compat.nonstrict_trace(jaggc_opaque_dit_forward))
+        opaque_call = _compat.nonstrict_trace(jaggc_opaque_dit_call)
+        opaque_forward = _compat.nonstrict_trace(jaggc_opaque_dit_forward)
+
+        def jaggc_dit_call_slot(*args, **kwargs):
+            args, kwargs = _encode_none(args, kwargs)
+            return opaque_call(*args, **kwargs)
+
+        def jaggc_dit_forward_slot(*args, **kwargs):
+            args, kwargs = _encode_none(args, kwargs)
+            return opaque_forward(*args, **kwargs)
+
+        fns = (opaque_call, opaque_forward, jaggc_dit_call_slot, jaggc_dit_forward_slot)
         _OPAQUE[module] = fns
     return fns
 
 
 def module_of_opaque(fn) -> nn.Module | None:
     for module, fns in _OPAQUE.items():
-        if fn in fns:
+        if fn in fns[:2]:
             return module
     return None
 
@@ -93,7 +128,7 @@ def opaque_modules(modules: Iterable[nn.Module]):
             if id(m) in seen:
                 continue
             seen.add(id(m))
-            for slot, fn in zip(_SLOTS, _opaque_functions(m)):
+            for slot, fn in zip(_SLOTS, _opaque_functions(m)[2:]):
                 saved.append((m, slot, m.__dict__.get(slot, _MISSING)))
                 m.__dict__[slot] = fn
     try:
@@ -120,7 +155,7 @@ def check_called_as_module(node: fx.Node, module: nn.Module, fn) -> None:
     ``str(id(module))`` (``"<id>@<n>"`` for later calls); a direct ``.forward`` call has no entry
     for the module. The ``_compiled_call_impl`` stand-in is only reachable through ``__call__``.
     """
-    call_fn, forward_fn = _opaque_functions(module)
+    call_fn = _opaque_functions(module)[0]
     if fn is call_fn:
         return
     stack = node.meta.get("nn_module_stack") or {}
@@ -151,7 +186,7 @@ def canonicalize_dynamo_calls(gm: fx.GraphModule) -> fx.GraphModule:
         if id(module) not in names:
             names[id(module)] = f"jagg_dit_{len(names)}" if names else "jagg_dit"
             gm.add_submodule(names[id(module)], module)
-        args, kwargs = _compat.flat_apply_inputs(gm, node)
+        args, kwargs = decode_none(*_compat.flat_apply_inputs(gm, node))
         with graph.inserting_before(node):
             dit = graph.get_attr(names[id(module)])
             call = graph.call_function(dit_call, (dit, tuple(args), dict(kwargs)))
