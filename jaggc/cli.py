@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 
 def _grads(model):
@@ -35,16 +34,14 @@ def cmd_example(args) -> int:
     def run(loss_fn):
         ex.model.zero_grad(set_to_none=True)
         with count_dit_passes(ex.model) as counts:
-            t0 = time.perf_counter()
             loss = loss_fn(ex.model, ex.batch)
             loss.backward()
-            elapsed = time.perf_counter() - t0
-        return loss.detach(), _grads(ex.model).clone(), counts, elapsed
+        return loss.detach(), _grads(ex.model).clone(), counts
 
-    loss_exact, g_exact, c_exact, t_exact = run(ex.loss_fn)
+    loss_exact, g_exact, c_exact = run(ex.loss_fn)
     compiled = jaggc.jagg_compile(ex.loss_fn, window=args.window, weights=args.weights)
     run(compiled)  # first call traces and rewrites
-    loss_jagg, g_jagg, c_jagg, t_jagg = run(compiled)
+    loss_jagg, g_jagg, c_jagg = run(compiled)
     cos = torch.nn.functional.cosine_similarity(g_jagg.double(), g_exact.double(), 0).item()
     rel = ((g_jagg - g_exact).norm() / g_exact.norm()).item()
     print(compiled.report)
@@ -53,8 +50,6 @@ def cmd_example(args) -> int:
           f"  ->  jagg {c_jagg.backwards} (samples {c_jagg.backward_samples})")
     print(f"  loss value:            exact {loss_exact.item():.6g}  jagg {loss_jagg.item():.6g}")
     print(f"  gradient agreement:    cosine {cos:.4f}, relative error {rel:.3g}")
-    print(f"  one step (this run):   exact {t_exact:.3f}s, jagg {t_jagg:.3f}s (single run; use `jaggc bench` "
-          f"for timing)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"example": ex.name, "window": args.window, "backward_passes": {
