@@ -76,6 +76,27 @@ def dynamo_unsupported_types() -> tuple[type, ...]:
                              getattr(exc, "TorchRuntimeError", None)) if t is not None)
 
 
+def recompile_limit_types() -> tuple[type, ...]:
+    import torch._dynamo.exc as exc
+
+    return tuple(t for t in (getattr(exc, "FailOnRecompileLimitHit", None),) if t is not None)
+
+
+def dynamo_user_location(exc: BaseException) -> str:
+    """Where Dynamo stopped, from its ``real_stack`` (outermost frame first): ``file:line`` of the
+    loss's own line, followed by ``(in file:line)`` of the innermost frame when the break is
+    inside a function it calls (a library, a helper); "" if unknown."""
+    frames = [f for f in (getattr(exc, "real_stack", None) or [])
+              if "/jaggc/" not in str(getattr(f, "filename", "")).replace("\\", "/")]
+    if not frames:
+        return ""
+    outer, inner = frames[0], frames[-1]
+    where = f"{outer.filename}:{outer.lineno}"
+    if (inner.filename, inner.lineno) != (outer.filename, outer.lineno):
+        where += f" (in {inner.filename}:{inner.lineno})"
+    return where
+
+
 def backend_failed_type() -> type:
     import torch._dynamo.exc as exc
 

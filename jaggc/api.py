@@ -106,11 +106,17 @@ class JaggCompiled:
 
     def _candidates(self, args, kwargs) -> list[nn.Module]:
         if self.dit is not None:
+            self._watched = [f"{type(self.dit).__name__} (jagg_compile(dit=...))"]
             return [self.dit]
         found = []
         for v in list(args) + list(kwargs.values()):
             if isinstance(v, nn.Module):
                 found.append(v)
+        try:
+            names = {id(v): k for k, v in inspect.signature(self.fn).bind(*args, **kwargs).arguments.items()}
+        except TypeError:
+            names = {}
+        self._watched = [f"{type(m).__name__} (argument {names.get(id(m), '?')!r})" for m in found]
         if not found:
             raise JaggUnsupportedError(
                 f"{self.__qualname__} takes no nn.Module argument, so jaggc cannot tell which module is "
@@ -131,7 +137,19 @@ class JaggCompiled:
         except _compat.backend_failed_type() as e:
             raise _compat.unwrap_backend_error(e) from None
         except _compat.dynamo_unsupported_types() as e:
-            raise JaggUnsupportedError(f"Dynamo could not capture the loss in one graph: {_first_lines(e)}") from e
+            where = _compat.dynamo_user_location(e)
+            raise JaggUnsupportedError(
+                f"{where + ': ' if where else ''}Dynamo could not capture {self.__qualname__} in one graph "
+                f"(a graph break would hide DiT calls from the rewrite). Move data-dependent Python "
+                f"(`.item()`, `if` on a tensor, print) out of the loss or compute it with tensor ops "
+                f"(torch.where), or pass on_unsupported='exact' to run it uncompiled. "
+                f"Dynamo says: {_first_lines(e)}") from e
+        except _compat.recompile_limit_types() as e:
+            raise JaggUnsupportedError(
+                f"Dynamo's recompile limit for {self.__qualname__} was hit: every jagg_compile of the same "
+                f"function, and every new step count or input shape, is one more compiled graph of its "
+                f"code. Reuse one compiled loss, call torch._dynamo.reset(), or raise "
+                f"torch._dynamo.config.recompile_limit. Dynamo says: {_first_lines(e, 3)}") from e
 
     def _dynamo_backend(self, gm: fx.GraphModule, example_inputs):
         gm = canonicalize_dynamo_calls(gm)
@@ -155,7 +173,8 @@ class JaggCompiled:
     # --- shared ---------------------------------------------------------------------------------
     def _rewrite(self, gm: fx.GraphModule, frontend: str):
         passes = _passes()
-        ctx = passes.PassContext(config=self.config, dit=self.dit, frontend=frontend)
+        ctx = passes.PassContext(config=self.config, dit=self.dit, frontend=frontend,
+                                 watched=list(getattr(self, "_watched", [])))
         gm, stages = passes.run_passes(gm, ctx)
         self.traces += 1
         self._report = build_report(frontend, gm, stages, ctx, self.traces)

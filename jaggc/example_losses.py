@@ -42,7 +42,7 @@ CLIP_RANGE = 0.1         # PPO epsilon (the JAGG author's runs; Flow-GRPO SD3 us
 ADV_CLIP_MAX = 5.0
 GUIDANCE_SCALE = 4.5     # Flow-GRPO SD3 CFG scale
 KL_BETA = 0.04           # Flow-GRPO's beta
-OFF_POLICY_STEP = 1e-2   # relative size of the parameter step taken after the rollout
+OFF_POLICY_STEP = 5e-2   # relative size of the parameter step taken after the rollout
 SHIFT = 3.0
 _LOG_SQRT_2PI = math.log(math.sqrt(2 * math.pi))
 

@@ -55,6 +55,7 @@ class PassContext:
     frontend: str = ""
     windows: list[Window] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    watched: list[str] = field(default_factory=list)   # the modules the frontend kept opaque, for messages
 
     def dit_calls(self, gm: fx.GraphModule) -> list[fx.Node]:
         return [n for n in gm.graph.nodes if "jagg_call" in n.meta]

@@ -7,14 +7,13 @@ with grad enabled carry consecutive ``step`` numbers in graph order; every node 
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 
 import torch
 from torch import fx
 
 from jaggc.errors import JaggGraphError
-from jaggc.frontends.dynamo import unwrap
+from jaggc.frontends.dynamo import unwrap, user_source
 from jaggc.graph_ops import dit_call
 
 from .context import CallSite, PassContext
@@ -22,9 +21,7 @@ from .context import CallSite, PassContext
 
 def source_of(node: fx.Node) -> str:
     """``file:line`` of the user code that made this node (from the Dynamo/FX stack trace)."""
-    trace = node.meta.get("stack_trace") or ""
-    found = re.findall(r'File "([^"]+)", line (\d+)', trace)
-    return f"{found[-1][0]}:{found[-1][1]}" if found else ""
+    return user_source(node)
 
 
 def tag_grad_mode(gm: fx.GraphModule) -> None:
@@ -40,8 +37,10 @@ def find_dit_calls(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is dit_call]
     if not calls:
         seen = sorted({type(m).__name__ for name, m in gm.named_children()})
+        watched = ", ".join(ctx.watched) or "none"
         raise JaggGraphError(
-            f"no DiT call found in the loss (modules called: {seen or 'none'}). Call the DiT as a module, "
+            f"no DiT call found in the loss: it never calls the module(s) jaggc watched ({watched}); "
+            f"other modules called as graph units: {seen or 'none'}. Call the DiT as a module, "
             f"`dit(...)`, and pass it as an argument or with jagg_compile(dit=model)")
 
     def module_of(node):

@@ -59,8 +59,9 @@ _NONE = "<jaggc:None>"
 
 
 def _encode_none(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    return (tuple(_NONE if a is None else a for a in args),
-            {k: (_NONE if v is None else v) for k, v in kwargs.items()})
+    # (Dynamo names graph nodes after these loop variables: keep them recognisable)
+    return (tuple(_NONE if dit_arg is None else dit_arg for dit_arg in args),
+            {key: (_NONE if dit_arg is None else dit_arg) for key, dit_arg in kwargs.items()})
 
 
 def decode_none(args, kwargs) -> tuple[tuple, dict]:
@@ -141,9 +142,13 @@ def opaque_modules(modules: Iterable[nn.Module]):
                 m.__dict__[slot] = old
 
 
-def _user_source(node: fx.Node) -> str:
+def user_source(node: fx.Node) -> str:
+    """``file:line`` of the user code that made ``node`` (from its stack trace), skipping jaggc's
+    own frontend frames (the opaque-call slots sit between the user's call and the DiT); "" if
+    unknown."""
     found = re.findall(r'File "([^"]+)", line (\d+)', node.meta.get("stack_trace") or "")
-    return f"{found[-1][0]}:{found[-1][1]}" if found else "unknown source line"
+    found = [(f, line) for f, line in found if "/jaggc/frontends/" not in f.replace("\\", "/")]
+    return f"{found[-1][0]}:{found[-1][1]}" if found else ""
 
 
 def check_called_as_module(node: fx.Node, module: nn.Module, fn) -> None:
@@ -162,7 +167,8 @@ def check_called_as_module(node: fx.Node, module: nn.Module, fn) -> None:
     if any(str(key).split("@")[0] == str(id(module)) for key in stack):
         return
     raise JaggGraphError(
-        f"{_user_source(node)}: the DiT ({type(module).__name__}) is called through `.forward(...)` "
+        f"{user_source(node) or 'unknown source line'}: the DiT ({type(module).__name__}) is called through "
+        f"`.forward(...)` "
         f"(graph node {node.name}); `.forward` skips the module's hooks (DDP/FSDP gradient sync, peft) and "
         f"jaggc would run it with them. Call the module itself: `dit(...)`")
 

@@ -13,6 +13,7 @@ import ast
 import contextlib
 import inspect
 import textwrap
+import traceback
 import warnings
 from typing import Any, Callable
 
@@ -88,8 +89,34 @@ class DiTLeafTracer(fx.Tracer):
     def call_module(self, m: nn.Module, forward, args, kwargs):
         if id(m) in self.dits:
             dit = self.create_proxy("get_attr", self._attr_name(m), (), {})
-            return self.create_proxy("call_function", dit_call, (dit, tuple(args), dict(kwargs)), {})
+            proxy = self.create_proxy("call_function", dit_call, (dit, tuple(args), dict(kwargs)), {})
+            proxy.node.stack_trace = _user_stack()  # fx would name this frame, not the user's call
+            return proxy
         return self.create_proxy("call_module", self.path_of_module(m), args, kwargs)
+
+
+_INTERNAL_FILES = ("/torch/fx/", "/torch/nn/modules/module.py", "/jaggc/frontends/")
+
+
+def _user_frame():
+    """The innermost frame outside torch.fx, nn.Module's call machinery and this frontend."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        name = frame.f_code.co_filename.replace("\\", "/")
+        if not any(part in name for part in _INTERNAL_FILES):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def _user_stack() -> str:
+    frame = _user_frame()
+    return "".join(traceback.format_stack(frame)) if frame is not None else ""
+
+
+def _where() -> str:
+    frame = _user_frame()
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}: " if frame is not None else ""
 
 
 @contextlib.contextmanager
@@ -99,8 +126,8 @@ def _refuse_direct_forward(dits: list[nn.Module]):
 
     def refuse(*args, **kwargs):
         raise JaggUnsupportedError(
-            "the DiT is called through `.forward(...)`; call the module itself, `dit(...)`, so that "
-            "its hooks (DDP/FSDP gradient sync, peft) run and jaggc can see the call")
+            f"{_where()}the DiT is called through `.forward(...)`; call the module itself, `dit(...)`, so "
+            f"that its hooks (DDP/FSDP gradient sync, peft) run and jaggc can see the call")
 
     for m in dits:
         saved.append((m, m.__dict__.get("forward")))
@@ -124,7 +151,7 @@ class _RefuseFunctionApply:
 
         def refuse(cls, *args, **kwargs):
             raise JaggUnsupportedError(
-                f"the loss calls {cls.__name__}.apply; torch.fx would inline its forward and silently drop "
+                f"{_where()}the loss calls {cls.__name__}.apply; torch.fx would inline its forward and silently drop "
                 f"its custom backward. Wrap the call in a module-level function decorated with "
                 f"@torch.fx.wrap, or use capture='dynamo'")
 
@@ -139,6 +166,7 @@ def capture_fx(fn: Callable, args: tuple, kwargs: dict, dits: list[nn.Module]) -
     """Trace ``fn(*args, **kwargs)`` into a GraphModule with ``dit_call`` nodes."""
     refuse_no_grad_blocks(fn)
     tracer = DiTLeafTracer(dits)
+    tracer.record_stack_traces = True  # file:line of each node, for error messages
     concrete = concrete_args_for(fn, args, kwargs)
     try:
         with _refuse_direct_forward(dits), _RefuseFunctionApply(), warnings.catch_warnings():

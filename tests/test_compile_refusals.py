@@ -1,0 +1,283 @@
+"""What ``@jagg_compile`` refuses, and how.
+
+Every refusal raises a ``jaggc.JaggError`` subclass whose message names where the problem is
+(the step, graph node or ``file:line`` of the user's code) and how to fix it, and nothing is
+computed: the model's ``.grad`` is what it was before the call. ``on_unsupported="exact"`` turns
+a capture refusal into a warning and the uncompiled (exact) loss.
+
+All cases use small float64 fields from ``jaggc.verify.fields`` (cheap to capture).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+import pytest
+import torch
+
+import jaggc
+from jaggc import JaggGraphError, JaggInputError, JaggUnsupportedError, jagg_compile
+from jaggc.verify.fields import AffineJacobianField, CurvedField
+
+from helpers import grads, rel_err, zero_grads
+
+T = 4
+B = 2
+HERE = re.escape(__file__.rsplit("/", 1)[-1])
+AT_LINE = HERE + r":\d+"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def inputs(num_steps: int = T, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.linspace(1.0, 0.2, num_steps, dtype=torch.float64)
+    ts = torch.stack([t, t * 0.9], 1)
+    zs = torch.randn(num_steps, B, 3, generator=g, dtype=torch.float64)
+    gs = torch.randn(num_steps, B, 3, generator=g, dtype=torch.float64)
+    return zs, ts, gs
+
+
+# --------------------------------------------------------------------------- the losses
+
+HEAD = torch.nn.Linear(3, 3).double()
+
+
+def never_calls_dit(dit, zs, ts, g, n: int):
+    total = 0.0
+    for k in range(n):
+        total = total + (HEAD(zs[k]) * g[k]).sum()
+    return total
+
+
+def calls_forward(dit, zs, ts, g, n: int):
+    total = 0.0
+    for k in range(n):
+        v = dit.forward(zs[k], ts[k])
+        total = total + (v * g[k]).sum()
+    return total
+
+
+def chained_states(dit, zs, ts, g, n: int):
+    """The next state is computed from this step's output without detach: not a stored trajectory."""
+    total = 0.0
+    x = zs[0]
+    for k in range(n):
+        v = dit(x, ts[k])
+        total = total + (v * g[k]).sum()
+        x = x + 0.1 * v
+    return total
+
+
+def with_no_grad_block(dit, zs, ts, g, n: int):
+    total = 0.0
+    for k in range(n):
+        v = dit(zs[k], ts[k])
+        with torch.no_grad():
+            v_ref = dit(zs[k], ts[k])
+        total = total + (v * g[k]).sum() + ((v - v_ref) ** 2).sum()
+    return total
+
+
+class Scale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return 2 * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return 2 * grad
+
+
+def with_function_apply(dit, zs, ts, g, n: int):
+    total = 0.0
+    for k in range(n):
+        v = dit(zs[k], ts[k])
+        total = total + (Scale.apply(v) * g[k]).sum()
+    return total
+
+
+def tensor_control_flow(dit, zs, ts, g):
+    total = 0.0
+    for k in range(zs.shape[0]):
+        v = dit(zs[k], ts[k])
+        loss = (v * g[k]).sum()
+        if loss.item() > 0:
+            loss = loss * 0.5
+        total = total + loss
+    return total
+
+
+def reference_calls(dit, zs, ts, g, n: int):
+    """n grad-enabled calls and n no-grad reference calls."""
+    total = 0.0
+    for k in range(n):
+        v = dit(zs[k], ts[k])
+        with torch.no_grad():
+            v_ref = dit(zs[k], ts[k])
+        total = total + (v * g[k]).sum() + 0.1 * ((v - v_ref) ** 2).sum()
+    return total
+
+
+def plain_loss(dit, zs, ts, g, n: int):
+    total = 0.0
+    for k in range(n):
+        total = total + (dit(zs[k], ts[k]) * g[k]).sum()
+    return total
+
+
+# --------------------------------------------------------------------------- the cases
+
+
+@dataclass
+class Case:
+    loss: Callable
+    options: dict
+    error: type
+    patterns: list[str]
+    with_n: bool = True
+    num_steps: int = T
+    ts: Callable | None = None           # ts override: (ts) -> ts
+    fields: dict = field(default_factory=dict)
+
+
+CASES = {
+    "no_dit_call-fx": Case(never_calls_dit, dict(capture="fx", window=2), JaggGraphError,
+                           [r"no DiT call found", r"AffineJacobianField \(argument 'dit'\)", r"\['Linear'\]",
+                            r"Call the DiT as a module, `dit\(\.\.\.\)`"]),
+    "no_dit_call-dynamo": Case(never_calls_dit, dict(capture="dynamo", window=2), JaggGraphError,
+                               [r"no DiT call found", r"AffineJacobianField \(argument 'dit'\)",
+                                r"Call the DiT as a module, `dit\(\.\.\.\)`"]),
+    "forward-fx": Case(calls_forward, dict(capture="fx", window=2), JaggUnsupportedError,
+                       [AT_LINE + r": the DiT is called through `\.forward\(\.\.\.\)`",
+                        r"call the module itself, `dit\(\.\.\.\)`"]),
+    "forward-dynamo": Case(calls_forward, dict(capture="dynamo", window=2), JaggGraphError,
+                           [AT_LINE + r": the DiT \(AffineJacobianField\) is called through `\.forward\(\.\.\.\)`",
+                            r"graph node flat_apply", r"Call the module itself: `dit\(\.\.\.\)`"]),
+    "dependent_states-fx": Case(chained_states, dict(capture="fx", window=2), JaggGraphError,
+                                [r"step 1 \(node dit_call_1, .*" + AT_LINE + r"\)",
+                                 r"depends on the output of step 0 \(node dit_call\)", r"`\.detach\(\)` the states"]),
+    "dependent_states-dynamo": Case(chained_states, dict(capture="dynamo", window=2), JaggGraphError,
+                                    [r"step 1 \(node dit_call_1, .*" + AT_LINE + r"\)",
+                                     r"depends on the output of step 0 \(node dit_call\)",
+                                     r"`\.detach\(\)` the states"]),
+    "no_grad_block-fx": Case(with_no_grad_block, dict(capture="fx", window=2), JaggUnsupportedError,
+                             [AT_LINE + r": `with torch\.no_grad\(\):` cannot be captured by the FX frontend",
+                              r"capture='dynamo'"]),
+    "function_apply-fx": Case(with_function_apply, dict(capture="fx", window=2), JaggUnsupportedError,
+                              [AT_LINE + r": the loss calls Scale\.apply", r"@torch\.fx\.wrap",
+                               r"capture='dynamo'"]),
+    "control_flow-dynamo": Case(tensor_control_flow, dict(capture="dynamo", window=2), JaggUnsupportedError,
+                                [r"^" + r".*" + AT_LINE + r": Dynamo could not capture tensor_control_flow",
+                                 r"on_unsupported='exact'", r"\.item\(\)"], with_n=False),
+    "control_flow-auto": Case(tensor_control_flow, dict(capture="auto", window=2), JaggUnsupportedError,
+                              [r"no frontend could capture the loss",
+                               r"\n  dynamo: .*" + AT_LINE + r": Dynamo could not capture",
+                               r"\n  fx: the FX frontend cannot trace tensor_control_flow"], with_n=False),
+    "window_too_large": Case(reference_calls, dict(capture="dynamo", window=4), JaggInputError,
+                             [r"window=4 is larger than the 3 grad-enabled DiT calls", r"use window <= 3"],
+                             num_steps=3),
+    "window_too_large-fx": Case(plain_loss, dict(capture="fx", window=5), JaggInputError,
+                                [r"window=5 is larger than the 4 grad-enabled DiT calls", r"use window <= 4"]),
+    "jagg_frac_half": Case(plain_loss, dict(capture="dynamo", window=2, jagg_frac=0.5), JaggUnsupportedError,
+                           [r"jagg_frac=0\.5: per-window routing is not implemented yet",
+                            r"use 1\.0 .* or 0\.0"]),
+    "duplicate_timesteps": Case(plain_loss, dict(capture="dynamo", window=4), JaggInputError,
+                                [r"steps 1 and 2 have the same timestep", r"pass each step's own timestep"],
+                                ts=lambda ts: torch.stack([ts[0], ts[1], ts[1], ts[3]])),
+}
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_refusal(case_id):
+    case = CASES[case_id]
+    model = AffineJacobianField(3, seed=1)
+    zs, ts, gs = inputs(case.num_steps)
+    if case.ts is not None:
+        ts = case.ts(ts)
+    args = (model, zs, ts, gs, case.num_steps) if case.with_n else (model, zs, ts, gs)
+    # a gradient from an earlier micro-batch: a refusal must leave it as it is
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.25)
+    before = grads(model).clone()
+    HEAD.zero_grad(set_to_none=True)
+
+    compiled = jagg_compile(case.loss, **case.options)
+    with pytest.raises(case.error) as info:
+        compiled(*args)
+    message = str(info.value)
+    for pattern in case.patterns:
+        assert re.search(pattern, message), f"{pattern!r} not in:\n{message}"
+    assert torch.equal(grads(model), before)
+    assert HEAD.weight.grad is None
+    # Function.apply is restored after the FX frontend's refusal
+    x = torch.ones(2, requires_grad=True)
+    Scale.apply(x).sum().backward()
+    assert torch.equal(x.grad, torch.full((2,), 2.0))
+
+
+@pytest.mark.parametrize("window", [1, 0, -3, 2.5, "4"])
+def test_window_below_two_or_not_int(window):
+    with pytest.raises(JaggInputError, match=re.escape(f"window={window!r}") + r": a JAGG window needs an int of "
+                                             r"at least 2 steps"):
+        jagg_compile(plain_loss, window=window)
+
+
+@pytest.mark.parametrize("bad", [dict(capture="torchscript"), dict(on_unsupported="ignore"), dict(jagg_frac=1.5),
+                                 dict(backend="inductor")])
+def test_bad_options_refused_at_decoration(bad):
+    with pytest.raises(jaggc.JaggError, match=re.escape(repr(next(iter(bad.values()))))):
+        jagg_compile(plain_loss, **bad)
+
+
+def test_forward_refusal_in_auto_lists_both_frontends():
+    compiled = jagg_compile(calls_forward, window=2)
+    model = AffineJacobianField(3, seed=1)
+    with pytest.raises(JaggUnsupportedError) as info:
+        compiled(model, *inputs(), T)
+    message = str(info.value)
+    assert "no frontend could capture" in message
+    assert re.search(r"dynamo: .*" + AT_LINE + r": the DiT \(AffineJacobianField\) is called through", message)
+    assert re.search(r"fx: .*" + AT_LINE + r": the DiT is called through", message)
+
+
+def test_on_unsupported_exact_falls_back_with_warning():
+    model = CurvedField(3, seed=2)
+    zs, ts, gs = inputs(6)
+    zero_grads(model)
+    eager = tensor_control_flow(model, zs, ts, gs)
+    eager.backward()
+    exact = grads(model).clone()
+
+    compiled = jagg_compile(tensor_control_flow, window=3, on_unsupported="exact")
+    zero_grads(model)
+    with pytest.warns(UserWarning, match=r"running tensor_control_flow uncompiled \(exact per-step gradient\)"):
+        loss = compiled(model, zs, ts, gs)
+    loss.backward()
+    assert torch.equal(loss.detach(), eager.detach())
+    assert rel_err(grads(model), exact) < 1e-12
+    assert compiled.report.path == "uncompiled"
+    assert "Dynamo could not capture" in compiled.report.notes[0]
+    # later calls stay uncompiled, silently
+    with torch.no_grad():
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert torch.equal(compiled(model, zs, ts, gs), eager.detach())
+
+
+def test_on_unsupported_exact_does_not_hide_input_errors():
+    """Bad inputs (here: a window larger than the loss) are errors, not capture limits."""
+    model = AffineJacobianField(3, seed=1)
+    compiled = jagg_compile(plain_loss, window=5, on_unsupported="exact")
+    with pytest.raises(JaggInputError, match="window=5 is larger than the 4"):
+        compiled(model, *inputs(), T)
+    assert all(p.grad is None for p in model.parameters())
