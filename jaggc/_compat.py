@@ -87,7 +87,8 @@ def dynamo_user_location(exc: BaseException) -> str:
     loss's own line, followed by ``(in file:line)`` of the innermost frame when the break is
     inside a function it calls (a library, a helper); "" if unknown."""
     frames = [f for f in (getattr(exc, "real_stack", None) or [])
-              if "/jaggc/" not in str(getattr(f, "filename", "")).replace("\\", "/")]
+              if not any(part in str(getattr(f, "filename", "")).replace("\\", "/")
+                         for part in ("/jaggc/", "/torch/"))]
     if not frames:
         return ""
     outer, inner = frames[0], frames[-1]

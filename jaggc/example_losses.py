@@ -340,7 +340,7 @@ def dance_flux(*, num_steps: int = 8, batch: int = 2, seed: int = 0) -> Example:
     model = models.flux("tiny", seed=seed)
     cfg = model.config
     height = width = 4
-    text_len = 7   # != any small batch: jaggc treats tensors whose leading dim is B as batched
+    text_len = 7   # txt_ids/img_ids are shared across steps (WindowOptions.unbatched), never batched
     num_prompts = (batch + 1) // 2
     g = torch.Generator().manual_seed(seed + 3)
     embeds = torch.randn(num_prompts, text_len, cfg.joint_attention_dim, generator=g)

@@ -357,6 +357,40 @@ def test_fx_and_dynamo_frontends_agree():
     assert rel_err(g_fx, exact) > 1e-6       # a curved field: JAGG is an approximation here
 
 
+class OptionalArgsField(torch.nn.Module):
+    """A DiT-like module with optional arguments a trainer passes as None (``guidance=None``,
+    ``joint_attention_kwargs=None``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.field = AffineJacobianField(3, seed=7)
+
+    def forward(self, x, timestep, guidance=None, *, joint_attention_kwargs=None, return_dict=False):
+        assert guidance is None and joint_attention_kwargs is None
+        return self.field(x, timestep)
+
+
+def none_args_loss(dit, zs, ts, g):
+    total = 0.0
+    for k in range(zs.shape[0]):
+        v = dit(zs[k], ts[k], None, joint_attention_kwargs=None, return_dict=False)
+        total = total + (v * g[k]).sum()
+    return total
+
+
+def test_none_arguments_pass_through_dynamo_capture():
+    model = OptionalArgsField()
+    zs, ts, gs = _fx_friendly_inputs(3)
+    zero_grads(model)
+    eager = none_args_loss(model, zs, ts, gs)
+    compiled = jagg_compile(none_args_loss, window=3, capture="dynamo")
+    loss = compiled(model, zs, ts, gs)
+    assert torch.equal(loss, eager)
+    (node,) = [n for n in compiled.report.graph_module.graph.nodes if n.target is jagg_window]
+    for args, kwargs in node.args[1]:
+        assert args[2] is None and kwargs["joint_attention_kwargs"] is None
+
+
 # --------------------------------------------------------------------------- caching
 
 
