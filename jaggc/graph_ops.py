@@ -15,6 +15,7 @@ import torch.fx
 
 from ._compat import tree_flatten
 from .runtime.calls import DitCall, per_sample_time, resolve_time_arg
+from .runtime.deferred import BackwardGroup
 from .runtime.window import WindowOptions, run_exact, run_window
 
 
@@ -28,6 +29,21 @@ def dit_call(dit, args: tuple, kwargs: dict, step: int | None = None, options: W
 
 
 @dataclass
+class DeferredGroupPlan:
+    """Shared by the per-window-mode plans of one graph: each execution of the graph starts a new
+    ``BackwardGroup`` at its first deferred window, so DDP syncs once per loss evaluation."""
+
+    grad_forwards: int
+    first_window: int
+    current: BackwardGroup | None = None
+
+    def group_for(self, window_index: int) -> BackwardGroup:
+        if window_index == self.first_window or self.current is None:
+            self.current = BackwardGroup(self.grad_forwards)
+        return self.current
+
+
+@dataclass
 class WindowPlan:
     """What a ``jagg_window`` node runs (held by the GraphModule, read through ``get_attr``).
 
@@ -38,6 +54,7 @@ class WindowPlan:
     steps: tuple[int, ...]
     options: WindowOptions
     observed_times: list[float] = field(default_factory=list)
+    deferred: DeferredGroupPlan | None = None
 
 
 @torch.fx.wrap
@@ -46,7 +63,8 @@ def jagg_window(dit, calls: tuple, plan: WindowPlan) -> tuple:
     dit_calls = [DitCall(tuple(a), dict(k)) for a, k in calls]
     if not plan.observed_times:
         plan.observed_times = observed_times(dit_calls, plan.options.time_arg)
-    return tuple(run_window(dit, dit_calls, steps=list(plan.steps), options=plan.options))
+    group = plan.deferred.group_for(plan.index) if plan.deferred is not None else None
+    return tuple(run_window(dit, dit_calls, steps=list(plan.steps), options=plan.options, group=group))
 
 
 def observed_times(calls, time_arg) -> list[float]:

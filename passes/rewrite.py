@@ -18,13 +18,15 @@ import warnings
 from torch import fx
 
 from jaggc import _compat
-from jaggc.graph_ops import WindowPlan, jagg_window
+from jaggc.graph_ops import DeferredGroupPlan, WindowPlan, jagg_window
+from jaggc.runtime.window import deferred_grad_forwards
 
 from .context import PassContext
 
 
 def rewrite_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     graph = gm.graph
+    deferred = _deferred_group_plan(ctx)
     for w in ctx.windows:
         if w.mode != "jagg":
             for node in w.nodes:
@@ -32,7 +34,7 @@ def rewrite_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             continue
         options = dataclasses.replace(ctx.config.options, weights=ctx.config.weights, time_arg=w.time_arg)
         plan_name = f"jagg_plan_{w.index}"
-        w.plan = WindowPlan(index=w.index, steps=tuple(w.steps), options=options)
+        w.plan = WindowPlan(index=w.index, steps=tuple(w.steps), options=options, deferred=deferred)
         setattr(gm, plan_name, w.plan)
         last = w.nodes[-1]
         calls = tuple((n.args[1], n.args[2]) for n in w.nodes)
@@ -57,3 +59,14 @@ def rewrite_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         w.nodes = [u for u in window_node.users]
     _compat.topological_sort(gm)
     return gm
+
+
+def _deferred_group_plan(ctx: PassContext) -> DeferredGroupPlan | None:
+    """In per-window backward mode, the group the JAGG windows of one loss evaluation share."""
+    jagg = [w for w in ctx.windows if w.mode == "jagg"]
+    if ctx.config.options.backward != "per_window" or not jagg:
+        return None
+    total = deferred_grad_forwards([w.steps for w in jagg], ctx.config.options)
+    ctx.notes.append("backward='per_window': each window's knot forward re-runs inside loss.backward() and is "
+                     "freed after its joint backward (peak activations: one window)")
+    return DeferredGroupPlan(grad_forwards=total, first_window=jagg[0].index)

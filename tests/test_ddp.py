@@ -32,17 +32,19 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from jaggc import models
-from jaggc.runtime import DitCall, count_dit_passes, jagg_calls, run_window
+from jaggc.runtime import DitCall, WindowOptions, count_dit_passes, jagg_calls, run_window
 
 WORLD = 2
 GLOBAL_B = 4
 T = 7  # steps 0..3 are a W=4 window, 4..6 a W=3 window
 START = 3
 OFFSETS = (0, 1, 0, 2)  # per-sample schedule offset: per-sample timesteps, hence per-sample α
-SCENARIOS = ("w4", "w3", "traj", "nosync", "two_backward")
+SCENARIOS = ("w4", "w3", "traj", "traj_pw", "traj_pw_ungrouped", "nosync", "two_backward")
+PER_WINDOW = WindowOptions(backward="per_window")
 TIMEOUT_S = 240
 
 
@@ -115,6 +117,13 @@ def _run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     try:
         model = models.sd3(seed=0)
         ddp = DDP(model)
+        allreduces = [0]
+
+        def counting_allreduce(state, bucket):
+            allreduces[0] += 1
+            return default_hooks.allreduce_hook(None, bucket)
+
+        ddp.register_comm_hook(None, counting_allreduce)
         calls, gs = shard(*global_inputs(model), rank, world)
         results: dict = {}
 
@@ -129,9 +138,29 @@ def _run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
 
         # a whole trajectory: two windows (W=4 and W=3), two knot forwards through DDP, ONE backward
         ddp.zero_grad(set_to_none=True)
+        allreduces[0] = 0
         outs = jagg_calls(ddp, calls, window=4)
         loss_of(outs, gs, world).backward()
         results["traj"] = grads_of(model)
+        results["traj_allreduces"] = allreduces[0]
+
+        # per-window backward mode: each window's knot forward+backward runs inside loss.backward();
+        # all but the last are no_sync'd, so the trajectory still syncs once
+        ddp.zero_grad(set_to_none=True)
+        allreduces[0] = 0
+        outs = jagg_calls(ddp, calls, window=4, options=PER_WINDOW)
+        loss_of(outs, gs, world).backward()
+        results["traj_pw"] = grads_of(model)
+        results["traj_pw_allreduces"] = allreduces[0]
+
+        # the same windows run one by one (no shared group): every window syncs, and the result is
+        # still right, since each all-reduce averages that window's own contribution
+        ddp.zero_grad(set_to_none=True)
+        allreduces[0] = 0
+        outs = [o for sl in window_slices().values() for o in run_window(ddp, calls[sl], options=PER_WINDOW)]
+        loss_of(outs, gs, world).backward()
+        results["traj_pw_ungrouped"] = grads_of(model)
+        results["traj_pw_ungrouped_allreduces"] = allreduces[0]
 
         # negative control 1: the window bypasses DDP's forward, so nothing is all-reduced
         ddp.zero_grad(set_to_none=True)
@@ -231,10 +260,10 @@ def assert_grads_match(got: dict, want: dict, tol: float = 1e-5):
                                    msg=n)
 
 
-@pytest.mark.parametrize("name", ["w4", "w3", "traj"])
+@pytest.mark.parametrize("name", ["w4", "w3", "traj", "traj_pw", "traj_pw_ungrouped"])
 def test_ddp_jagg_gradient_equals_single_process(rank_results, reference, name):
     for r, res in enumerate(rank_results):
-        assert_grads_match(res[name], reference[name])
+        assert_grads_match(res[name], reference[name.replace("_pw_ungrouped", "").replace("_pw", "")])
     # DDP left every rank with the same (all-reduced) gradient
     for n in rank_results[0][name]:
         torch.testing.assert_close(rank_results[0][name][n], rank_results[1][name][n], rtol=0, atol=0)
@@ -269,3 +298,13 @@ def test_ddp_negative_control_two_backward_calls(rank_results, reference):
     assert rel_err(r0, r1) > 1e-3  # and the replicas have silently diverged
     assert_grads_match(reference["traj"], reference["w4+w3"])
 
+
+
+def test_ddp_per_window_mode_syncs_once_per_loss(rank_results):
+    """Per-window mode runs two knot backwards inside one loss.backward(); grouped, DDP all-reduces
+    once (as many buckets as the joint mode), ungrouped once per window."""
+    for res in rank_results:
+        buckets = res["traj_allreduces"]
+        assert buckets >= 1
+        assert res["traj_pw_allreduces"] == buckets
+        assert res["traj_pw_ungrouped_allreduces"] == 2 * buckets

@@ -23,7 +23,10 @@ from .aggregate import aggregate_knots
 from .calls import (DitCall, batch_size, check_compatible, concat_calls, per_sample_time, resolve_time_arg,
                     split_output)
 from .checks import check_calls, check_times
+from .deferred import BackwardGroup, DeferredWindow
 from .weights import Basis, resolve_basis
+
+BACKWARD_MODES = ("joint", "per_window")
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,10 @@ class WindowOptions:
     many interior steps per no-grad forward (None: all at once). ``batch_knots=False`` runs each
     knot as its own forward (lower peak memory, same FLOPs). ``unbatched``: names of tensor inputs
     that are shared rather than batched even if their leading dim equals the batch (default: the
-    position ids of Flux/Qwen-Image transformers, which never carry a batch dimension)."""
+    position ids of Flux/Qwen-Image transformers, which never carry a batch dimension).
+    ``backward``: "joint" (the knot forward keeps its activations until the loss's backward) or
+    "per_window" (values from no-grad forwards; each window re-runs its knot forward inside the
+    backward and frees it: peak memory of one window, two more forwards per window; deferred.py)."""
 
     weights: str | Basis = "t"
     time_arg: str | int | None = None
@@ -40,6 +46,11 @@ class WindowOptions:
     batch_knots: bool = True
     unbatched: tuple[str, ...] = ("img_ids", "txt_ids")
     check_inputs: bool = True
+    backward: str = "joint"
+
+    def __post_init__(self):
+        if self.backward not in BACKWARD_MODES:
+            raise JaggInputError(f"backward={self.backward!r}: use one of {BACKWARD_MODES}")
 
     @property
     def basis(self) -> Basis:
@@ -77,8 +88,11 @@ def _interior_outputs(dit, calls, steps, time_arg, options, batch) -> dict[int, 
 
 
 def run_window(dit: nn.Module, calls: Sequence[DitCall], *, steps: Sequence[int] | None = None,
-               options: WindowOptions = WindowOptions()) -> list[Any]:
-    """Outputs of ``dit`` on each call, exact in value, with a JAGG backward (module docstring)."""
+               options: WindowOptions = WindowOptions(), group: BackwardGroup | None = None) -> list[Any]:
+    """Outputs of ``dit`` on each call, exact in value, with a JAGG backward (module docstring).
+
+    ``group`` (per-window mode only) is shared by the windows of one loss evaluation so that DDP
+    synchronises once per loss; None treats this window as the whole loss."""
     steps = list(steps) if steps is not None else list(range(len(calls)))
     if len(calls) <= 2 or not torch.is_grad_enabled():
         # a window of <= 2 steps is all knots: per-step autograd is the same gradient, simpler
@@ -95,6 +109,10 @@ def run_window(dit: nn.Module, calls: Sequence[DitCall], *, steps: Sequence[int]
     basis = options.basis
     knots = basis.knot_positions(len(calls))
     phi = basis.matrix(times)
+    if options.backward == "per_window":
+        return DeferredWindow(dit, calls, steps, time_arg=time_arg, batch=batch, knots=knots, phi=phi,
+                              interior_chunk=options.interior_chunk, batch_knots=options.batch_knots,
+                              unbatched=options.unbatched, group=group).run()
 
     interior = [p for p in range(len(calls)) if p not in knots]
     interior_out = _interior_outputs(dit, [calls[p] for p in interior], [steps[p] for p in interior],
@@ -152,8 +170,24 @@ def jagg_calls(dit: nn.Module, calls: Sequence[DitCall], *, window: int = 4,
     if window > len(calls):
         raise JaggInputError(f"window={window} is larger than the {len(calls)} steps of the trajectory; "
                              f"use window <= {len(calls)}")
+    windows = partition(len(calls), window)
+    group = BackwardGroup(deferred_grad_forwards(windows, options, exact_windows))
     outs: list[Any] = []
-    for w, idx in enumerate(partition(len(calls), window)):
-        run = run_exact if w in exact_windows else run_window
-        outs.extend(run(dit, [calls[i] for i in idx], steps=idx, options=options))
+    for w, idx in enumerate(windows):
+        if w in exact_windows:
+            outs.extend(run_exact(dit, [calls[i] for i in idx], steps=idx, options=options))
+        else:
+            outs.extend(run_window(dit, [calls[i] for i in idx], steps=idx, options=options, group=group))
     return outs
+
+
+def deferred_grad_forwards(windows: Sequence[Sequence[int]], options: WindowOptions,
+                           exact_windows: Sequence[int] = ()) -> int:
+    """How many knot forwards the per-window backwards of these windows run (for BackwardGroup)."""
+    if options.backward != "per_window":
+        return 0
+    total = 0
+    for w, idx in enumerate(windows):
+        if w not in exact_windows and len(idx) > 2:
+            total += 1 if options.batch_knots else len(options.basis.knot_positions(len(idx)))
+    return total

@@ -1,0 +1,153 @@
+"""The per-window backward mode: a window's joint backward runs on its own, one window at a time.
+
+In the default ("joint") mode a compiled loss keeps every window's knot activations alive until
+``loss.backward()``: 2T/W sample-sets of DiT activations. Flow-GRPO-style trainers instead call
+backward once per step so that only one step's activations are ever alive. The per-window mode
+gets the same property for JAGG, the way activation checkpointing does:
+
+  * forward: every step of the window runs without grad (batched, ``interior_chunk`` steps per
+    call), so nothing of the DiT is saved; the outputs are tied to one ``DeferredWindow`` node;
+  * backward: when autograd reaches that node it has the W upstream gradients; it forms the K
+    composite gradients, re-runs the knot forward WITH grad and immediately runs its backward
+    (a nested ``torch.autograd.backward``, as reentrant checkpointing does), then frees it.
+
+Peak DiT activation memory: one knot batch (2B samples; B with ``batch_knots=False``), instead of
+every window's. Cost: the knot forward runs twice (once without grad for the values, once with
+grad in backward), so a window costs (W + 2) forwards + one joint backward instead of W + 2B.
+
+Under DDP the nested backwards are the DDP backwards: each window's knot forward goes through the
+DDP module. A ``BackwardGroup`` shared by the windows of one loss evaluation wraps every knot
+forward but the last one to run in ``no_sync()``, so the gradients are all-reduced once per loss
+(and not at all inside the user's own ``no_sync``/accumulation micro-steps, which we leave as is).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from .._compat import tree_flatten, tree_unflatten
+from ..errors import JaggUnsupportedError
+from .calls import DitCall, concat_calls, split_output
+
+
+class BackwardGroup:
+    """The grad forwards of one loss evaluation's deferred windows; all but the last are no_sync'd."""
+
+    def __init__(self, num_grad_forwards: int):
+        self.remaining = num_grad_forwards
+
+    def sync_context(self, dit: nn.Module):
+        self.remaining -= 1
+        if self.remaining <= 0 or not hasattr(dit, "no_sync"):
+            return contextlib.nullcontext()
+        return dit.no_sync()
+
+
+class DeferredWindow:
+    """One window in per-window mode (module docstring): no-grad values now, knot backward later."""
+
+    def __init__(self, dit: nn.Module, calls: Sequence[DitCall], steps: Sequence[int], *, time_arg,
+                 batch: int, knots: Sequence[int], phi: torch.Tensor, interior_chunk: int | None,
+                 batch_knots: bool, unbatched: Sequence[str], group: BackwardGroup | None):
+        self.dit, self.calls, self.steps = dit, list(calls), list(steps)
+        self.time_arg, self.batch, self.knots, self.phi = time_arg, batch, tuple(knots), phi
+        self.interior_chunk, self.batch_knots, self.unbatched = interior_chunk, batch_knots, unbatched
+        self.group = group if group is not None else BackwardGroup(self.grad_forwards)
+        self.diff_index: list[tuple[int, int]] = []  # (step position, leaf index) of each node output
+
+    @property
+    def grad_forwards(self) -> int:
+        return 1 if self.batch_knots else len(self.knots)
+
+    def _batched_call(self, positions: Sequence[int]) -> DitCall:
+        return concat_calls([self.calls[p] for p in positions], self.time_arg,
+                            steps=[self.steps[p] for p in positions], unbatched=self.unbatched)
+
+    def run(self) -> list[Any]:
+        """Per-step outputs with exact values; their float leaves backpropagate through this window."""
+        positions = list(range(len(self.calls)))
+        chunk = self.interior_chunk or len(positions)
+        per_step: list[Any] = []
+        with torch.no_grad():
+            for lo in range(0, len(positions), chunk):
+                pos = positions[lo:lo + chunk]
+                per_step.extend(split_output(self._batched_call(pos)(self.dit), len(pos), self.batch))
+        flat = [tree_flatten(o) for o in per_step]
+        values = []
+        for s, (leaves, _) in enumerate(flat):
+            for i, leaf in enumerate(leaves):
+                if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+                    self.diff_index.append((s, i))
+                    values.append(leaf)
+        # the anchor only makes the node's outputs require grad; the DiT's parameters get their
+        # gradients from the nested backward, not through the outer graph
+        anchor = torch.empty(0, requires_grad=True)
+        tied = _DeferredWindowFn.apply(anchor, self, values)
+        leaves_per_step = [list(leaves) for leaves, _ in flat]
+        for (s, i), v in zip(self.diff_index, tied):
+            leaves_per_step[s][i] = v
+        return [tree_unflatten(leaves, spec) for leaves, (_, spec) in zip(leaves_per_step, flat)]
+
+    def composites(self, grads: Sequence[torch.Tensor | None]) -> dict[tuple[int, int], torch.Tensor]:
+        """Γ[j, leaf] = Σ_s Φ[s, j] ⊙ g[s, leaf] for every knot j and differentiable leaf."""
+        out: dict[tuple[int, int], torch.Tensor] = {}
+        for (s, i), g in zip(self.diff_index, grads):
+            if g is None:
+                continue
+            acc = g.dtype if g.dtype in (torch.float32, torch.float64) else torch.float32
+            shape = (self.batch,) + (1,) * (g.ndim - 1)
+            phi = self.phi.to(device=g.device, dtype=acc)
+            for j in range(len(self.knots)):
+                term = g.to(acc) * phi[s, j].view(shape)
+                out[(j, i)] = term if (j, i) not in out else out[(j, i)].add_(term)
+        return out
+
+    def backward(self, grads: Sequence[torch.Tensor | None]) -> None:
+        gamma = self.composites(grads)
+        if self.batch_knots:
+            groups = [list(range(len(self.knots)))]
+        else:
+            groups = [[j] for j in range(len(self.knots))]
+        for group in groups:
+            with self.group.sync_context(self.dit), torch.enable_grad():
+                out = self._batched_call([self.knots[j] for j in group])(self.dit)
+                leaves = tree_flatten(out)[0]
+                roots, root_grads = [], []
+                for i, leaf in enumerate(leaves):
+                    parts = [gamma.get((j, i)) for j in group]
+                    if not isinstance(leaf, torch.Tensor) or not leaf.requires_grad or all(p is None for p in parts):
+                        continue
+                    parts = [torch.zeros_like(leaf[:self.batch], dtype=_dtype_of(parts)) if p is None else p
+                             for p in parts]
+                    roots.append(leaf)
+                    root_grads.append(torch.cat(parts, 0).to(leaf.dtype))
+                if roots:
+                    torch.autograd.backward(roots, root_grads)
+
+
+def _dtype_of(parts) -> torch.dtype:
+    return next(p.dtype for p in parts if p is not None)
+
+
+class _DeferredWindowFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, anchor, window: DeferredWindow, values: list):
+        ctx.window = window
+        # split_output's slices are views of the batched output; own storage keeps autograd's
+        # view tracking out of the way (W*B output samples: negligible next to a forward)
+        return tuple(v.clone() if v._base is not None else v for v in values)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        window, ctx.window = ctx.window, None  # free the window's inputs once its backward ran
+        if window is None:
+            raise JaggUnsupportedError(
+                "a per-window-mode JAGG window was backpropagated twice (retain_graph=True): its knot "
+                "activations are rebuilt and freed inside the first backward. Use backward='joint' to "
+                "backpropagate the same loss more than once")
+        window.backward(grads)
+        return None, None, None
