@@ -37,7 +37,8 @@ class JaggCompiled:
     def __init__(self, fn: Callable, *, dit: nn.Module | None = None, window: int = 4, weights="t",
                  jagg_frac: float = 1.0, time_arg: str | int | None = None, capture: str = "auto",
                  backend: str | None = None, on_unsupported: str = "raise", interior_chunk: int | None = None,
-                 batch_knots: bool = True, check_inputs: bool = True, backward: str = "joint"):
+                 batch_knots: bool = True, check_inputs: bool = True, backward: str = "joint",
+                 rollout_cache=None):
         if capture not in _CAPTURES:
             raise JaggInputError(f"capture={capture!r}: use one of {_CAPTURES}")
         if on_unsupported not in ("raise", "exact"):
@@ -56,7 +57,8 @@ class JaggCompiled:
         self.capture = capture
         self.on_unsupported = on_unsupported
         options = WindowOptions(weights=weights, time_arg=time_arg, interior_chunk=interior_chunk,
-                                batch_knots=batch_knots, check_inputs=check_inputs, backward=backward)
+                                batch_knots=batch_knots, check_inputs=check_inputs, backward=backward,
+                                rollout_cache=rollout_cache)
         self.config = _passes().CompileConfig(window=window, weights=weights, jagg_frac=float(jagg_frac),
                                               time_arg=time_arg, options=options)
         self._report: Report | None = None
@@ -236,7 +238,7 @@ def explain(fn: Callable, *args, **kwargs) -> Report:
     """Compile ``fn`` with the jagg_compile options in ``kwargs``, run its forward once on
     ``args`` (no backward), and return the inspection report."""
     option_names = ("dit", "window", "weights", "jagg_frac", "time_arg", "capture", "backend",
-                    "on_unsupported", "interior_chunk", "batch_knots", "check_inputs", "backward")
+                    "on_unsupported", "interior_chunk", "batch_knots", "check_inputs", "backward", "rollout_cache")
     options = {k: kwargs.pop(k) for k in list(kwargs) if k in option_names}
     compiled = fn if isinstance(fn, JaggCompiled) else JaggCompiled(fn, **options)
     compiled(*args, **kwargs)

@@ -11,8 +11,8 @@ checkpointing, peft adapters and autocast see an ordinary forward/backward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from torch import nn
@@ -26,6 +26,9 @@ from .checks import check_calls, check_times
 from .deferred import BackwardGroup, DeferredWindow
 from .weights import Basis, resolve_basis
 
+if TYPE_CHECKING:
+    from .rollout_cache import RolloutCache
+
 BACKWARD_MODES = ("joint", "per_window")
 
 
@@ -38,7 +41,9 @@ class WindowOptions:
     position ids of Flux/Qwen-Image transformers, which never carry a batch dimension).
     ``backward``: "joint" (the knot forward keeps its activations until the loss's backward) or
     "per_window" (values from no-grad forwards; each window re-runs its knot forward inside the
-    backward and frees it: peak memory of one window, two more forwards per window; deferred.py)."""
+    backward and frees it: peak memory of one window, two more forwards per window; deferred.py).
+    ``rollout_cache``: the on-policy fast path: interior outputs recorded during the rollout are
+    reused while the parameters are unchanged (rollout_cache.py)."""
 
     weights: str | Basis = "t"
     time_arg: str | int | None = None
@@ -47,6 +52,7 @@ class WindowOptions:
     unbatched: tuple[str, ...] = ("img_ids", "txt_ids")
     check_inputs: bool = True
     backward: str = "joint"
+    rollout_cache: RolloutCache | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if self.backward not in BACKWARD_MODES:
@@ -78,6 +84,12 @@ def _interior_outputs(dit, calls, steps, time_arg, options, batch) -> dict[int, 
     if chunk < 1:
         raise JaggInputError(f"interior_chunk={options.interior_chunk} must be a positive number of steps")
     outs: dict[int, Any] = {}
+    if options.rollout_cache is not None:
+        for p in positions:
+            cached = options.rollout_cache.lookup(calls[p])
+            if cached is not None:
+                outs[p] = cached
+        positions = [p for p in positions if p not in outs]
     with torch.no_grad():
         for lo in range(0, len(positions), chunk):
             pos = positions[lo:lo + chunk]

@@ -1,0 +1,130 @@
+"""The on-policy fast path (runtime/rollout_cache.py): interior outputs served from the rollout's
+recorded calls while the parameters are unchanged; any parameter change falls back to forwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import jaggc
+from helpers import grads, rel_err, zero_grads
+from jaggc import models
+from jaggc.runtime import DitCall, RolloutCache, WindowOptions, count_dit_passes, jagg_calls
+
+T, B = 8, 3
+
+
+@pytest.fixture()
+def model():
+    return models.sd3("tiny", seed=0).double()
+
+
+def rollout(model, cache: RolloutCache | None = None, seed: int = 0):
+    """Euler-Maruyama sampling with the DiT (no grad), storing each step's state and timestep."""
+    g = torch.Generator().manual_seed(seed)
+    cond = {k: v.double() for k, v in models.sd3_conditioning(model, B, seed=seed).kwargs.items()}
+    z = torch.randn(models.sd3_latent_shape(model, B), generator=g).double()
+    sigmas = torch.linspace(1.0, 0.05, T + 1, dtype=torch.float64)
+    states, times = [], []
+    ctx = cache.record() if cache is not None else torch.no_grad()
+    with torch.no_grad(), ctx:
+        for k in range(T):
+            t = torch.full((B,), 1000.0, dtype=torch.float64) * sigmas[k]
+            v = model(hidden_states=z, timestep=t, return_dict=False, **cond)[0]
+            states.append(z)
+            times.append(t)
+            z = z + (sigmas[k + 1] - sigmas[k]) * v + 0.1 * torch.randn(z.shape, generator=g).double()
+    return dict(states=torch.stack(states, 1), times=torch.stack(times, 1), cond=cond)
+
+
+def training_calls(traj, order=None):
+    order = torch.arange(B) if order is None else order
+    cond = {k: v[order] for k, v in traj["cond"].items()}
+    return [DitCall((), dict(hidden_states=traj["states"][order, k], timestep=traj["times"][order, k],
+                             return_dict=False, **cond)) for k in range(T)]
+
+
+def loss_and_grad(model, calls, options):
+    """A loss whose upstream gradients depend on the step values (as a GRPO loss's do)."""
+    zero_grads(model)
+    with count_dit_passes(model) as counts:
+        outs = jagg_calls(model, calls, window=4, options=options)
+        loss = sum(((o[0] - 0.1 * k) ** 2).sum() for k, o in enumerate(outs))
+        loss.backward()
+    return loss.detach(), grads(model).clone(), counts
+
+
+def test_fast_path_skips_interior_forwards_with_the_same_gradient(model):
+    cache = RolloutCache(model)
+    traj = rollout(model, cache)
+    assert len(cache) == T * B
+    # Flow-GRPO trains on shuffled samples: rows are matched one by one
+    calls = training_calls(traj, order=torch.tensor([2, 0, 1]))
+    slow_loss, slow, slow_counts = loss_and_grad(model, calls, WindowOptions())
+    fast_loss, fast, fast_counts = loss_and_grad(model, calls, WindowOptions(rollout_cache=cache))
+    assert slow_counts.nograd_forwards == 2 and fast_counts.nograd_forwards == 0
+    assert fast_counts.grad_forwards == 2 and fast_counts.backwards == 2
+    assert cache.stats.hits == 4 and cache.stats.misses == 0
+    assert rel_err(fast, slow) < 1e-10
+    torch.testing.assert_close(fast_loss, slow_loss, rtol=1e-12, atol=0)
+
+
+def test_parameter_change_falls_back_to_forwards(model):
+    cache = RolloutCache(model)
+    calls = training_calls(rollout(model, cache))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    loss_and_grad(model, calls, WindowOptions(rollout_cache=cache))
+    opt.step()  # in-place parameter update: version counters move
+    slow_loss, slow, _ = loss_and_grad(model, calls, WindowOptions())
+    fast_loss, fast, counts = loss_and_grad(model, calls, WindowOptions(rollout_cache=cache))
+    assert counts.nograd_forwards == 2  # the stale cache was not used...
+    assert cache.stats.invalidations == 1 and len(cache) == 0  # ...and was dropped
+    assert torch.equal(fast, slow) and torch.equal(fast_loss, slow_loss)
+
+
+def test_manual_in_place_edit_invalidates(model):
+    cache = RolloutCache(model)
+    calls = training_calls(rollout(model, cache))
+    with torch.no_grad():
+        next(model.parameters()).mul_(1.0)  # same values, but written: must not be trusted
+    assert cache.lookup(calls[1]) is None
+    assert cache.stats.invalidations == 1
+
+
+def test_unrecorded_inputs_miss(model):
+    cache = RolloutCache(model)
+    traj = rollout(model, cache)
+    other = rollout(model, None, seed=1)
+    assert cache.lookup(training_calls(other)[1]) is None
+    # a row whose conditioning differs from the recording is another input
+    calls = training_calls(traj)
+    changed = DitCall((), {**calls[1].kwargs, "pooled_projections": calls[1].kwargs["pooled_projections"] + 1})
+    assert cache.lookup(changed) is None
+    hit = cache.lookup(calls[1])
+    with torch.no_grad():
+        assert torch.equal(hit[0], model(**calls[1].kwargs)[0])  # same batch as the rollout: same bits
+
+
+def test_compiled_loss_uses_the_cache(model):
+    cache = RolloutCache(model)
+    traj = rollout(model, cache)
+
+    def loss_fn(dit, batch):
+        total = 0
+        for j in range(batch["states"].shape[1]):
+            v = dit(hidden_states=batch["states"][:, j], timestep=batch["times"][:, j], return_dict=False,
+                    **batch["cond"])[0]
+            total = total + ((v - 0.1 * j) ** 2).sum()
+        return total
+
+    slow_fn = jaggc.jagg_compile(loss_fn, window=4)
+    fast_fn = jaggc.jagg_compile(loss_fn, window=4, rollout_cache=cache)
+    zero_grads(model)
+    slow_fn(model, traj).backward()
+    slow = grads(model).clone()
+    fast_fn(model, traj)  # capture
+    zero_grads(model)
+    with count_dit_passes(model) as counts:
+        fast_fn(model, traj).backward()
+    assert counts.nograd_forwards == 0 and counts.backwards == 2
+    assert rel_err(grads(model), slow) < 1e-10
