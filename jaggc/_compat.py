@@ -12,6 +12,7 @@ import torch.utils._pytree as _pytree
 TreeSpec = _pytree.TreeSpec
 tree_flatten = _pytree.tree_flatten
 tree_unflatten = _pytree.tree_unflatten
+tree_map = _pytree.tree_map
 tree_flatten_with_path = _pytree.tree_flatten_with_path
 keystr = _pytree.keystr
 

@@ -18,10 +18,12 @@ from . import _compat
 from .errors import JaggError, JaggInputError, JaggUnsupportedError
 from .frontends.dynamo import canonicalize_dynamo_calls, opaque_modules
 from .frontends.fx import capture_fx
+from .frontends.intercept import InterceptedLoss
+from .graph_ops import observed_times
 from .report import Report, WindowRow
 from .runtime.window import WindowOptions
 
-_CAPTURES = ("auto", "dynamo", "fx")
+_CAPTURES = ("auto", "dynamo", "fx", "intercept")
 
 
 def _passes():
@@ -78,7 +80,7 @@ class JaggCompiled:
     def __call__(self, *args, **kwargs):
         if self._path == "uncompiled":
             return self.fn(*args, **kwargs)
-        order = [self._path] if self._path else ["dynamo", "fx"]
+        order = [self._path] if self._path else ["dynamo", "fx", "intercept"]
         errors = []
         for path in order:
             try:
@@ -104,6 +106,8 @@ class JaggCompiled:
 
     def _run(self, path, args, kwargs):
         self._last_args, self._last_kwargs = args, kwargs
+        if path == "intercept":
+            return self._run_intercept(args, kwargs)
         return self._run_dynamo(args, kwargs) if path == "dynamo" else self._run_fx(args, kwargs)
 
     def _candidates(self, args, kwargs) -> list[nn.Module]:
@@ -172,6 +176,24 @@ class JaggCompiled:
         bound.apply_defaults()
         return gm(*bound.arguments.values())
 
+    # --- intercept (no tracing) -----------------------------------------------------------------
+    def _run_intercept(self, args, kwargs):
+        bound = inspect.signature(self.fn).bind(*args, **kwargs)
+        candidates = self._candidates(args, kwargs)
+        dit = self.dit if self.dit is not None else candidates[0] if len(candidates) == 1 else None
+        names = [k for k, v in bound.arguments.items() if dit is not None and v is dit]
+        if not names:
+            raise JaggUnsupportedError(
+                f"the intercept fallback swaps the DiT argument of {self.__qualname__} for a recording proxy, "
+                f"so the DiT must be exactly one argument of the loss (pass it as an argument; with several "
+                f"module arguments also pass jagg_compile(dit=model))")
+        cfg = self.config
+        loss = InterceptedLoss(self.fn, names[0], cfg.window, cfg.options, exact=cfg.jagg_frac == 0.0)
+        out = loss(dit, bound)
+        self.traces += 1
+        self._report = intercept_report(loss, cfg, self.traces)
+        return out
+
     # --- shared ---------------------------------------------------------------------------------
     def _rewrite(self, gm: fx.GraphModule, frontend: str):
         passes = _passes()
@@ -196,6 +218,21 @@ def build_report(frontend: str, gm: fx.GraphModule, stages, ctx, traces: int) ->
                                  if getattr(n.meta.get("jagg_call"), "role", None) == "reference")
     report._plans = [w.plan for w in ctx.windows]
     return report
+
+
+def intercept_report(loss: InterceptedLoss, cfg, traces: int) -> Report:
+    basis = cfg.options.basis
+    rows = []
+    for i, steps in enumerate(loss.windows):
+        jagg = len(steps) > 2 and cfg.jagg_frac != 0.0
+        rows.append(WindowRow(window=i, steps=list(steps), mode="jagg" if jagg else "exact",
+                              knots=list(basis.knot_positions(len(steps))) if jagg else [],
+                              basis=f"{basis.kind}/{basis.by}" if jagg else "",
+                              timesteps=observed_times([loss.recorded[k] for k in steps], cfg.options.time_arg),
+                              backward_before=len(steps), backward_after=1 if jagg else len(steps)))
+    return Report(path="intercept", windows=rows, traces=traces, notes=[
+        "no graph was captured: the loss ran twice with the DiT argument replaced by a recording proxy "
+        "(one extra forward per step compared with a captured graph)"])
 
 
 def _refresh_times(report: Report | None) -> None:

@@ -1,0 +1,179 @@
+"""The no-tracing fallback: run the loss twice with the DiT argument replaced by a proxy.
+
+For loss code neither Dynamo nor FX can capture (data-dependent Python, C extensions, exotic
+containers), jaggc still needs to know the DiT calls before it can run them as windows. The
+interceptor finds out by running the loss:
+
+  1. **record**: the DiT argument is a ``DitProxy`` that runs each grad-mode call without grad,
+     records its inputs and returns the output as a fresh leaf that requires grad, so a later call
+     whose input was computed from it is caught (the calls must be gradient-independent, like in a
+     graph: states are stored, not recomputed). The outputs are kept in a ``RolloutCache``.
+  2. **replay**: the recorded calls are cut into windows and run with ``jagg_calls`` (interior
+     outputs come from the cache, so only the knot forwards run again), then the loss runs a
+     second time and the proxy hands back the window outputs in call order, refusing any call
+     whose inputs differ from the recording (the loss must be deterministic given its inputs).
+
+It costs one extra forward of every step compared with a captured graph (the knots are computed
+twice: once without grad in the recording, once with grad) and runs the loss's Python twice. No-grad
+calls (KL reference forwards) go straight to the DiT in both runs. The DiT must be an argument of
+the loss (a closed-over module cannot be swapped for the proxy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from .._compat import tree_flatten, tree_map
+from ..errors import JaggGraphError, JaggInputError, JaggUnsupportedError
+from ..runtime.calls import DitCall
+from ..runtime.rollout_cache import RolloutCache
+from ..runtime.deferred import BackwardGroup
+from ..runtime.window import WindowOptions, deferred_grad_forwards, partition, run_exact, run_window
+
+
+class DitProxy:
+    """Stands in for the DiT argument; every grad-mode call goes to ``on_call``."""
+
+    def __init__(self, dit: nn.Module, on_call: Callable[[DitCall], Any]):
+        object.__setattr__(self, "_dit", dit)
+        object.__setattr__(self, "_on_call", on_call)
+
+    def __call__(self, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return self._dit(*args, **kwargs)  # reference calls run as written
+        return self._on_call(DitCall(tuple(args), dict(kwargs)))
+
+    def __getattr__(self, name):
+        if name == "forward":
+            raise JaggGraphError(
+                "the loss calls dit.forward(...): that bypasses the module call (and its hooks, DDP, "
+                "FSDP), so jaggc cannot intercept it. Call dit(...) instead")
+        return getattr(self._dit, name)
+
+
+def _grad_leaves(call: DitCall) -> list[str]:
+    names = []
+    flat = tree_flatten((call.args, call.kwargs))[0]
+    for i, x in enumerate(flat):
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            names.append(f"input {i}")
+    return names
+
+
+def _as_leaf(output: Any) -> Any:
+    def mark(x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return x.detach().requires_grad_()
+        return x
+
+    return tree_map(mark, output)
+
+
+def _same_inputs(a: DitCall, b: DitCall) -> bool:
+    fa, sa = tree_flatten((a.args, a.kwargs))
+    fb, sb = tree_flatten((b.args, b.kwargs))
+    if sa != sb or len(fa) != len(fb):
+        return False
+    for x, y in zip(fa, fb):
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape
+                    and x.dtype == y.dtype and torch.equal(x.detach(), y.detach())):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def _structure(call: DitCall):
+    flat, spec = tree_flatten((call.args, call.kwargs))
+    return str(spec), tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x) for x in flat)
+
+
+def window_groups(calls: Sequence[DitCall], window: int) -> list[list[int]]:
+    """Consecutive calls with one argument structure, cut into windows (a shorter tail is its own)."""
+    runs: list[list[int]] = []
+    for k, call in enumerate(calls):
+        if runs and _structure(calls[runs[-1][-1]]) == _structure(call):
+            runs[-1].append(k)
+        else:
+            runs.append([k])
+    return [[run[i] for i in idx] for run in runs for idx in partition(len(run), window)]
+
+
+class InterceptedLoss:
+    """Runs ``fn`` with the DiT argument ``dit_arg`` replaced (module docstring)."""
+
+    def __init__(self, fn: Callable, dit_arg: str, window: int, options: WindowOptions, exact: bool = False):
+        self.fn, self.dit_arg, self.window, self.options, self.exact = fn, dit_arg, window, options, exact
+        self.windows: list[list[int]] = []
+        self.recorded: list[DitCall] = []
+
+    def __call__(self, dit: nn.Module, bound: inspect.BoundArguments):
+        recorded, cache = self._record(dit, bound)
+        if not recorded:
+            raise JaggGraphError(
+                f"the loss made no grad-enabled call of its DiT argument {self.dit_arg!r}; nothing to rewrite")
+        if self.window > len(recorded):
+            raise JaggInputError(f"window={self.window} is larger than the {len(recorded)} grad-enabled DiT calls "
+                                 f"in the loss; use window <= {len(recorded)}")
+        self.windows = window_groups(recorded, self.window)
+        self.recorded = recorded
+        options = dataclasses.replace(self.options, rollout_cache=cache)
+        exact = range(len(self.windows)) if self.exact else ()
+        group = BackwardGroup(deferred_grad_forwards(self.windows, options, exact))
+        outs: list[Any] = [None] * len(recorded)
+        for w, idx in enumerate(self.windows):
+            calls = [recorded[k] for k in idx]
+            window_outs = (run_exact(dit, calls, steps=idx, options=options) if self.exact
+                           else run_window(dit, calls, steps=idx, options=options, group=group))
+            for k, o in zip(idx, window_outs):
+                outs[k] = o
+        return self._replay(dit, bound, recorded, outs)
+
+    def _run(self, bound: inspect.BoundArguments, proxy: DitProxy):
+        swapped = inspect.BoundArguments(bound.signature, {**bound.arguments, self.dit_arg: proxy})
+        return self.fn(*swapped.args, **swapped.kwargs)
+
+    def _record(self, dit, bound):
+        recorded: list[DitCall] = []
+        cache = RolloutCache(dit, time_arg=self.options.time_arg, unbatched=self.options.unbatched)
+
+        def on_call(call: DitCall):
+            depends = _grad_leaves(call)
+            if depends:
+                raise JaggGraphError(
+                    f"step {len(recorded)}: DiT input(s) {', '.join(depends)} require grad: they were computed "
+                    f"from an earlier DiT output (or another trained tensor) without .detach(). JAGG needs the "
+                    f"DiT calls to be gradient-independent: feed stored (detached) states")
+            recorded.append(call)
+            with torch.no_grad():
+                return _as_leaf(dit(*call.args, **call.kwargs))
+
+        with cache.record():
+            self._run(bound, DitProxy(dit, on_call))
+        return recorded, cache
+
+    def _replay(self, dit, bound, recorded, outs):
+        position = [0]
+
+        def on_call(call: DitCall):
+            k = position[0]
+            if k >= len(recorded) or not _same_inputs(call, recorded[k]):
+                raise JaggUnsupportedError(
+                    f"step {k}: the loss called the DiT with different inputs on its second run than on its "
+                    f"first. The intercept fallback runs the loss twice and needs it to be deterministic "
+                    f"(no sampling inside the loss); sample outside and pass the values in")
+            position[0] += 1
+            return outs[k]
+
+        result = self._run(bound, DitProxy(dit, on_call))
+        if position[0] != len(recorded):
+            raise JaggUnsupportedError(
+                f"the loss made {position[0]} DiT calls on its second run and {len(recorded)} on its first; "
+                f"the intercept fallback needs the same calls every run")
+        return result
