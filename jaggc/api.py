@@ -15,6 +15,7 @@ import torch
 from torch import fx, nn
 
 from . import _compat
+from .backends import BACKENDS, compile_glue
 from .errors import JaggError, JaggInputError, JaggUnsupportedError
 from .frontends.dynamo import canonicalize_dynamo_calls, opaque_modules
 from .frontends.fx import capture_fx
@@ -45,10 +46,12 @@ class JaggCompiled:
             raise JaggInputError(f"capture={capture!r}: use one of {_CAPTURES}")
         if on_unsupported not in ("raise", "exact"):
             raise JaggInputError(f"on_unsupported={on_unsupported!r}: use 'raise' or 'exact'")
-        if backend is not None:
+        if backend is not None and backend not in BACKENDS:
+            raise JaggInputError(f"backend={backend!r}: use None (run the rewritten graph eagerly) or one of {BACKENDS}")
+        if backend is not None and capture not in ("auto", "dynamo"):
             raise JaggUnsupportedError(
-                f"backend={backend!r} is not implemented yet: the rewritten graph runs eagerly (backend=None). "
-                f"Compile the DiT itself with torch.compile for kernel speedups")
+                f"backend={backend!r} compiles the glue of a Dynamo-captured graph; capture={capture!r} "
+                f"has no such graph. Use capture='dynamo' (or 'auto'), or backend=None")
         if not isinstance(window, int) or window < 2:
             raise JaggInputError(f"window={window!r}: a JAGG window needs an int of at least 2 steps")
         if not 0.0 <= float(jagg_frac) <= 1.0:
@@ -57,6 +60,7 @@ class JaggCompiled:
         self.fn = fn
         self.dit = dit
         self.capture = capture
+        self.backend = backend
         self.on_unsupported = on_unsupported
         options = WindowOptions(weights=weights, time_arg=time_arg, interior_chunk=interior_chunk,
                                 batch_knots=batch_knots, check_inputs=check_inputs, backward=backward,
@@ -80,7 +84,7 @@ class JaggCompiled:
     def __call__(self, *args, **kwargs):
         if self._path == "uncompiled":
             return self.fn(*args, **kwargs)
-        order = [self._path] if self._path else ["dynamo", "fx", "intercept"]
+        order = [self._path] if self._path else ["dynamo"] if self.backend else ["dynamo", "fx", "intercept"]
         errors = []
         for path in order:
             try:
@@ -160,6 +164,10 @@ class JaggCompiled:
     def _dynamo_backend(self, gm: fx.GraphModule, example_inputs):
         gm = canonicalize_dynamo_calls(gm)
         gm, report = self._rewrite(gm, "dynamo")
+        if self.backend is not None:
+            gm = self._dynamo_split = compile_glue(gm, self.backend)
+            report.notes.append(f"backend={self.backend!r}: {gm.jaggc_segments['glue']} glue segment(s) compiled, "
+                                f"{gm.jaggc_segments['runtime']} runtime segment(s) eager")
         return gm.forward
 
     # --- fx -----------------------------------------------------------------------------------
