@@ -5,19 +5,35 @@ seeded "prompt embedding" (``encoder_hidden_states``) and pooled embedding
 (``pooled_projections``); the transformer's own context and pooled projections are trained.
 So a DiT call in the GRPO loss is an ordinary diffusers call:
 ``dit(hidden_states=z, timestep=1000 * sigma, **class_conditioning(labels), return_dict=False)[0]``.
+
+The pretrained base weights ship in ``weights/`` as fp16 (to keep the package small) and load as
+float32; ``python -m jaggc.digits.train_base`` regenerates them.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
 from .data import IMAGE_SHAPE, NUM_CLASSES
 
+# Inner width 64 (4 heads x 16): ~0.58M parameters, so a GRPO forward+backward stays cheap on CPU
+# (batch 64 forward+backward ~0.1 s on one core) while still learning all ten digits.
+# caption_projection_dim must equal the inner width (heads x head_dim) in SD3's joint blocks.
 DIGITS_CONFIG = dict(sample_size=8, patch_size=2, in_channels=1, out_channels=1, num_layers=4,
-                     attention_head_dim=32, num_attention_heads=4, joint_attention_dim=32,
-                     caption_projection_dim=128, pooled_projection_dim=32)
+                     attention_head_dim=16, num_attention_heads=4, joint_attention_dim=32,
+                     caption_projection_dim=64, pooled_projection_dim=32)
 PROMPT_LEN = 4
 _PROMPT_SEED = 1234
+
+WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
+BASE_WEIGHTS = WEIGHTS_DIR / "base_dit.pt"
+BASE_REGEN_COMMAND = "python -m jaggc.digits.train_base"
+
+
+class MissingWeightsError(FileNotFoundError):
+    """A shipped weights file is absent; the message names the command that regenerates it."""
 
 
 def build_dit(*, seed: int = 0, config: dict | None = None):
@@ -43,4 +59,52 @@ def class_conditioning(labels: torch.Tensor, *, dtype: torch.dtype = torch.float
     return dict(encoder_hidden_states=prompts[labels].to(dtype), pooled_projections=pooled[labels].to(dtype))
 
 
-__all__ = ["DIGITS_CONFIG", "IMAGE_SHAPE", "NUM_CLASSES", "PROMPT_LEN", "build_dit", "class_conditioning"]
+def save_fp16_state(module: torch.nn.Module, path: Path, **meta) -> None:
+    """Store ``module``'s parameters as fp16 (halves the shipped size) plus metadata.
+
+    Buffers are left out: the DiT's only buffer is its fixed sin-cos position table (9216 x 64,
+    twice the size of the parameters), which ``build_dit`` recreates identically.
+    """
+    state = {k: v.detach().half() for k, v in module.named_parameters()}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(dict(state_dict=state, **meta), path)
+
+
+def load_parameters(module: torch.nn.Module, state_dict: dict) -> None:
+    """Load a parameters-only state dict; every parameter must be present (buffers keep their init)."""
+    missing, unexpected = module.load_state_dict(state_dict, strict=False)
+    buffers = {name for name, _ in module.named_buffers()}
+    if unexpected or set(missing) - buffers:
+        raise ValueError(f"weights do not match the module: missing {sorted(set(missing) - buffers)}, "
+                         f"unexpected {sorted(unexpected)}")
+
+
+def load_fp16_state(path: Path, regen_command: str) -> dict:
+    """The checkpoint dict at ``path``; a clear error naming ``regen_command`` if it is missing."""
+    path = Path(path)
+    if not path.is_file():
+        raise MissingWeightsError(
+            f"weights file {path} is missing; regenerate it with `{regen_command}` "
+            f"(it writes to {WEIGHTS_DIR} by default)")
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    ckpt["state_dict"] = {k: (v.float() if v.is_floating_point() else v) for k, v in ckpt["state_dict"].items()}
+    return ckpt
+
+
+def load_base(path: str | Path | None = None):
+    """The pretrained digits DiT: eval mode, float32; parameters keep requires_grad (fine-tunable)."""
+    ckpt = load_fp16_state(Path(path) if path is not None else BASE_WEIGHTS, BASE_REGEN_COMMAND)
+    if ckpt.get("config") != DIGITS_CONFIG:
+        # The class prompt table is derived from the config, so a stale checkpoint would be
+        # conditioned on the wrong embeddings: refuse rather than load something subtly broken.
+        raise ValueError(f"base weights were trained with config {ckpt.get('config')} but "
+                         f"DIGITS_CONFIG is {DIGITS_CONFIG}; regenerate with `{BASE_REGEN_COMMAND}`")
+    dit = build_dit(seed=0)
+    load_parameters(dit, ckpt["state_dict"])
+    return dit.float().eval()
+
+
+__all__ = ["BASE_REGEN_COMMAND", "BASE_WEIGHTS", "DIGITS_CONFIG", "IMAGE_SHAPE", "MissingWeightsError",
+           "NUM_CLASSES", "PROMPT_LEN", "WEIGHTS_DIR", "build_dit", "class_conditioning", "load_base",
+           "load_fp16_state", "load_parameters", "save_fp16_state"]
