@@ -20,8 +20,9 @@ from .errors import JaggError, JaggInputError, JaggUnsupportedError
 from .frontends.dynamo import canonicalize_dynamo_calls, opaque_modules
 from .frontends.fx import capture_fx
 from .frontends.intercept import InterceptedLoss
-from .graph_ops import observed_times
+from .graph_ops import TrajectoryPlan, observed_times
 from .report import Report, WindowRow
+from .runtime.routing import Routing
 from .runtime.window import WindowOptions
 
 _CAPTURES = ("auto", "dynamo", "fx", "intercept")
@@ -41,7 +42,7 @@ class JaggCompiled:
                  jagg_frac: float = 1.0, time_arg: str | int | None = None, capture: str = "auto",
                  backend: str | None = None, on_unsupported: str = "raise", interior_chunk: int | None = None,
                  batch_knots: bool = True, check_inputs: bool = True, backward: str = "joint",
-                 rollout_cache=None):
+                 rollout_cache=None, jagg_threshold: float | None = None, exact_below_t: float | None = None):
         if capture not in _CAPTURES:
             raise JaggInputError(f"capture={capture!r}: use one of {_CAPTURES}")
         if on_unsupported not in ("raise", "exact"):
@@ -54,8 +55,11 @@ class JaggCompiled:
                 f"has no such graph. Use capture='dynamo' (or 'auto'), or backend=None")
         if not isinstance(window, int) or window < 2:
             raise JaggInputError(f"window={window!r}: a JAGG window needs an int of at least 2 steps")
-        if not 0.0 <= float(jagg_frac) <= 1.0:
-            raise JaggInputError(f"jagg_frac={jagg_frac!r} must be in [0, 1]")
+        routing = Routing(jagg_frac=float(jagg_frac), threshold=jagg_threshold, exact_below_t=exact_below_t)
+        if routing.active and backward != "joint":
+            raise JaggUnsupportedError(
+                f"routing (jagg_frac={jagg_frac}, jagg_threshold={jagg_threshold}, exact_below_t={exact_below_t}) "
+                f"needs backward='joint': windows are scored before any is chosen")
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.dit = dit
@@ -66,7 +70,7 @@ class JaggCompiled:
                                 batch_knots=batch_knots, check_inputs=check_inputs, backward=backward,
                                 rollout_cache=rollout_cache)
         self.config = _passes().CompileConfig(window=window, weights=weights, jagg_frac=float(jagg_frac),
-                                              time_arg=time_arg, options=options)
+                                              time_arg=time_arg, options=options, routing=routing)
         self._report: Report | None = None
         self.traces = 0
         self._path: str | None = None if capture == "auto" else capture
@@ -168,7 +172,14 @@ class JaggCompiled:
             gm = self._dynamo_split = compile_glue(gm, self.backend)
             report.notes.append(f"backend={self.backend!r}: {gm.jaggc_segments['glue']} glue segment(s) compiled, "
                                 f"{gm.jaggc_segments['runtime']} runtime segment(s) eager")
-        return gm.forward
+        forward = gm.forward
+
+        def run_graph(*args):
+            # Dynamo keeps one compiled graph per guard set; .report follows the one that runs
+            self._report = report
+            return forward(*args)
+
+        return run_graph
 
     # --- fx -----------------------------------------------------------------------------------
     def _run_fx(self, args, kwargs):
@@ -196,7 +207,8 @@ class JaggCompiled:
                 f"so the DiT must be exactly one argument of the loss (pass it as an argument; with several "
                 f"module arguments also pass jagg_compile(dit=model))")
         cfg = self.config
-        loss = InterceptedLoss(self.fn, names[0], cfg.window, cfg.options, exact=cfg.jagg_frac == 0.0)
+        loss = InterceptedLoss(self.fn, names[0], cfg.window, cfg.options,
+                               exact=cfg.jagg_frac == 0.0 and not cfg.routing.active, routing=cfg.routing)
         out = loss(dit, bound)
         self.traces += 1
         self._report = intercept_report(loss, cfg, self.traces)
@@ -216,15 +228,15 @@ class JaggCompiled:
 def build_report(frontend: str, gm: fx.GraphModule, stages, ctx, traces: int) -> Report:
     rows = []
     for w in ctx.windows:
-        times = list(w.plan.observed_times) if w.plan is not None else []
         rows.append(WindowRow(window=w.index, steps=list(w.steps), mode=w.mode, knots=list(w.knots),
-                              basis=w.basis, timesteps=times, backward_before=len(w.steps),
+                              basis=w.basis, timesteps=[], backward_before=len(w.steps),
                               backward_after=1 if w.mode == "jagg" else len(w.steps)))
     report = Report(path=frontend, stages=stages, windows=rows, graph_module=gm, traces=traces,
                     notes=list(ctx.notes))
     report.reference_calls = sum(1 for n in gm.graph.nodes
                                  if getattr(n.meta.get("jagg_call"), "role", None) == "reference")
     report._plans = [w.plan for w in ctx.windows]
+    _refresh_times(report)
     return report
 
 
@@ -232,7 +244,9 @@ def intercept_report(loss: InterceptedLoss, cfg, traces: int) -> Report:
     basis = cfg.options.basis
     rows = []
     for i, steps in enumerate(loss.windows):
-        jagg = len(steps) > 2 and cfg.jagg_frac != 0.0
+        jagg = len(steps) > 2 and (cfg.jagg_frac != 0.0 or cfg.routing.active)
+        if jagg and loss.decision is not None:
+            jagg = loss.decision.modes[i] == "jagg"
         rows.append(WindowRow(window=i, steps=list(steps), mode="jagg" if jagg else "exact",
                               knots=list(basis.knot_positions(len(steps))) if jagg else [],
                               basis=f"{basis.kind}/{basis.by}" if jagg else "",
@@ -244,10 +258,19 @@ def intercept_report(loss: InterceptedLoss, cfg, traces: int) -> Report:
 
 
 def _refresh_times(report: Report | None) -> None:
+    """Timesteps and routing decisions of the latest run, copied into the report's rows."""
     if report is None:
         return
     for row, plan in zip(report.windows, getattr(report, "_plans", [])):
-        if plan is not None and plan.observed_times:
+        if isinstance(plan, TrajectoryPlan):
+            i = plan.window_indices.index(row.window)
+            if len(plan.observed_times) > i:
+                row.timesteps = list(plan.observed_times[i])
+            if plan.decision is not None and plan.decision.modes:
+                row.mode = "routed:" + plan.decision.modes[i]
+                row.score = plan.decision.scores[i]
+                row.backward_after = 1 if plan.decision.modes[i] == "jagg" else len(row.steps)
+        elif plan is not None and plan.observed_times:
             row.timesteps = list(plan.observed_times)
 
 
@@ -283,7 +306,7 @@ def explain(fn: Callable, *args, **kwargs) -> Report:
     """Compile ``fn`` with the jagg_compile options in ``kwargs``, run its forward once on
     ``args`` (no backward), and return the inspection report."""
     option_names = ("dit", "window", "weights", "jagg_frac", "time_arg", "capture", "backend",
-                    "on_unsupported", "interior_chunk", "batch_knots", "check_inputs", "backward", "rollout_cache")
+                    "on_unsupported", "interior_chunk", "batch_knots", "check_inputs", "backward", "rollout_cache", "jagg_threshold", "exact_below_t")
     options = {k: kwargs.pop(k) for k in list(kwargs) if k in option_names}
     compiled = fn if isinstance(fn, JaggCompiled) else JaggCompiled(fn, **options)
     compiled(*args, **kwargs)

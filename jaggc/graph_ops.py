@@ -16,6 +16,7 @@ import torch.fx
 from ._compat import tree_flatten
 from .runtime.calls import DitCall, per_sample_time, resolve_time_arg
 from .runtime.deferred import BackwardGroup
+from .runtime.routing import Routing, RoutingDecision, run_routed
 from .runtime.window import WindowOptions, run_exact, run_window
 
 
@@ -65,6 +66,29 @@ def jagg_window(dit, calls: tuple, plan: WindowPlan) -> tuple:
         plan.observed_times = observed_times(dit_calls, plan.options.time_arg)
     group = plan.deferred.group_for(plan.index) if plan.deferred is not None else None
     return tuple(run_window(dit, dit_calls, steps=list(plan.steps), options=plan.options, group=group))
+
+
+@dataclass
+class TrajectoryPlan:
+    """What a ``jagg_trajectory`` node runs: the routed windows, and the latest routing decision."""
+
+    windows: tuple[tuple[int, ...], ...]   # the steps of each routed window
+    window_indices: tuple[int, ...]        # their indices among all windows (report rows)
+    options: WindowOptions
+    routing: Routing
+    decision: RoutingDecision | None = None
+    observed_times: list[list[float]] = field(default_factory=list)
+
+
+@torch.fx.wrap
+def jagg_trajectory(dit, windows: tuple, plan: TrajectoryPlan) -> tuple:
+    """The outputs of every routed window's steps, in order: each window scored, then run as JAGG or
+    exact (runtime/routing.py). ``windows`` = (((args, kwargs), ...), ...), one tuple per window."""
+    calls = [[DitCall(tuple(a), dict(k)) for a, k in w] for w in windows]
+    if not plan.observed_times:
+        plan.observed_times = [observed_times(w, plan.options.time_arg) for w in calls]
+    outs, plan.decision = run_routed(dit, calls, [list(w) for w in plan.windows], plan.options, plan.routing)
+    return tuple(o for window_outs in outs for o in window_outs)
 
 
 def observed_times(calls, time_arg) -> list[float]:

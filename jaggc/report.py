@@ -22,9 +22,10 @@ class WindowRow:
     timesteps: list[float]
     backward_before: int   # DiT backward passes of the uncompiled loss (one per step)
     backward_after: int    # after the rewrite (one joint pass per JAGG window)
+    score: float | None = None   # routing score of the latest run (routed windows only)
 
     def roles(self) -> str:
-        if self.mode != "jagg":
+        if self.mode not in ("jagg", "routed", "routed:jagg"):
             return "exact per step"
         return " ".join("K" if i in self.knots else "i" for i in range(len(self.steps)))
 
@@ -63,13 +64,17 @@ class Report:
         return sum(w.backward_after for w in self.windows)
 
     def table(self) -> str:
+        scored = any(w.mode.startswith("routed") for w in self.windows)
         head = ["window", "steps", "mode", "roles", "weights", "timesteps", "DiT bwd before->after"]
+        head[3:3] = ["score"] if scored else []
         rows = []
         for w in self.windows:
             ts = ", ".join(f"{t:.4g}" for t in w.timesteps) if w.timesteps else "(not run yet)"
-            rows.append([str(w.window), f"{w.steps[0]}-{w.steps[-1]}", w.mode, w.roles(), w.basis or "-", ts,
-                         f"{w.backward_before} -> {w.backward_after}"])
-        rows.append(["total", "", "", "", "", "", f"{self.backward_before} -> {self.backward_after}"])
+            row = [str(w.window), f"{w.steps[0]}-{w.steps[-1]}", w.mode, w.roles(), w.basis or "-", ts,
+                   f"{w.backward_before} -> {w.backward_after}"]
+            row[3:3] = [f"{w.score:.3f}" if w.score is not None else "-"] if scored else []
+            rows.append(row)
+        rows.append(["total"] + [""] * (len(head) - 2) + [f"{self.backward_before} -> {self.backward_after}"])
         widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
         fmt = lambda r: "  ".join(c.ljust(wd) for c, wd in zip(r, widths)).rstrip()
         lines = [fmt(head), fmt(["-" * wd for wd in widths])] + [fmt(r) for r in rows]

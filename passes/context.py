@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from torch import fx, nn
 
+from jaggc.runtime.routing import Routing
 from jaggc.runtime.window import WindowOptions
 
 
@@ -20,6 +21,7 @@ class CompileConfig:
     jagg_frac: float = 1.0
     time_arg: str | int | None = None
     options: WindowOptions = WindowOptions()
+    routing: Routing = Routing()
 
 
 @dataclass
@@ -40,7 +42,7 @@ class Window:
     index: int
     nodes: list[fx.Node]
     steps: list[int]
-    mode: str                  # "jagg" or "exact"
+    mode: str                  # "jagg", "exact", or "routed" (JAGG or exact, chosen at run time by score)
     knots: tuple[int, ...] = ()
     basis: str = ""
     time_arg: str | int | None = None

@@ -18,7 +18,7 @@ import warnings
 from torch import fx
 
 from jaggc import _compat
-from jaggc.graph_ops import DeferredGroupPlan, WindowPlan, jagg_window
+from jaggc.graph_ops import DeferredGroupPlan, TrajectoryPlan, WindowPlan, jagg_trajectory, jagg_window
 from jaggc.runtime.window import deferred_grad_forwards
 
 from .context import PassContext
@@ -26,8 +26,11 @@ from .context import PassContext
 
 def rewrite_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     graph = gm.graph
+    _rewrite_routed(gm, ctx)
     deferred = _deferred_group_plan(ctx)
     for w in ctx.windows:
+        if w.mode == "routed":
+            continue
         if w.mode != "jagg":
             for node in w.nodes:
                 node.kwargs = {**node.kwargs, "step": node.meta["jagg_call"].step}
@@ -59,6 +62,43 @@ def rewrite_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         w.nodes = [u for u in window_node.users]
     _compat.topological_sort(gm)
     return gm
+
+
+def _rewrite_routed(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """All routed windows become ONE ``jagg_trajectory`` node: choosing the best ⌊jagg_frac·n⌋
+    windows needs every window's score before any window runs. It is placed after the last of their
+    calls; the independence pass proved no call's input depends on a DiT output, so every input is
+    available there and the topological sort only moves readers of early steps after it."""
+    routed = [w for w in ctx.windows if w.mode == "routed"]
+    if not routed:
+        return
+    graph = gm.graph
+    options = dataclasses.replace(ctx.config.options, weights=ctx.config.weights, time_arg=routed[0].time_arg)
+    plan = TrajectoryPlan(windows=tuple(tuple(w.steps) for w in routed),
+                          window_indices=tuple(w.index for w in routed), options=options,
+                          routing=ctx.config.routing)
+    gm.jagg_trajectory_plan = plan
+    nodes = [n for w in routed for n in w.nodes]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    last = max(nodes, key=order.__getitem__)
+    calls = tuple(tuple((n.args[1], n.args[2]) for n in w.nodes) for w in routed)
+    with graph.inserting_after(last), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        plan_node = graph.get_attr("jagg_trajectory_plan")
+    with graph.inserting_after(plan_node):
+        node = graph.call_function(jagg_trajectory, (last.args[0], calls, plan_node))
+    anchor = node
+    for pos, old in enumerate(nodes):
+        with graph.inserting_after(anchor):
+            out = graph.call_function(operator.getitem, (node, pos))
+        anchor = out
+        out.meta["jagg_call"] = old.meta["jagg_call"]
+        out.meta["jagg_window"] = old.meta["jagg_call"].window
+        old.replace_all_uses_with(out)
+    for old in nodes:
+        graph.erase_node(old)
+    for w in routed:
+        w.node, w.plan = node, plan
 
 
 def _deferred_group_plan(ctx: PassContext) -> DeferredGroupPlan | None:

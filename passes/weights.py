@@ -35,7 +35,7 @@ def resolve_time_arg(node: fx.Node, time_arg):
 def compute_weights(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     basis = resolve_basis(ctx.config.weights)
     for w in ctx.windows:
-        if w.mode != "jagg":
+        if w.mode not in ("jagg", "routed"):
             continue
         w.time_arg = resolve_time_arg(w.nodes[0], ctx.config.time_arg)
         for node in w.nodes[1:]:

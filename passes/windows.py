@@ -4,8 +4,9 @@ A window holds consecutive trained calls of the same module with the same static
 structure (same keywords, same constants), so their inputs can be batch-concatenated. A call
 that breaks the structure starts a new run; each run is cut into windows of ``window`` steps and
 a shorter tail becomes a window of its own length (exact when it has <= 2 steps, since then every
-step is a knot). ``jagg_frac`` = 1 sends every window to JAGG and 0 none (per-window routing by a
-score is not implemented yet: other values are refused).
+step is a knot). Without routing (``jagg_frac`` 1 or 0, no threshold or timestep rule) every window of
+more than 2 steps is "jagg" (or "exact" at jagg_frac 0); with routing such windows are "routed": the
+runtime scores them and picks JAGG or exact per call (runtime/routing.py).
 
 Invariant after: every trained call belongs to exactly one window, windows are ordered by step,
 and each call's CallSite has its window index and role ("knot", "interior" or "exact").
@@ -43,11 +44,12 @@ def assign_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     cfg = ctx.config
     if not isinstance(cfg.window, int) or cfg.window < 2:
         raise JaggInputError(f"window={cfg.window!r}: a JAGG window needs an int of at least 2 steps")
-    if cfg.jagg_frac not in (0.0, 1.0):
-        raise JaggUnsupportedError(
-            f"jagg_frac={cfg.jagg_frac}: per-window routing is not implemented yet; use 1.0 (all windows "
-            f"JAGG) or 0.0 (all exact)")
     trained = ctx.trained_calls(gm)
+    if len(trained) < 2:
+        raise JaggInputError(
+            f"the loss makes {len(trained)} grad-enabled DiT call: a JAGG window needs at least 2 steps, so "
+            f"there is nothing to aggregate. Call the loss uncompiled (one DiT backward per step is "
+            f"already the minimum)")
     if cfg.window > len(trained):
         raise JaggInputError(
             f"window={cfg.window} is larger than the {len(trained)} grad-enabled DiT calls in the loss; "
@@ -56,7 +58,12 @@ def assign_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for run in batch_compatible_runs(trained):
         for idx in partition(len(run), cfg.window):
             nodes = [run[i] for i in idx]
-            mode = "jagg" if cfg.jagg_frac == 1.0 and len(nodes) > 2 else "exact"
+            if len(nodes) <= 2:
+                mode = "exact"
+            elif cfg.routing.active:
+                mode = "routed"
+            else:
+                mode = "jagg" if cfg.jagg_frac == 1.0 else "exact"
             w = Window(index=len(ctx.windows), nodes=nodes, mode=mode,
                        steps=[n.meta["jagg_call"].step for n in nodes])
             ctx.windows.append(w)

@@ -411,6 +411,11 @@ def test_trace_cache_and_retrace_on_new_step_count(capture):
     assert len(compiled.report.windows) == 3
     assert compiled.report.backward_before == 9 and compiled.report.backward_after == 3
 
+    # back to 6 steps: the cached graph runs again, and the report is that graph's
+    compiled(field, zs, ts, gs, 6)
+    assert compiled.traces == 2
+    assert [w.steps for w in compiled.report.windows] == [[0, 1, 2], [3, 4, 5]]
+
 
 def test_no_recompile_across_optimizer_steps(refs):
     ex = example_losses.build_example("flow_grpo_sd3", num_steps=NUM_STEPS, batch=B, seed=1)

@@ -182,9 +182,6 @@ CASES = {
                              num_steps=3),
     "window_too_large-fx": Case(plain_loss, dict(capture="fx", window=5), JaggInputError,
                                 [r"window=5 is larger than the 4 grad-enabled DiT calls", r"use window <= 4"]),
-    "jagg_frac_half": Case(plain_loss, dict(capture="dynamo", window=2, jagg_frac=0.5), JaggUnsupportedError,
-                           [r"jagg_frac=0\.5: per-window routing is not implemented yet",
-                            r"use 1\.0 .* or 0\.0"]),
     "duplicate_timesteps": Case(plain_loss, dict(capture="dynamo", window=4), JaggInputError,
                                 [r"steps 1 and 2 have the same timestep", r"pass each step's own timestep"],
                                 ts=lambda ts: torch.stack([ts[0], ts[1], ts[1], ts[3]])),
@@ -227,7 +224,7 @@ def test_window_below_two_or_not_int(window):
 
 
 @pytest.mark.parametrize("bad", [dict(capture="torchscript"), dict(on_unsupported="ignore"), dict(jagg_frac=1.5),
-                                 dict(backend="inductor")])
+                                 dict(backend="tvm"), dict(jagg_threshold=1.5), dict(backward="later")])
 def test_bad_options_refused_at_decoration(bad):
     with pytest.raises(jaggc.JaggError, match=re.escape(repr(next(iter(bad.values()))))):
         jagg_compile(plain_loss, **bad)

@@ -125,7 +125,7 @@ def test_check_model_tiny_sd3_window2_is_exact():
 
 def test_cli_json_and_exit_code(tmp_path, capsys):
     path = tmp_path / "verify.json"
-    rc = main_verify(["--examples", "5", "--json", str(path)])
+    rc = main_verify(["--examples", "5", "--suite", "runtime", "--json", str(path)])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "all checks passed" in out and "counterexamples found and shrunk: 3/3" in out
@@ -143,5 +143,5 @@ def test_cli_exit_code_on_a_violated_property(monkeypatch, capsys):
     def broken(examples, seed):
         return properties.PropertyResult("broken", "exact", False, examples, 1.0, "W=3 -> rel_err=1")
     monkeypatch.setattr(properties, "PROPERTIES", {"broken": broken})
-    assert main_verify(["--examples", "2", "--no-symbolic"]) == 1
+    assert main_verify(["--examples", "2", "--suite", "runtime", "--no-symbolic"]) == 1
     assert "FAILED" in capsys.readouterr().out

@@ -1,7 +1,13 @@
 """``jaggc verify``: the symbolic proofs and every property check, as one report.
 
     jaggc verify [--examples N] [--profile ci|thorough] [--seed S] [--json PATH] [--no-symbolic]
+                 [--suite all|runtime|losses]
     python -m jaggc.verify.cli ...
+
+Two suites of properties: ``runtime`` (``jaggc.verify.properties``: velocity fields with known
+Jacobian structure through the window runtime, and one fx-compiled linear loss) and ``losses``
+(``jaggc.verify.loss_properties``: Flow-GRPO / DanceGRPO / CPS losses through ``@jagg_compile``
+with both frontends and through the runtime). ``--suite all`` (the default) runs both.
 
 Exit status 1 if a symbolic identity fails, an exact property is violated, or a counterexample
 property finds no counterexample; 0 otherwise. ``--json`` writes a list of entries
@@ -15,9 +21,10 @@ import argparse
 import json
 import sys
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 PROFILES = {"ci": 15, "thorough": 300}
+SUITES = ("all", "runtime", "losses")
 
 
 def build_parser(prog: str = "jaggc verify") -> argparse.ArgumentParser:
@@ -29,7 +36,23 @@ def build_parser(prog: str = "jaggc verify") -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="mixed into every example's random data")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
     p.add_argument("--no-symbolic", action="store_true", help="skip the sympy proofs")
+    p.add_argument("--suite", choices=SUITES, default="all",
+                   help="which properties: runtime (velocity fields through the window runtime), losses "
+                        "(GRPO losses through @jagg_compile), or all (default)")
     return p
+
+
+def registry(suite: str = "all") -> dict[str, Callable]:
+    """name -> property function of the selected suite(s), in report order (read at call time, so
+    a test can substitute a module's PROPERTIES)."""
+    from . import loss_properties, properties
+
+    chosen = {}
+    if suite in ("all", "runtime"):
+        chosen.update(properties.PROPERTIES)
+    if suite in ("all", "losses"):
+        chosen.update(loss_properties.PROPERTIES)
+    return chosen
 
 
 def _fmt_err(x: float) -> str:
@@ -59,18 +82,18 @@ def main_verify(argv: Sequence[str] | None = None) -> int:
 
     print(f"properties: {examples} examples each, seed {args.seed}, counterexample threshold rel_err > "
           f"{properties.TOL:g}")
-    header = f"  {'property':<20} {'kind':<15} {'result':<7} {'examples':>8} {'max rel err':>12}  {'time':>6}"
+    header = f"  {'property':<26} {'kind':<15} {'result':<7} {'examples':>8} {'max rel err':>12}  {'time':>6}"
     print(header)
     print("  " + "-" * (len(header) - 2))
     results = []
-    for name, fn in properties.PROPERTIES.items():
+    for name, fn in registry(args.suite).items():
         t0 = time.perf_counter()
         r = fn(examples, args.seed)
         dt = time.perf_counter() - t0
         results.append(r)
         ok &= r.passed
         status = "ok" if r.passed else "FAIL"
-        print(f"  {r.name:<20} {r.kind:<15} {status:<7} {r.examples:>8} {_fmt_err(r.max_rel_err):>12}  {dt:5.1f}s")
+        print(f"  {r.name:<26} {r.kind:<15} {status:<7} {r.examples:>8} {_fmt_err(r.max_rel_err):>12}  {dt:5.1f}s")
         if r.counterexample is not None:
             label = "shrunk counterexample" if r.kind == "counterexample" else "VIOLATION (shrunk)"
             print(f"      {label}: {r.counterexample}")

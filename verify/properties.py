@@ -138,8 +138,11 @@ def _upstream(gen: torch.Generator, n: int, batch: int, dim: int) -> list[torch.
 # ----------------------------------------------------------------------------- runners
 
 def _settings(examples: int) -> settings:
+    # no explain phase: after shrinking it re-runs the check on many variants of the minimal example
+    # only to annotate it, which costs dozens of re-traces when the check compiles a loss
     return settings(max_examples=max(int(examples), 1), derandomize=True, database=None, deadline=None,
-                    suppress_health_check=list(HealthCheck), print_blob=False, report_multiple_bugs=False)
+                    suppress_health_check=list(HealthCheck), print_blob=False, report_multiple_bugs=False,
+                    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink])
 
 
 def _describe(case: Any) -> str:

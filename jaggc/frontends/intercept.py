@@ -32,6 +32,7 @@ from .._compat import tree_flatten, tree_map
 from ..errors import JaggGraphError, JaggInputError, JaggUnsupportedError
 from ..runtime.calls import DitCall
 from ..runtime.rollout_cache import RolloutCache
+from ..runtime.routing import Routing, run_routed
 from ..runtime.deferred import BackwardGroup
 from ..runtime.window import WindowOptions, deferred_grad_forwards, partition, run_exact, run_window
 
@@ -108,8 +109,11 @@ def window_groups(calls: Sequence[DitCall], window: int) -> list[list[int]]:
 class InterceptedLoss:
     """Runs ``fn`` with the DiT argument ``dit_arg`` replaced (module docstring)."""
 
-    def __init__(self, fn: Callable, dit_arg: str, window: int, options: WindowOptions, exact: bool = False):
+    def __init__(self, fn: Callable, dit_arg: str, window: int, options: WindowOptions, exact: bool = False,
+                 routing: Routing | None = None):
         self.fn, self.dit_arg, self.window, self.options, self.exact = fn, dit_arg, window, options, exact
+        self.routing = routing
+        self.decision = None
         self.windows: list[list[int]] = []
         self.recorded: list[DitCall] = []
 
@@ -124,6 +128,10 @@ class InterceptedLoss:
         self.windows = window_groups(recorded, self.window)
         self.recorded = recorded
         options = dataclasses.replace(self.options, rollout_cache=cache)
+        if self.routing is not None and self.routing.active and not self.exact:
+            routed, self.decision = run_routed(dit, [[recorded[k] for k in idx] for idx in self.windows],
+                                               self.windows, options, self.routing)
+            return self._replay(dit, bound, recorded, [o for window_outs in routed for o in window_outs])
         exact = range(len(self.windows)) if self.exact else ()
         group = BackwardGroup(deferred_grad_forwards(self.windows, options, exact))
         outs: list[Any] = [None] * len(recorded)

@@ -99,6 +99,61 @@ def _interior_outputs(dit, calls, steps, time_arg, options, batch) -> dict[int, 
     return outs
 
 
+@dataclass
+class PreparedWindow:
+    """A window after its forwards: what assembling it as JAGG (or routing it to exact) needs."""
+
+    calls: Sequence[DitCall]
+    steps: list[int]
+    time_arg: str | int
+    batch: int
+    times: torch.Tensor                 # (S, B) per-step, per-sample timesteps
+    knots: tuple[int, ...]
+    phi: torch.Tensor                   # (S, K, B) basis weights
+    knot_out: Any                       # the knots' batched output, with grad
+    interior_out: dict[int, Any]        # window position -> no-grad output
+
+    def assemble(self) -> list[Any]:
+        """The JAGG outputs: values exact, backward through one joint knot backward."""
+        return _assemble(self.phi, self.knot_out, self.knots, self.interior_out, len(self.calls), self.batch)
+
+
+def _checked_times(dit, calls, steps, options) -> tuple[str | int, int, torch.Tensor]:
+    time_arg = resolve_time_arg(calls[0], options.time_arg)
+    batch = batch_size(calls[0])
+    if options.check_inputs:
+        check_calls(dit, calls, steps)
+        # the whole window, not only the groups that happen to be batched together below
+        check_compatible(calls, time_arg, steps=steps, unbatched=options.unbatched)
+    times = torch.stack([per_sample_time(c, time_arg, s) for c, s in zip(calls, steps)])
+    if options.check_inputs:
+        check_times(times, steps)
+    return time_arg, batch, times
+
+
+def prepare_window(dit: nn.Module, calls: Sequence[DitCall], steps: Sequence[int],
+                   options: WindowOptions) -> PreparedWindow:
+    """Checks, weights, the batched no-grad interior forwards and the knot forward with grad."""
+    steps = list(steps)
+    time_arg, batch, times = _checked_times(dit, calls, steps, options)
+    knots = options.basis.knot_positions(len(calls))
+    phi = options.basis.matrix(times)
+    interior = [p for p in range(len(calls)) if p not in knots]
+    interior_out = _interior_outputs(dit, [calls[p] for p in interior], [steps[p] for p in interior],
+                                     time_arg, options, batch)
+    interior_out = {interior[i]: o for i, o in interior_out.items()}
+    if options.batch_knots:
+        knot_out = _forward_batched(dit, [calls[p] for p in knots], [steps[p] for p in knots], time_arg, options)
+    else:
+        outs = [calls[p](dit) for p in knots]
+        knot_leaves = [tree_flatten(o)[0] for o in outs]
+        spec = tree_flatten(outs[0])[1]
+        knot_out = tree_unflatten(
+            [torch.cat(ls, 0) if isinstance(ls[0], torch.Tensor) else ls[0] for ls in zip(*knot_leaves)], spec)
+    return PreparedWindow(calls=calls, steps=steps, time_arg=time_arg, batch=batch, times=times, knots=knots,
+                          phi=phi, knot_out=knot_out, interior_out=interior_out)
+
+
 def run_window(dit: nn.Module, calls: Sequence[DitCall], *, steps: Sequence[int] | None = None,
                options: WindowOptions = WindowOptions(), group: BackwardGroup | None = None) -> list[Any]:
     """Outputs of ``dit`` on each call, exact in value, with a JAGG backward (module docstring).
@@ -109,37 +164,13 @@ def run_window(dit: nn.Module, calls: Sequence[DitCall], *, steps: Sequence[int]
     if len(calls) <= 2 or not torch.is_grad_enabled():
         # a window of <= 2 steps is all knots: per-step autograd is the same gradient, simpler
         return run_exact(dit, calls, steps=steps, options=options)
-    time_arg = resolve_time_arg(calls[0], options.time_arg)
-    batch = batch_size(calls[0])
-    if options.check_inputs:
-        check_calls(dit, calls, steps)
-        # the whole window, not only the groups that happen to be batched together below
-        check_compatible(calls, time_arg, steps=steps, unbatched=options.unbatched)
-    times = torch.stack([per_sample_time(c, time_arg, s) for c, s in zip(calls, steps)])
-    if options.check_inputs:
-        check_times(times, steps)
-    basis = options.basis
-    knots = basis.knot_positions(len(calls))
-    phi = basis.matrix(times)
     if options.backward == "per_window":
-        return DeferredWindow(dit, calls, steps, time_arg=time_arg, batch=batch, knots=knots, phi=phi,
+        time_arg, batch, times = _checked_times(dit, calls, steps, options)
+        return DeferredWindow(dit, calls, steps, time_arg=time_arg, batch=batch,
+                              knots=options.basis.knot_positions(len(calls)), phi=options.basis.matrix(times),
                               interior_chunk=options.interior_chunk, batch_knots=options.batch_knots,
                               unbatched=options.unbatched, group=group).run()
-
-    interior = [p for p in range(len(calls)) if p not in knots]
-    interior_out = _interior_outputs(dit, [calls[p] for p in interior], [steps[p] for p in interior],
-                                     time_arg, options, batch)
-    interior_out = {interior[i]: o for i, o in interior_out.items()}
-
-    if options.batch_knots:
-        knot_out = _forward_batched(dit, [calls[p] for p in knots], [steps[p] for p in knots], time_arg, options)
-    else:
-        outs = [calls[p](dit) for p in knots]
-        knot_leaves = [tree_flatten(o)[0] for o in outs]
-        spec = tree_flatten(outs[0])[1]
-        knot_out = tree_unflatten(
-            [torch.cat(ls, 0) if isinstance(ls[0], torch.Tensor) else ls[0] for ls in zip(*knot_leaves)], spec)
-    return _assemble(phi, knot_out, knots, interior_out, len(calls), batch)
+    return prepare_window(dit, calls, steps, options).assemble()
 
 
 def _assemble(phi, knot_out, knots, interior_out, num_steps, batch) -> list[Any]:
@@ -171,11 +202,13 @@ def partition(num_steps: int, window: int) -> list[list[int]]:
 
 
 def jagg_calls(dit: nn.Module, calls: Sequence[DitCall], *, window: int = 4,
-               options: WindowOptions = WindowOptions(), exact_windows: Sequence[int] = ()) -> list[Any]:
+               options: WindowOptions = WindowOptions(), exact_windows: Sequence[int] = (),
+               routing=None) -> list[Any]:
     """Run a trajectory's DiT calls in consecutive windows of ``window`` steps.
 
     Windows listed in ``exact_windows`` (by index) run as plain per-step calls. A tail shorter
     than ``window`` is a JAGG window of its own length (exact when it has <= 2 steps).
+    ``routing`` (a ``jaggc.runtime.routing.Routing``) chooses JAGG windows at run time by score.
     """
     if not calls:
         raise JaggInputError("no DiT calls to run: the trajectory is empty")
@@ -183,6 +216,14 @@ def jagg_calls(dit: nn.Module, calls: Sequence[DitCall], *, window: int = 4,
         raise JaggInputError(f"window={window} is larger than the {len(calls)} steps of the trajectory; "
                              f"use window <= {len(calls)}")
     windows = partition(len(calls), window)
+    if routing is not None and routing.active:
+        from .routing import run_routed
+
+        kept = [w for i, w in enumerate(windows) if i not in exact_windows]
+        routed, _ = run_routed(dit, [[calls[i] for i in w] for w in kept], kept, options, routing)
+        by_window = dict(zip([tuple(w) for w in kept], routed))
+        return [o for w in windows for o in (by_window.get(tuple(w)) or run_exact(
+            dit, [calls[i] for i in w], steps=w, options=options))]
     group = BackwardGroup(deferred_grad_forwards(windows, options, exact_windows))
     outs: list[Any] = []
     for w, idx in enumerate(windows):
