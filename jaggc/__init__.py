@@ -14,3 +14,14 @@ from .api import JaggCompiled, explain, jagg_compile
 from .report import Report
 
 __all__ += ["JaggCompiled", "Report", "explain", "jagg_compile"]
+
+
+def calibrate(loss_fn, dit, batch, target_cosine=0.95, candidates=None, **kwargs):
+    """Measure JAGG settings' gradient fidelity and backward cost on ``batch``; recommend the
+    cheapest meeting ``target_cosine`` (jaggc.fidelity.calibrate; imported lazily)."""
+    from .fidelity.calibrate import calibrate as _calibrate
+
+    return _calibrate(loss_fn, dit, batch, target_cosine=target_cosine, candidates=candidates, **kwargs)
+
+
+__all__ += ["calibrate"]

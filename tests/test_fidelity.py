@@ -1,0 +1,188 @@
+"""jaggc.fidelity: the estimators' structure (exact = autograd, JAGG = the runtime, unbiasedness of
+subsampling and of the randomized third knot, exactness cases) and calibrate's contract."""
+
+import itertools
+
+import pytest
+import torch
+
+import jaggc
+from jaggc.fidelity import estimators as E
+from jaggc.fidelity.calibrate import calibrate
+from jaggc.verify.fields import AffineJacobianField, CurvedField
+
+torch.set_num_threads(1)
+
+S, B, D = 9, 3, 4
+
+
+def toy_loss(dit, batch):
+    """A GRPO-like loss of gradient-independent DiT calls, nonlinear in each output."""
+    total = 0.0
+    for k in range(batch["states"].shape[1]):
+        v = dit(batch["states"][:, k], batch["t"][:, k])
+        total = total + (batch["adv"][:, None] * torch.tanh(v - batch["target"][:, k])).sum() + 0.1 * (v ** 2).sum()
+    return total / batch["states"].shape[1]
+
+
+def make_batch(seed=0, collinear=False, span=None):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.linspace(1.0, 0.1, S, dtype=torch.float64) ** 1.5      # non-uniform grid
+    if collinear:   # every state on one line, position affine in t: on the chord of every window
+        z0, d = torch.randn(B, D, generator=g, dtype=torch.float64), torch.randn(B, D, generator=g, dtype=torch.float64)
+        states = z0[:, None] + t[None, :, None] * d[:, None]
+    else:
+        states = torch.randn(B, S, D, generator=g, dtype=torch.float64)
+    return dict(states=states, t=t.expand(B, S).contiguous(),
+                target=torch.randn(B, S, D, generator=g, dtype=torch.float64),
+                adv=torch.randn(B, generator=g, dtype=torch.float64))
+
+
+def autograd_flat(loss_fn, dit, batch):
+    dit.zero_grad(set_to_none=True)
+    loss_fn(dit, batch).backward()
+    out = torch.cat([p.grad.reshape(-1) for p in dit.parameters()])
+    dit.zero_grad(set_to_none=True)
+    return out
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.fixture(scope="module")
+def curved():
+    dit = CurvedField(D, seed=1)
+    batch = make_batch(1)
+    return dit, batch, E.record(toy_loss, dit, batch)
+
+
+def test_exact_is_plain_autograd(curved):
+    dit, batch, rec = curved
+    est = E.exact(rec, dit)
+    assert rel(est.grad, autograd_flat(toy_loss, dit, batch)) < 1e-12
+    assert est.backward_passes == S and est.backward_fraction == 1.0
+
+
+@pytest.mark.parametrize("weights", ["t", "index"])
+def test_jagg_is_the_runtime(curved, weights):
+    dit, batch, rec = curved
+    for exact_windows in ((), (1,)):
+        est = E.jagg(rec, dit, window=4, weights=weights, exact_windows=exact_windows)
+        ref = E.runtime_gradient(toy_loss, dit, batch, window=4, weights=weights, exact_windows=exact_windows)
+        assert rel(est.grad, ref) < 1e-12
+    # and it is a real approximation here (the test is not vacuous)
+    assert rel(E.jagg(rec, dit, window=4, weights=weights).grad, E.exact(rec, dit).grad) > 1e-3
+
+
+def test_other_bases_are_the_runtime(curved):
+    dit, batch, rec = curved
+    for basis, est in ((jaggc.Basis("constant"), E.causal(rec, dit, window=4)),
+                       (jaggc.Basis("lagrange"), E.lagrange(rec, dit, window=4))):
+        assert rel(est.grad, E.runtime_gradient(toy_loss, dit, batch, window=4, weights=basis)) < 1e-12
+    knots = (0, 3, 6, 8)
+    est = E.hat(rec, dit, spacing=3)
+    ref = E.runtime_gradient(toy_loss, dit, batch, window=S, weights=jaggc.Basis("linear", "t", knots=knots))
+    assert rel(est.grad, ref) < 1e-12
+
+
+def test_backward_fractions(curved):
+    dit, _, rec = curved   # windows of 4 over 9 steps: [0-3] [4-7] [8]
+    g = torch.Generator().manual_seed(0)
+    cases = {"jagg": (E.jagg(rec, dit, window=4), 5), "causal": (E.causal(rec, dit, window=4), 3),
+             "lagrange": (E.lagrange(rec, dit, window=4), 7), "random3": (E.random3(rec, dit, window=4, generator=g), 7),
+             "s2": (E.subsample(rec, dit, window=4, k=2, generator=g), 5),
+             "s1": (E.subsample(rec, dit, window=4, k=1, generator=g), 3),
+             "hybrid": (E.jagg(rec, dit, window=4, exact_windows=(1,)), 7), "hat": (E.hat(rec, dit, spacing=3), 4)}
+    for name, (est, passes) in cases.items():
+        assert est.backward_passes == passes, name
+        assert est.backward_fraction == pytest.approx(passes / S), name
+
+
+def test_subsampling_is_unbiased(curved):
+    dit, _, rec = curved
+    exact = E.exact(rec, dit).grad
+    combos = list(itertools.combinations(range(4), 2))
+    ests = [E.subsample(rec, dit, window=4, k=2, picks={0: list(a), 1: list(b)}).grad
+            for a, b in itertools.product(combos, combos)]
+    assert rel(sum(ests) / len(ests), exact) < 1e-12
+    assert max(rel(e, exact) for e in ests) > 1e-2          # one draw is not exact
+
+
+def test_random_third_knot_is_unbiased_on_any_field(curved):
+    dit, _, rec = curved
+    exact = E.exact(rec, dit).grad
+    ests = [E.random3(rec, dit, window=4, picks={0: a, 1: b}).grad for a in (1, 2) for b in (1, 2)]
+    assert rel(sum(ests) / len(ests), exact) < 1e-12
+    assert max(rel(e, exact) for e in ests) > 1e-3
+
+
+def test_exact_cases_on_affine_jacobian_collinear_states():
+    dit = AffineJacobianField(D, seed=2)
+    batch = make_batch(2, collinear=True)
+    rec = E.record(toy_loss, dit, batch)
+    exact = E.exact(rec, dit).grad
+    # E1: plain JAGG (t-weights) and every randomized third knot are exact, hence so is the mean
+    assert rel(E.jagg(rec, dit, window=4).grad, exact) < 1e-12
+    ests = [E.random3(rec, dit, window=4, picks={0: a, 1: b}).grad for a in (1, 2) for b in (1, 2)]
+    assert rel(sum(ests) / 4, exact) < 1e-12
+    # index weights on the non-uniform grid are not (the check can fail)
+    assert rel(E.jagg(rec, dit, window=4, weights="index").grad, exact) > 1e-4
+
+
+def test_denoised_endpoint():
+    dit = AffineJacobianField(D, seed=3)
+    batch = make_batch(3, collinear=True)
+    rec = E.record(toy_loss, dit, batch)
+    states = batch["states"]
+    exact = E.exact(rec, dit).grad
+    end_time = torch.full((B,), 0.05, dtype=torch.float64)
+    # noise-free transitions along the line: z* of window [a, a+n) is the chord point at t_{a+n}
+    t_all = torch.cat([batch["t"][0], end_time[:1]])
+    d = (states[:, 1] - states[:, 0]) / (t_all[1] - t_all[0])
+    nxt = states[:, 0:1] + (t_all[1:] - t_all[0])[None, :, None] * d[:, None]
+    means = [nxt[:, k] for k in range(S)]
+    est = E.denoised(rec, dit, window=4, means=means, end_time=end_time)
+    assert rel(est.grad, exact) < 1e-12 and est.backward_passes == 5
+    # with injected noise (means ≠ next states) the right knot moves off the chord: not exact
+    g = torch.Generator().manual_seed(0)
+    noisy = [m + 0.3 * torch.randn(m.shape, generator=g, dtype=m.dtype) for m in means]
+    assert rel(E.denoised(rec, dit, window=4, means=noisy, end_time=end_time).grad, exact) > 1e-3
+
+
+def test_routing_and_sigma_aware_windows(curved):
+    dit, _, rec = curved
+    assert E.windows_below(rec, 4, 0.5) == (1, 2)       # t_k < 0.5 from step 5 on
+    scores = E.routing_scores(rec, 4)
+    assert len(scores) == 3 and scores[2] != scores[2]   # the 1-step tail has no score (nan)
+    ex = E.routed_exact_windows(rec, 4, jagg_frac=1 / 3)
+    assert len([w for w in (0, 1) if w not in ex]) == 1
+
+
+def test_calibrate_json_and_cheapest_meeting_target():
+    dit = AffineJacobianField(D, seed=4)
+    batches = [make_batch(s, collinear=True) for s in (4, 5)]
+    cands = [dict(variant="jagg", window=w, weights="t", jagg_frac=1.0) for w in (3, 4, 6)]
+    cands += [dict(variant="jagg", window=4, weights="index", jagg_frac=1.0),
+              dict(variant="causal", window=4, weights="t", jagg_frac=1.0)]
+    res = calibrate(toy_loss, dit, batches, target_cosine=0.999999, candidates=cands)
+    assert set(res) >= {"settings", "subsample", "recommended"}
+    keys = {"window", "weights", "jagg_frac", "variant", "backward_fraction", "cosine_mean", "cosine_min"}
+    for row in res["settings"] + res["subsample"]:
+        assert keys <= set(row)
+    by = {r["label"]: r for r in res["settings"]}
+    assert by["causal/W4/t"]["cosine_mean"] < 0.999999      # cheaper (1/W) but misses the target
+    assert by["causal/W4/t"]["backward_fraction"] < by["jagg/W6/t"]["backward_fraction"]
+    # every t-weighted JAGG is exact here; the cheapest of them is W = 6 (windows [0-5] [6-8]: 4/9)
+    assert res["recommended"]["label"] == "jagg/W6/t"
+    assert res["recommended"]["backward_fraction"] == pytest.approx(4 / 9)
+    assert any(abs(r["backward_fraction"] - 5 / 9) < 1e-12 and r["variant"] == "subsample" for r in res["subsample"])
+    assert jaggc.calibrate(toy_loss, dit, batches[0], 0.999999, cands)["recommended"]["label"] == "jagg/W6/t"
+
+
+def test_calibrate_unreachable_target_recommends_exact(curved):
+    dit, batch, _ = curved
+    res = calibrate(toy_loss, dit, batch, target_cosine=0.9999999,
+                    candidates=[dict(variant="jagg", window=4), dict(variant="causal", window=3)])
+    assert res["recommended"] is None
+    assert "exact" in res["note"]
