@@ -16,7 +16,7 @@ from torch import fx, nn
 
 from . import _compat
 from .backends import BACKENDS, compile_glue
-from .errors import JaggError, JaggInputError, JaggUnsupportedError
+from .errors import JaggError, JaggGraphError, JaggInputError, JaggUnsupportedError
 from .frontends.dynamo import canonicalize_dynamo_calls, opaque_modules
 from .frontends.fx import capture_fx
 from .frontends.intercept import InterceptedLoss
@@ -147,7 +147,13 @@ class JaggCompiled:
             self._dynamo_fn = torch.compile(self.fn, backend=self._dynamo_backend, fullgraph=True, dynamic=False)
         try:
             with opaque_modules(candidates):
-                return self._dynamo_fn(*args, **kwargs)
+                out = self._dynamo_fn(*args, **kwargs)
+            if self.traces == 0:
+                # Dynamo built no graph at all: the loss is a Python constant of its inputs
+                raise JaggGraphError(
+                    f"{self.__qualname__} made no DiT call (no dit call on an empty trajectory?): Dynamo captured "
+                    f"no graph, so there is nothing to train. Check the step count of the batch")
+            return out
         except _compat.backend_failed_type() as e:
             raise _compat.unwrap_backend_error(e) from None
         except _compat.dynamo_unsupported_types() as e:

@@ -12,9 +12,12 @@ from collections import Counter
 import torch
 from torch import fx
 
+from jaggc._compat import tree_flatten, tree_unflatten
 from jaggc.errors import JaggGraphError
 from jaggc.frontends.dynamo import unwrap, user_source
 from jaggc.graph_ops import dit_call
+from jaggc.runtime.calls import DitCall
+from jaggc.runtime.checks import check_placement
 
 from .context import CallSite, PassContext
 
@@ -66,7 +69,36 @@ def find_dit_calls(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         else:
             site.role = "other"
         node.meta["jagg_call"] = site
+    check_recorded_placement(gm, calls, dit)
     if step == 0:
         raise JaggGraphError(
             f"the DiT ({type(dit).__name__}) is only called without grad; there is nothing to train")
     return gm
+
+
+def _uses_autocast(gm: fx.GraphModule) -> bool:
+    return any("autocast" in getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes
+               if n.op == "call_function")
+
+
+def check_recorded_placement(gm: fx.GraphModule, calls: list[fx.Node], dit) -> None:
+    """Device and dtype of each DiT call's inputs, from the example values Dynamo recorded.
+
+    The Dynamo frontend lets a mis-placed call trace (see ``frontends.dynamo._for_fake_run``) so
+    that the refusal can name the step and source line here. Graphs without example values (the
+    FX frontend) are checked at run time by the window runtime instead. Under autocast only the
+    device is checked (the traced autocast state is not the state of this pass).
+    """
+    dtypes = not _uses_autocast(gm)
+    for node in calls:
+        site = node.meta["jagg_call"]
+        if site.role == "other":
+            continue
+        leaves, spec = tree_flatten((node.args[1], node.args[2]))
+        values = [x.meta.get("example_value") if isinstance(x, fx.Node) else x for x in leaves]
+        if any(isinstance(x, fx.Node) and v is None for x, v in zip(leaves, values)):
+            continue
+        args, kwargs = tree_unflatten(values, spec)
+        where = f"step {site.step}" if site.step is not None else f"DiT call {site.index} (no-grad reference)"
+        where += f" ({site.source})" if site.source else ""
+        check_placement(dit, DitCall(tuple(args), dict(kwargs)), where, dtypes=dtypes)

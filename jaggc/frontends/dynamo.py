@@ -20,10 +20,14 @@ from typing import Iterable
 
 import torch
 from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .. import _compat
+from .._compat import tree_flatten
 from ..errors import JaggGraphError
 from ..graph_ops import dit_call, flatten_output
+from ..runtime.calls import DitCall
+from ..runtime.checks import conform_placement
 
 _OPAQUE: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
 _MISSING = object()
@@ -86,11 +90,13 @@ def _opaque_functions(module: nn.Module):
         original_forward = module.forward
 
         def jaggc_opaque_dit_call(*args, **kwargs):
-            args, kwargs = decode_none(args, kwargs)
+            args, kwargs = _for_fake_run(module, *decode_none(args, kwargs))
+            if _distributed(module) and _has_fake(args, kwargs):
+                return _real_run_as_fake(original_call, args, kwargs)
             return original_call(*args, **kwargs)
 
         def jaggc_opaque_dit_forward(*args, **kwargs):
-            args, kwargs = decode_none(args, kwargs)
+            args, kwargs = _for_fake_run(module, *decode_none(args, kwargs))
             return original_forward(*args, **kwargs)
 
         opaque_call = _compat.nonstrict_trace(jaggc_opaque_dit_call)
@@ -107,6 +113,65 @@ def _opaque_functions(module: nn.Module):
         fns = (opaque_call, opaque_forward, jaggc_dit_call_slot, jaggc_dit_forward_slot)
         _OPAQUE[module] = fns
     return fns
+
+
+def _has_fake(args, kwargs) -> bool:
+    return any(isinstance(x, FakeTensor) for x in tree_flatten((args, kwargs))[0])
+
+
+_DISTRIBUTED = ("DistributedDataParallel", "FullyShardedDataParallel")
+
+
+def _distributed(module: nn.Module) -> bool:
+    """DDP, FSDP1, or a module FSDP2's ``fully_shard`` turned into an ``FSDPModule``."""
+    return any(c.__name__ in _DISTRIBUTED + ("FSDPModule",) for c in type(module).__mro__)
+
+
+def _real_run_as_fake(call, args: tuple, kwargs: dict):
+    """The fake-tensor run of a distributed wrapper, done for real.
+
+    FSDP's (and DDP's) forward hooks keep state across calls and run collectives. Run on Dynamo's
+    fake tensors, FSDP2's hooks record an unshard that never really happened: after an earlier
+    backward, the next real forward skips the all-gather of the root's parameters (left
+    "unsharded" by the fake run, their storage never written) and the compiled loss computed with
+    garbage, NaN gradients included (tests/test_fsdp.py, compiled cases). So the traced call runs
+    the wrapper for real, without grad, on zeros of the fake inputs' shapes (every rank traces
+    the same calls, so the collectives pair up), and hands Dynamo fake copies of the real
+    outputs. DDP is treated the same way (its forward hooks also talk to the other ranks).
+    """
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    leaves, spec = tree_flatten((args, kwargs))
+    fake_mode = detect_fake_mode([x for x in leaves if isinstance(x, FakeTensor)])
+    grad = torch.is_grad_enabled()
+    with unset_fake_temporarily():
+        real = [torch.zeros(x.shape, dtype=x.dtype, device=x.device) if isinstance(x, FakeTensor) else x
+                for x in leaves]
+        real_args, real_kwargs = _compat.tree_unflatten(real, spec)
+        with torch.no_grad():
+            out = call(*real_args, **real_kwargs)
+
+    def fake(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        f = fake_mode.from_tensor(t)
+        return f.requires_grad_(True) if grad and f.is_floating_point() else f
+
+    return _compat.tree_map(fake, out)
+
+
+def _for_fake_run(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """While Dynamo traces, the opaque call runs the DiT on fake tensors. A wrong device or dtype
+    (a 'meta' state, float64 latents for a float32 DiT) would fail that run inside Dynamo, which
+    reports it as an unrelated graph break. The fake run gets conforming inputs instead and
+    ``find_dit_calls`` refuses the call from the captured graph, naming the step and source line
+    (``check_placement`` on the recorded example values). Real (non-fake) calls are untouched."""
+    leaves = tree_flatten((args, kwargs))[0]
+    if not any(isinstance(x, FakeTensor) for x in leaves):
+        return args, kwargs
+    call = conform_placement(module, DitCall(tuple(args), dict(kwargs)))
+    return call.args, call.kwargs
 
 
 def module_of_opaque(fn) -> nn.Module | None:
@@ -179,6 +244,7 @@ def canonicalize_dynamo_calls(gm: fx.GraphModule) -> fx.GraphModule:
     Invariant after: no flat_apply node of a jaggc-opaque module remains; every DiT call is a
     ``dit_call`` node whose first argument is a ``get_attr`` of the called module.
     """
+    check_no_dit_in_subgraphs(gm)
     graph = gm.graph
     names: dict[int, str] = {}
     for node in list(graph.nodes):
@@ -207,3 +273,45 @@ def canonicalize_dynamo_calls(gm: fx.GraphModule) -> fx.GraphModule:
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _hidden_dit_calls(sub: fx.GraphModule) -> list[tuple[fx.Node, nn.Module]]:
+    """Opaque DiT calls anywhere inside ``sub`` (and the subgraphs nested in it)."""
+    found = []
+    for m in sub.modules():
+        if not isinstance(m, fx.GraphModule):
+            continue
+        for n in m.graph.nodes:
+            if _compat.is_flat_apply_node(n):
+                module = module_of_opaque(_compat.flat_apply_function(m, n))
+                if module is not None:
+                    found.append((n, module))
+    return found
+
+
+def check_no_dit_in_subgraphs(gm: fx.GraphModule) -> None:
+    """Refuse DiT calls that Dynamo placed inside a higher-order op's subgraph.
+
+    ``torch.utils.checkpoint.checkpoint(dit, ...)`` around the DiT call in the loss (either
+    ``use_reentrant``) becomes a ``tag_activation_checkpoint`` node whose body holds the call; a
+    ``torch.autograd.Function`` becomes ``autograd_function_apply``. jaggc cannot batch or
+    rewrite such a call, and with ``use_reentrant=True`` and stored (no-grad) states the DiT gets
+    no gradient at all, so the loss is refused with the op and the source line.
+    """
+    for sub_name, sub in gm.named_children():
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        hidden = _hidden_dit_calls(sub)
+        if not hidden:
+            continue
+        users = [u for n in gm.graph.nodes if n.op == "get_attr" and n.target == sub_name for u in n.users]
+        op = users[0] if users else None
+        op_name = getattr(op.target, "__name__", str(op.target)) if op is not None else sub_name
+        where = (user_source(op) if op is not None else "") or user_source(hidden[0][0])
+        raise JaggGraphError(
+            f"{where or 'unknown source line'}: the DiT ({type(hidden[0][1]).__name__}) is called inside "
+            f"{op_name} (graph node {op.name if op is not None else sub_name}), e.g. "
+            f"torch.utils.checkpoint.checkpoint(dit, ...) or a torch.autograd.Function around the DiT call. "
+            f"jaggc cannot rewrite a call hidden in such a region, and use_reentrant=True checkpointing with "
+            f"stored (no-grad) states gives the DiT no gradient at all. Call the DiT directly in the loss "
+            f"and checkpoint inside it: dit.enable_gradient_checkpointing() (non-reentrant)")

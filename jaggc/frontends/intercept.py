@@ -31,6 +31,7 @@ from torch import nn
 from .._compat import tree_flatten, tree_map
 from ..errors import JaggGraphError, JaggInputError, JaggUnsupportedError
 from ..runtime.calls import DitCall
+from ..runtime.checks import check_placement
 from ..runtime.rollout_cache import RolloutCache
 from ..runtime.routing import Routing, run_routed
 from ..runtime.deferred import BackwardGroup
@@ -158,6 +159,10 @@ class InterceptedLoss:
                     f"step {len(recorded)}: DiT input(s) {', '.join(depends)} require grad: they were computed "
                     f"from an earlier DiT output (or another trained tensor) without .detach(). JAGG needs the "
                     f"DiT calls to be gradient-independent: feed stored (detached) states")
+            if self.options.check_inputs:
+                # before the recording forward runs the DiT on it: a 'meta' or wrong-dtype input
+                # would otherwise fail inside the DiT with a bare torch error
+                check_placement(dit, call, f"step {len(recorded)}")
             recorded.append(call)
             with torch.no_grad():
                 return _as_leaf(dit(*call.args, **call.kwargs))

@@ -31,7 +31,32 @@ class DitCall:
     kwargs: dict = field(default_factory=dict)
 
     def __call__(self, dit):
-        return dit(*self.args, **self.kwargs)
+        out = dit(*self.args, **self.kwargs)
+        if torch.is_grad_enabled():
+            check_output_requires_grad(dit, out)
+        return out
+
+
+def check_output_requires_grad(dit, output) -> None:
+    """Refuse a grad-enabled call of a trainable DiT whose outputs carry no gradient.
+
+    This is what ``torch.utils.checkpoint.checkpoint(dit, ..., use_reentrant=True)`` around the
+    whole DiT does with stored (no-grad) inputs: the reentrant checkpoint runs the DiT under
+    no_grad and only re-attaches a graph if an *input* requires grad, so the parameters silently
+    get no gradient (the exact loss then fails in ``backward`` or trains nothing).
+    """
+    leaves = [x for x in tree_flatten(output)[0] if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    if not leaves or any(x.requires_grad for x in leaves):
+        return
+    if not any(p.requires_grad for p in dit.parameters()):
+        return
+    raise JaggInputError(
+        f"a grad-enabled call of the DiT ({type(dit).__name__}) returned outputs that do not require grad "
+        f"although the DiT has trainable parameters, so no gradient can reach them. This is what "
+        f"torch.utils.checkpoint.checkpoint(..., use_reentrant=True) around the DiT does with stored "
+        f"(no-grad) states: use use_reentrant=False, or checkpoint inside the DiT with "
+        f"dit.enable_gradient_checkpointing()"
+    )
 
 
 def primary_input(call: DitCall) -> torch.Tensor:
@@ -110,9 +135,20 @@ def per_sample_time(call: DitCall, time_arg: str | int, step: int | None = None)
     )
 
 
-def _leaf_name(path) -> str:
+def input_name(path) -> str:
+    """A readable name for a leaf of ``(args, kwargs)``: ``'encoder_hidden_states'``,
+    ``'joint_attention_kwargs'['scale']`` or ``args[0]`` (positional)."""
+    if len(path) >= 2 and getattr(path[0], "idx", None) in (0, 1):
+        head, rest = path[1], path[2:]
+        if path[0].idx == 0 and hasattr(head, "idx"):
+            return f"args[{head.idx}]" + keystr(rest)
+        if path[0].idx == 1 and hasattr(head, "key"):
+            return repr(head.key) + keystr(rest)
     s = keystr(path)
     return s or "<root>"
+
+
+_leaf_name = input_name
 
 
 def check_compatible(calls: Sequence[DitCall], time_arg: str | int, *, steps: Sequence[int] | None = None,
@@ -144,6 +180,7 @@ def check_compatible(calls: Sequence[DitCall], time_arg: str | int, *, steps: Se
             )
         flats.append(flat)
     batched_flags = []
+    time_path = _time_path(time_arg)
     for i, (path, leaf0) in enumerate(flat0):
         name = _leaf_name(path)
         leaves = [f[i][1] for f in flats]
@@ -156,6 +193,21 @@ def check_compatible(calls: Sequence[DitCall], time_arg: str | int, *, steps: Se
                     raise JaggInputError(
                         f"step {s}, input {name}: shape {got} differs from step {steps[0]}'s "
                         f"{tuple(leaf0.shape)}; steps of one window must be batch-compatible"
+                    )
+                if leaf.device != leaf0.device:
+                    raise JaggInputError(
+                        f"step {s}, input {name}: tensor is on {leaf.device} but step {steps[0]}'s is on "
+                        f"{leaf0.device}; move every step's inputs to the DiT's device"
+                    )
+                # torch.cat would silently promote the batched call to the wider dtype (the
+                # timestep is exempt: the DiT casts it, and a Python-number timestep is float64;
+                # under autocast the DiT's matmuls cast every step to the autocast dtype anyway)
+                if (leaf.dtype != leaf0.dtype and _path_key(path) != time_path
+                        and not torch.is_autocast_enabled(leaf.device.type)):
+                    raise JaggInputError(
+                        f"step {s}, input {name}: dtype {leaf.dtype} differs from step {steps[0]}'s "
+                        f"{leaf0.dtype}; a batched call would silently promote every step to one dtype. "
+                        f"Cast the stored inputs of all steps to the same dtype"
                     )
             if not batched:
                 for leaf, s in zip(leaves[1:], steps[1:]):
@@ -173,6 +225,14 @@ def check_compatible(calls: Sequence[DitCall], time_arg: str | int, *, steps: Se
                     )
         batched_flags.append(batched)
     return flats, spec0, b, batched_flags
+
+
+def _time_path(time_arg: str | int) -> tuple:
+    return (1, time_arg) if isinstance(time_arg, str) else (0, time_arg)
+
+
+def _path_key(path) -> tuple:
+    return tuple(getattr(k, "idx", getattr(k, "key", None)) for k in path)
 
 
 def concat_calls(calls: Sequence[DitCall], time_arg: str | int, *, steps: Sequence[int] | None = None,

@@ -11,9 +11,12 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .._compat import keystr, tree_flatten_with_path
+from .._compat import tree_flatten_with_path, tree_unflatten
 from ..errors import JaggInputError
-from .calls import DitCall, primary_input
+from .calls import DitCall, input_name, primary_input
+
+# tensor inputs that are never batched (Flux/Qwen-Image position ids): exempt from the dtype check
+SHARED_INPUTS = ("img_ids", "txt_ids")
 
 
 def dit_parameter(dit: nn.Module) -> torch.Tensor | None:
@@ -24,27 +27,51 @@ def _tensor_inputs(call: DitCall):
     flat, _ = tree_flatten_with_path((call.args, call.kwargs))
     for path, leaf in flat:
         if isinstance(leaf, torch.Tensor):
-            yield (keystr(path) or "<root>"), leaf
+            yield input_name(path), leaf
+
+
+def check_placement(dit: nn.Module, call: DitCall, where: str, *, dtypes: bool = True) -> None:
+    """Device and dtype of a call's tensor inputs against the DiT's parameters.
+
+    Reads only metadata, so it also runs on fake tensors while a frontend traces the loss.
+    ``where`` names the call in messages ("step 3"). Checked: every tensor input's device; the
+    dtype of the state and of every batched feature input (floating, ndim >= 2, leading dim = the
+    batch: ``encoder_hidden_states``, ``pooled_projections``), unless autocast is on. Per-sample
+    scalars (timestep, guidance) and position ids are left to the DiT, which casts them.
+    """
+    param = dit_parameter(dit)
+    if param is None:
+        return
+    state = primary_input(call)
+    batch = state.shape[0] if state.ndim else None
+    for name, t in _tensor_inputs(call):
+        if t.device != param.device and param.device.type != "meta":
+            raise JaggInputError(
+                f"{where}, input {name}: tensor is on {t.device} but the DiT's parameters are on "
+                f"{param.device}; move the stored trajectory to the DiT's device"
+            )
+        if not dtypes or not (t.is_floating_point() and param.is_floating_point()) or t.dtype == param.dtype:
+            continue
+        if torch.is_autocast_enabled(t.device.type):
+            continue
+        if t is state:
+            raise JaggInputError(
+                f"{where}, input {name}: the state is {t.dtype} but the DiT's parameters are {param.dtype}; "
+                f"cast the stored states to {param.dtype} or run the loss under torch.autocast"
+            )
+        if t.ndim >= 2 and t.shape[0] == batch and not any(u in name for u in SHARED_INPUTS):
+            raise JaggInputError(
+                f"{where}, input {name}: the conditioning is {t.dtype} but the DiT's parameters are "
+                f"{param.dtype}; cast it to {param.dtype} or run the loss under torch.autocast"
+            )
 
 
 def check_calls(dit: nn.Module, calls: Sequence[DitCall], steps: Sequence[int]) -> None:
     """Device, dtype and autograd-independence of every tensor input, and finiteness."""
-    param = dit_parameter(dit)
     finite_flags, finite_where = [], []
     for call, step in zip(calls, steps):
-        state = primary_input(call)
-        if param is not None and state.is_floating_point() and param.is_floating_point():
-            if state.dtype != param.dtype and not torch.is_autocast_enabled(state.device.type):
-                raise JaggInputError(
-                    f"step {step}: the state is {state.dtype} but the DiT's parameters are {param.dtype}; "
-                    f"cast the stored states to {param.dtype} or run the loss under torch.autocast"
-                )
+        check_placement(dit, call, f"step {step}")
         for name, t in _tensor_inputs(call):
-            if param is not None and t.device != param.device and param.device.type != "meta":
-                raise JaggInputError(
-                    f"step {step}, input {name}: tensor is on {t.device} but the DiT's parameters are on "
-                    f"{param.device}; move the stored trajectory to the DiT's device"
-                )
             if t.requires_grad:
                 raise JaggInputError(
                     f"step {step}, input {name}: the tensor requires grad (it depends on a trainable "
@@ -87,3 +114,32 @@ def check_times(times: torch.Tensor, steps: Sequence[int]) -> None:
         f"timesteps of steps {list(steps)} are not strictly monotone; a window must follow the "
         f"sampler's schedule in order (check the step order and the time_arg option)"
     )
+
+
+def conform_placement(dit: nn.Module, call: DitCall) -> DitCall:
+    """``call`` with the inputs ``check_placement`` would refuse moved/cast to the DiT's device and
+    dtype. Only for a frontend's fake-tensor run while tracing: the trace must complete so that
+    the refusal can be raised from the graph pass with the step number and the source line."""
+    param = dit_parameter(dit)
+    if param is None:
+        return call
+    state = primary_input(call)
+    batch = state.shape[0] if state.ndim else None
+
+    def fix(path, leaf):
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        name = input_name(path)
+        if leaf.device != param.device and param.device.type != "meta":
+            leaf = leaf.to(param.device)
+        if (leaf.is_floating_point() and param.is_floating_point() and leaf.dtype != param.dtype
+                and not torch.is_autocast_enabled(leaf.device.type)
+                and (path == state_path or (leaf.ndim >= 2 and leaf.shape[0] == batch
+                                            and not any(u in name for u in SHARED_INPUTS)))):
+            leaf = leaf.to(param.dtype)
+        return leaf
+
+    flat, spec = tree_flatten_with_path((call.args, call.kwargs))
+    state_path = next((p for p, leaf in flat if leaf is state), None)
+    args, kwargs = tree_unflatten([fix(p, leaf) for p, leaf in flat], spec)
+    return DitCall(tuple(args), dict(kwargs))

@@ -212,6 +212,10 @@ def jagg_calls(dit: nn.Module, calls: Sequence[DitCall], *, window: int = 4,
     """
     if not calls:
         raise JaggInputError("no DiT calls to run: the trajectory is empty")
+    if len(calls) < 2:
+        raise JaggInputError(
+            "the trajectory has 1 step: a JAGG window needs at least 2, so there is nothing to aggregate; "
+            "run the call uncompiled (run_exact or plain autograd: one backward per step is the minimum)")
     if window > len(calls):
         raise JaggInputError(f"window={window} is larger than the {len(calls)} steps of the trajectory; "
                              f"use window <= {len(calls)}")
