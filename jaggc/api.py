@@ -143,8 +143,16 @@ class JaggCompiled:
 
     def _run_dynamo(self, args, kwargs):
         candidates = self._candidates(args, kwargs)
+        modules = tuple(id(m) for m in candidates)
+        if self._dynamo_fn is not None and modules != self._dynamo_modules:
+            # Dynamo's cached graph holds the module it traced; another module (same class) must
+            # not silently reuse it (it would compute the first module's loss and gradient)
+            self._reset_dynamo()
+        self._dynamo_modules = modules
         if self._dynamo_fn is None:
-            self._dynamo_fn = torch.compile(self.fn, backend=self._dynamo_backend, fullgraph=True, dynamic=False)
+            # a fresh backend object per reset: Dynamo's cache entries only match their own backend
+            backend = lambda gm, example_inputs: self._dynamo_backend(gm, example_inputs)  # noqa: E731
+            self._dynamo_fn = torch.compile(self.fn, backend=backend, fullgraph=True, dynamic=False)
         try:
             with opaque_modules(candidates):
                 out = self._dynamo_fn(*args, **kwargs)

@@ -3,6 +3,9 @@
   jaggc example   the built-in example: one GRPO loss, exact vs JAGG, backward passes and agreement
   jaggc inspect   compile the built-in example losses and print/write what was rewritten
   jaggc verify    the symbolic proof and the property checks of JAGG's exactness
+  jaggc demo      GRPO on the pretrained digits DiT: exact vs DanceGRPO vs MixGRPO vs JAGG
+  jaggc bench     time one GRPO training step: exact per-step backward vs JAGG (speed, passes, memory)
+  jaggc calibrate measure JAGG settings' gradient fidelity vs backward cost and recommend one
 """
 
 from __future__ import annotations
@@ -76,6 +79,69 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def cmd_demo(args) -> int:
+    import torch
+
+    from jaggc.digits.demo import DemoOptions, main_demo
+
+    torch.set_num_threads(args.threads)
+    options = DemoOptions(iterations=args.iterations, seed=args.seed, reward=args.reward, window=args.window,
+                          weights=args.weights, jagg_frac=args.jagg_frac, num_steps=args.num_steps,
+                          strategies=tuple(args.strategies), base=args.base,
+                          eval_per_class=args.eval_per_class, classes_per_iter=args.classes_per_iter,
+                          group_size=args.group_size, lr=args.lr, progress=not args.no_progress)
+    main_demo(options, json_path=args.json)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from jaggc.bench import BenchConfig, quick_config, run_bench
+    from jaggc.bench_report import format_table, write_json
+
+    overrides = {k: v for k, v in dict(
+        family=args.family, size=args.size, num_steps=args.steps, batch=args.batch, repeats=args.repeats,
+        threads=args.threads, rss=args.rss or None, budget_s=args.budget,
+        modes=tuple(args.modes.split(",")) if args.modes else None,
+        clocks=(args.clock,) + tuple(c for c in ("cpu", "wall") if c != args.clock) if args.clock else None,
+        compile_steps=tuple(int(n) for n in args.compile_steps.split(",") if n) if args.compile_steps is not None
+        else None,
+    ).items() if v is not None}
+    if args.quick:
+        config = quick_config(**overrides)
+    else:
+        config = BenchConfig()
+        for k, v in overrides.items():
+            setattr(config, k, v)
+    config.progress = (lambda msg: print(msg, file=sys.stderr, flush=True)) if not args.no_progress else None
+    results = run_bench(config)
+    print(format_table(results))
+    if args.profile:
+        from jaggc.bench_profile import format_profile, profile_window_step
+
+        results["profile"] = profile_window_step(config, window=args.profile)
+        print()
+        print(format_profile(results["profile"]))
+    if args.json:
+        write_json(results, args.json)
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    import torch
+
+    from jaggc.fidelity.calibrate import calibrate_digits, format_table, write_json
+
+    torch.set_num_threads(args.threads)
+    if args.example != "digits":
+        print(f"jaggc calibrate: unknown example {args.example!r} (available: digits)", file=sys.stderr)
+        return 2
+    result = calibrate_digits(target_cosine=args.target, num_batches=args.batches, seed=args.seed)
+    print(format_table(result))
+    if args.json:
+        write_json(result, args.json)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaggc", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -100,6 +166,61 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="jaggc-inspect", help="folder for the DOT/SVG graphs and diffs")
     p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("demo", help="GRPO on the pretrained digits DiT: exact vs dance vs mix vs jagg")
+    p.add_argument("--iterations", type=int, default=20, help="GRPO iterations per strategy")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reward", default="classifier", choices=["classifier", "jpeg"])
+    p.add_argument("--window", type=int, default=4, help="JAGG window W")
+    p.add_argument("--weights", default="t", choices=["t", "index"])
+    p.add_argument("--jagg-frac", type=float, default=1.0)
+    p.add_argument("--num-steps", type=int, default=10, help="SDE sampling steps T (T-1 are trained)")
+    p.add_argument("--strategies", nargs="+", default=["exact", "dance", "mix", "jagg"],
+                   choices=["exact", "dance", "mix", "jagg"])
+    p.add_argument("--base", default="pretrained",
+                   help="'pretrained' (the shipped base DiT), 'random' (untrained; smoke runs only) or a "
+                        "checkpoint path written by python -m jaggc.digits.train_base --out PATH")
+    p.add_argument("--classes-per-iter", type=int, default=2, help="digit classes (prompts) per rollout")
+    p.add_argument("--group-size", type=int, default=16, help="samples per class (the GRPO group)")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--eval-per-class", type=int, default=16, help="evaluation samples per digit")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch.set_num_threads (default 1: the DiT is tiny, so intra-op threads gain little, "
+                        "and on a shared machine 2 threads were 7x slower than 1)")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+    p.add_argument("--json", default=None, help="write the numbers to this JSON file")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("bench", help="time a GRPO training step: exact vs JAGG (speedups, passes, memory)")
+    p.add_argument("--quick", action="store_true",
+                   help="10M SD3, exact vs W=4 (and W=8 if the budget allows), 3 repeats, ~3 min on 2 cores")
+    p.add_argument("--family", default=None, choices=["sd3", "flux"], help="DiT family (default sd3)")
+    p.add_argument("--size", default=None, choices=["tiny", "10m"], help="model size (default 10m)")
+    p.add_argument("--steps", type=int, default=None, help="trained steps of the trajectory (default 16)")
+    p.add_argument("--batch", type=int, default=None, help="batch (default 4)")
+    p.add_argument("--modes", default=None,
+                   help="comma-separated modes, e.g. exact,jagg@4,jagg_split_knots@4,runtime@4,exact_per_step")
+    p.add_argument("--repeats", type=int, default=None, help="interleaved timed rounds (default 3)")
+    p.add_argument("--clock", default=None, choices=["cpu", "wall", "passes"],
+                   help="clock the speedups are computed in (default cpu: process CPU time)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default 1: stable on shared CPUs)")
+    p.add_argument("--compile-steps", default=None, help="step counts of the first-call overhead probes, e.g. 10,50,100")
+    p.add_argument("--rss", action="store_true", help="also measure each mode's peak RSS in a fresh process")
+    p.add_argument("--budget", type=float, default=None, help="wall-clock seconds for optional modes (quick: 170)")
+    p.add_argument("--profile", type=int, default=None, metavar="W",
+                   help="also profile one JAGG step at window W with torch.profiler and print where time goes")
+    p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--json", default=None, help="write the results to this JSON file")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("calibrate", help="measure JAGG settings' gradient fidelity and backward cost; recommend one")
+    p.add_argument("--example", default="digits", help="the batches to calibrate on (digits: the pretrained digits DiT)")
+    p.add_argument("--target", type=float, default=0.95, help="mean cosine to the exact gradient to reach")
+    p.add_argument("--batches", type=int, default=2, help="rollouts (each gives an on-policy and an off-policy batch)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", default=None, help="write the settings, subsample baselines and recommendation here")
+    p.set_defaults(func=cmd_calibrate)
 
     sub.add_parser("verify", help="symbolic proof + property checks (jaggc verify --help)")
     return parser

@@ -489,3 +489,23 @@ def test_explain_runs_no_backward(refs):
     assert report.windows[0].timesteps == pytest.approx((ex.batch["timesteps"][0, :4]).tolist())
     assert all(p.grad is None for p in ex.model.parameters())
     assert "window" in str(report)
+
+
+def test_another_module_of_the_same_class_is_not_served_the_first_ones_graph():
+    """A compiled loss traced with module a, then called with module b: b's loss and b's gradient."""
+    a, b = AffineJacobianField(3, seed=1), AffineJacobianField(3, seed=2)
+    zs, ts, gs = _fx_friendly_inputs(6)
+    compiled = jagg_compile(fx_friendly_loss, window=3, capture="dynamo")
+    compiled(a, zs, ts, gs, 6)
+    zero_grads(a)
+    zero_grads(b)
+    loss_b = compiled(b, zs, ts, gs, 6)
+    loss_b.backward()
+    assert all(p.grad is None for p in a.parameters())
+    got = grads(b).clone()
+    zero_grads(b)
+    fresh = jagg_compile(fx_friendly_loss, window=3, capture="dynamo")
+    want_loss = fresh(b, zs, ts, gs, 6)
+    want_loss.backward()
+    assert torch.equal(loss_b.detach(), want_loss.detach())
+    assert rel_err(got, grads(b)) < 1e-12

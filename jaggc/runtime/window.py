@@ -212,10 +212,13 @@ def jagg_calls(dit: nn.Module, calls: Sequence[DitCall], *, window: int = 4,
     """
     if not calls:
         raise JaggInputError("no DiT calls to run: the trajectory is empty")
+    if window < 2:
+        raise JaggInputError(f"window={window}: a JAGG window needs at least 2 steps")
     if len(calls) < 2:
         raise JaggInputError(
-            "the trajectory has 1 step: a JAGG window needs at least 2, so there is nothing to aggregate; "
-            "run the call uncompiled (run_exact or plain autograd: one backward per step is the minimum)")
+            f"window={window}: the trajectory has 1 step and a JAGG window needs at least 2, so there is nothing "
+            f"to aggregate; run the call uncompiled (run_exact or plain autograd: one backward per step is the "
+            f"minimum)")
     if window > len(calls):
         raise JaggInputError(f"window={window} is larger than the {len(calls)} steps of the trajectory; "
                              f"use window <= {len(calls)}")

@@ -1,0 +1,89 @@
+"""First-call overhead and recompiles of ``@jagg_compile`` (part of ``jaggc bench``).
+
+The first call of a compiled loss captures it with Dynamo (each opaque DiT call is run once on
+fake tensors to learn its output), runs jaggc's passes, then runs the rewritten graph. Its
+overhead is measured as first forward minus a second forward of the same loss; the passes'
+share is timed on their own. Both are measured on the tiny model of the benchmarked family for
+losses of ``BenchConfig.compile_steps`` steps: the capture cost grows with the number of DiT calls
+and the DiT's op count, not with its parameter count (the 10M model's own first call is in the
+main results as ``first_call``).
+
+Recompiles: the smallest probe's compiled loss then runs ``recompile_iterations`` training
+iterations of fixed shape (forward, backward, an SGD step so the parameter values change as in
+training); any new trace is a recompile. Dynamo's own graph counter is reported next to it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from .bench_problems import build_problem
+
+_TIME_CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
+
+
+def compile_probes(config) -> dict:
+    """``compile_overhead_s`` (primary clock), per-clock details, ``recompiles``."""
+    from .bench import compiled_loss
+
+    primary = config.clocks[0] if config.clocks[0] in _TIME_CLOCKS else "cpu"
+    overhead, details, recompiles = {}, {}, None
+    for i, num_steps in enumerate(config.compile_steps):
+        if config.progress:
+            config.progress(f"  first-call overhead, {num_steps}-step loss ...")
+        problem = build_problem(config.family, "tiny", num_steps=num_steps, batch=config.batch, seed=config.seed)
+        compiled = compiled_loss(problem, min(4, num_steps))   # a window may not exceed the steps
+        passes_time = _time_passes(compiled)
+        first = _timed(lambda: compiled(problem.model, problem.batch))
+        second = _timed(lambda: compiled(problem.model, problem.batch))
+        overhead[str(num_steps)] = first[primary] - second[primary]
+        details[str(num_steps)] = dict(
+            first_call={c: first[c] for c in _TIME_CLOCKS}, second_call={c: second[c] for c in _TIME_CLOCKS},
+            passes=dict(passes_time), per_dit_call_s=(first[primary] - second[primary]) / num_steps)
+        if i == 0 and config.recompile_iterations:
+            recompiles = _recompiles(compiled, problem, config.recompile_iterations)
+    result = dict(compile_overhead_s=overhead, compile_overhead_model=f"{config.family}-tiny",
+                  compile_overhead_clock=primary, compile_details=details)
+    if recompiles is not None:
+        result.update(recompiles=recompiles["traces"], recompile_detail=recompiles)
+    return result
+
+
+def _timed(fn: Callable) -> dict[str, float]:
+    start = {c: clock() for c, clock in _TIME_CLOCKS.items()}
+    fn()
+    return {c: clock() - start[c] for c, clock in _TIME_CLOCKS.items()}
+
+
+def _time_passes(compiled) -> dict[str, float]:
+    """Accumulate the time spent in the compiled object's graph passes (its ``_rewrite``)."""
+    spent = dict.fromkeys(_TIME_CLOCKS, 0.0)
+    rewrite = compiled._rewrite
+
+    def timed_rewrite(*args, **kwargs):
+        start = {c: clock() for c, clock in _TIME_CLOCKS.items()}
+        try:
+            return rewrite(*args, **kwargs)
+        finally:
+            for c, clock in _TIME_CLOCKS.items():
+                spent[c] += clock() - start[c]
+
+    compiled._rewrite = timed_rewrite   # the Dynamo backend calls self._rewrite
+    return spent
+
+
+def _recompiles(compiled, problem, iterations: int) -> dict:
+    import torch._dynamo.utils as dynamo_utils
+
+    graphs_before = dynamo_utils.counters["stats"]["unique_graphs"]
+    traces_before = compiled.traces
+    optimizer = torch.optim.SGD(problem.model.parameters(), lr=1e-3)
+    for _ in range(iterations):
+        optimizer.zero_grad(set_to_none=True)
+        compiled(problem.model, problem.batch).backward()
+        optimizer.step()
+    return dict(iterations=iterations, traces=compiled.traces - traces_before,
+                dynamo_unique_graphs=dynamo_utils.counters["stats"]["unique_graphs"] - graphs_before)

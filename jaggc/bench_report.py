@@ -1,0 +1,203 @@
+"""The results of ``jaggc bench``: the JSON summary and the printed table.
+
+Speedups are per-round ratios (the exact mode's time over the mode's time in the same
+interleaved round), so two runs that were neighbours in time are compared; the summary keeps
+their median and min/max, the cost model's prediction (``theory_*``) and the prediction from the
+passes the run actually made (``counted_*``) next to every measured ratio.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from .bench import BenchConfig, ModeResult, theory_backward_speedup, theory_step_speedup
+
+
+# ---------------------------------------------------------------------------------------------
+# results
+
+
+def _stats(xs: list[float]) -> dict:
+    return dict(median=statistics.median(xs), min=min(xs), max=max(xs)) if xs else {}
+
+
+def _ratios(base: list[float], other: list[float]) -> list[float]:
+    # per round: the two runs were neighbours in time
+    return [b / o for b, o in zip(base, other) if o > 0]
+
+
+def summarize(config: BenchConfig, runner, compile_info: dict, skipped: list[str]) -> dict:
+    """The JSON results: run facts, per-window maps for the ``jagg`` strategy, every mode's
+    speedups and raw times, the compile probes."""
+    p, clock = runner.problem, config.clocks[0]
+    exact = runner.results["exact"]
+    out: dict[str, Any] = dict(
+        model=p.name, model_params=p.num_params, family=p.family, size=p.size, num_steps=p.num_steps,
+        batch=p.batch_size, clock=clock, clocks=list(config.clocks), repeats=config.repeats,
+        threads=torch.get_num_threads(), torch_version=torch.__version__, diffusers_version=_diffusers_version(),
+        device="cpu", cpu_count=_cpu_count(), machine=platform.machine(), skipped_modes=skipped,
+        backward_passes=dict(exact=exact.passes["backwards"], jagg={}),
+        backward_samples=dict(exact=exact.passes["backward_samples"], jagg={}),
+        speedups={}, modes={},
+    )
+    for key in _WINDOW_KEYS:
+        out[key] = {}
+    for text, res in runner.results.items():
+        summary = _mode_summary(exact, res, clock)
+        out["speedups"][text] = summary
+        out["modes"][text] = _mode_json(res)
+        if res.strategy == "jagg":
+            _add_window_entries(out, str(res.window), res, summary)
+    out.update(compile_info)
+    traces = [r.traces for r in runner.results.values() if r.traces is not None]
+    out["recompiles_main"] = max((t - 1 for t in traces), default=0)
+    out["recompiles"] = max(out.get("recompiles", 0), out["recompiles_main"])
+    out["elapsed_s"] = runner.elapsed()
+    return out
+
+
+# per-window maps (window size -> number) of the "jagg" strategy
+_WINDOW_KEYS = ("step_speedup", "backward_speedup", "step_speedup_range", "backward_speedup_range",
+                "theory_step_speedup", "theory_backward_speedup", "theory_step_speedup_trajectory",
+                "theory_backward_speedup_trajectory", "counted_step_speedup", "counted_backward_speedup",
+                "peak_mem_ratio", "compile_overhead_main_s")
+
+
+def _mode_summary(exact: ModeResult, res: ModeResult, clock: str) -> dict:
+    step = _ratios(exact.whole.get(clock, []), res.whole.get(clock, []))
+    back = _ratios(exact.backward.get(clock, []), res.backward.get(clock, []))
+    mem = (res.activation_peak_bytes / exact.activation_peak_bytes
+           if res.activation_peak_bytes and exact.activation_peak_bytes else None)
+    whole = res.whole.get(clock, [])
+    first = res.first_call.get(clock)
+    return dict(step=_stats(step), backward=_stats(back),
+                step_ratios=step, backward_ratios=back,
+                theory_step=exact.cost["step"] / res.cost["step"],
+                theory_backward=exact.cost["backward"] / res.cost["backward"],
+                counted_step=_counted(exact) / _counted(res),
+                counted_backward=exact.passes["backward_samples"] / max(res.passes["backward_samples"], 1),
+                activation_mem_ratio=mem,
+                # the first call's extra time over a steady step: trace + passes for a compiled mode
+                first_call_overhead=first - statistics.median(whole) if first is not None and whole else None)
+
+
+def _add_window_entries(out: dict, w: str, res: ModeResult, summary: dict) -> None:
+    step, back = summary["step_ratios"], summary["backward_ratios"]
+    out["step_speedup"][w] = summary["step"].get("median")
+    out["backward_speedup"][w] = summary["backward"].get("median")
+    out["step_speedup_range"][w] = [min(step), max(step)] if step else None
+    out["backward_speedup_range"][w] = [min(back), max(back)] if back else None
+    out["theory_step_speedup"][w] = theory_step_speedup(res.window)
+    out["theory_backward_speedup"][w] = theory_backward_speedup(res.window)
+    out["theory_step_speedup_trajectory"][w] = summary["theory_step"]
+    out["theory_backward_speedup_trajectory"][w] = summary["theory_backward"]
+    out["counted_step_speedup"][w] = summary["counted_step"]
+    out["counted_backward_speedup"][w] = summary["counted_backward"]
+    out["peak_mem_ratio"][w] = summary["activation_mem_ratio"]
+    out["compile_overhead_main_s"][w] = summary["first_call_overhead"]
+    out["backward_passes"]["jagg"][w] = res.passes["backwards"]
+    out["backward_samples"]["jagg"][w] = res.passes["backward_samples"]
+
+
+def _counted(res: ModeResult) -> float:
+    return res.passes["forward_samples"] + 2 * res.passes["backward_samples"]
+
+
+def _mode_json(res: ModeResult) -> dict:
+    d = asdict(res)
+    d["whole_stats"] = {c: _stats(v) for c, v in res.whole.items()}
+    d["backward_stats"] = {c: _stats(v) for c, v in res.backward.items()}
+    return d
+
+
+def _diffusers_version() -> str:
+    import diffusers
+
+    return diffusers.__version__
+
+
+def _cpu_count() -> int | None:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def write_json(results: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(results, f, indent=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# the printed table
+
+
+def _fmt_stat(stat: dict, digits: int = 2) -> str:
+    if not stat:
+        return "-"
+    return f"{stat['median']:.{digits}f} [{stat['min']:.{digits}f}-{stat['max']:.{digits}f}]"
+
+
+def format_table(results: dict) -> str:
+    """A readable summary of ``run_bench``'s results."""
+    clock = results["clock"]
+    lines = [
+        f"jaggc bench: {results['model']} ({results['model_params'] / 1e6:.2f}M params), {results['num_steps']} "
+        f"steps, batch {results['batch']}, {results['threads']} thread(s), torch {results['torch_version']}, "
+        f"{results['repeats']} interleaved repeats, clock '{clock}'",
+        "times: median [min-max]; speedups: per-round ratio to exact in the same round, median [min-max]; "
+        "theory: the cost model (per window of the actual partition)",
+        "",
+    ]
+    rows = [("mode", "step s", "backward s", "step x", "theory", "backward x", "theory", "DiT bwd (samples)",
+             "act. MB (x)", "RSS MB", "1st call s")]
+    for text, mode in results["modes"].items():
+        rows.append(_mode_row(text, mode, results["speedups"][text], clock))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for k, row in enumerate(rows):
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        if k == 0:
+            lines.append("-" * len(lines[-1]))
+    lines.append("")
+    if results.get("skipped_modes"):
+        lines.append(f"skipped for the time budget: {', '.join(results['skipped_modes'])}")
+    windows = sorted(results["theory_step_speedup"], key=int)
+    if windows:
+        lines.append("JAGG by window (theory: 3W/(W+4) and W/2):")
+        lines += [f"  W={w}: step {_num(results['step_speedup'][w])}x (theory {results['theory_step_speedup'][w]:.2f}), "
+                  f"backward {_num(results['backward_speedup'][w])}x (theory {results['theory_backward_speedup'][w]:.2f}), "
+                  f"activation memory {_num(results['peak_mem_ratio'][w])}x exact" for w in windows]
+    overhead = results.get("compile_overhead_s", {})
+    if overhead:
+        lines.append(f"first-call overhead (trace + passes, {results['compile_overhead_model']}, "
+                     f"{results['compile_overhead_clock']} s): "
+                     + ", ".join(f"{n} steps {s:.1f} s" for n, s in overhead.items()))
+    main = {w: s for w, s in results.get("compile_overhead_main_s", {}).items() if s is not None}
+    if main:
+        lines.append(f"first-call overhead of the benchmarked loss ({results['model']}, {results['num_steps']} steps, "
+                     f"{results['clock']} s): " + ", ".join(f"W={w} {s:.1f} s" for w, s in main.items()))
+    lines.append(f"recompiles over repeated fixed-shape calls: {results.get('recompiles')}"
+                 + (f" ({results['recompile_detail']['iterations']} training iterations)"
+                    if results.get("recompile_detail") else ""))
+    lines.append(f"elapsed {results['elapsed_s']:.0f} s")
+    return "\n".join(lines)
+
+
+def _mode_row(text: str, mode: dict, sp: dict, clock: str) -> tuple[str, ...]:
+    act, mem = mode["activation_peak_bytes"], sp["activation_mem_ratio"]
+    rss = mode.get("rss") or {}
+    first = mode["first_call"].get(clock)
+    return (text, _fmt_stat(mode["whole_stats"].get(clock, {})), _fmt_stat(mode["backward_stats"].get(clock, {})),
+            _fmt_stat(sp["step"]), f"{sp['theory_step']:.2f}", _fmt_stat(sp["backward"]), f"{sp['theory_backward']:.2f}",
+            f"{mode['passes']['backwards']} ({mode['passes']['backward_samples']})",
+            f"{act / 2**20:.1f} ({mem:.2f})" if act and mem else "-",
+            f"{rss['step_peak_mb']:.0f}" if rss.get("step_peak_mb") is not None else "-",
+            "-" if first is None else f"{first:.2f}")
+
+
+def _num(x) -> str:
+    return "-" if x is None else f"{x:.2f}"

@@ -1,0 +1,167 @@
+"""What ``jaggc bench`` compares: the cost model and the table of strategies.
+
+A strategy is a way to run one GRPO training step (``build(problem, window)`` returns an object
+whose ``run(read)`` runs the step and reads the clocks at its start, at the forward/backward
+boundary and at its end) plus its cost-model prediction. A mode is a strategy at a window size,
+written ``name@W`` ("jagg@4"); ``exact`` and ``exact_per_step`` take no window. Adding a mode to
+the bench is one line in ``STRATEGIES``.
+
+Cost model (spec §2.4; F = one DiT forward of batch B, backward = 2F): exact = 3F per step; a JAGG
+window of W steps = (W-2)F no-grad interior + 2F knot forward + 4F joint backward = (W+4)F, so the
+step speedup is 3W/(W+4) and the backward speedup W/2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .bench_problems import Problem, own_code
+from .runtime import WindowOptions, jagg_calls, partition
+
+# ---------------------------------------------------------------------------------------------
+# the cost model
+
+
+@dataclass(frozen=True)
+class Cost:
+    """DiT work of one training step in units of F (one forward of the problem's batch)."""
+
+    forward: float
+    backward: float
+
+    @property
+    def step(self) -> float:
+        return self.forward + self.backward
+
+
+def exact_cost(num_steps: int, window: int | None = None) -> Cost:
+    return Cost(num_steps, 2 * num_steps)
+
+
+def jagg_cost(num_steps: int, window: int) -> Cost:
+    """(W-2) interior + 2 knot forwards and one backward of 2B (=4F) per window; a window of
+    <= 2 steps runs exactly (all its steps are knots)."""
+    forward = backward = 0
+    for steps in partition(num_steps, window):
+        forward += len(steps)
+        backward += 2 * len(steps) if len(steps) <= 2 else 4
+    return Cost(forward, backward)
+
+
+def theory_step_speedup(window: int) -> float:
+    return 3 * window / (window + 4)
+
+
+def theory_backward_speedup(window: int) -> float:
+    return window / 2
+
+
+# ---------------------------------------------------------------------------------------------
+# training steps: how one mode runs a step, reading the clocks at the forward/backward boundary
+
+Read = Callable[[], dict[str, float]]
+
+
+class LossStep:
+    """loss = fn(model, batch); loss.backward(): the shape of every Flow-GRPO-style step."""
+
+    def __init__(self, problem: Problem, loss_fn: Callable):
+        self.problem, self.loss_fn = problem, loss_fn
+
+    def run(self, read: Read) -> tuple[dict, dict, dict]:
+        start = read()
+        loss = self.loss_fn(self.problem.model, self.problem.batch)
+        mid = read()
+        loss.backward()
+        return start, mid, read()
+
+
+class PerStepBackward:
+    """Flow-GRPO's own loop: backward inside the step loop, one step's activations alive at a time.
+    Its 'backward' time is the sum of the per-step backward calls."""
+
+    def __init__(self, problem: Problem):
+        self.problem = problem
+
+    def run(self, read: Read) -> tuple[dict, dict, dict]:
+        p = self.problem
+        start = read()
+        backward = dict.fromkeys(start, 0.0)
+        for j, call in enumerate(p.dit_calls(p.batch)):
+            loss = p.step_loss(call(p.model), p.batch, j)
+            before = read()
+            loss.backward()
+            after = read()
+            backward = {k: backward[k] + after[k] - before[k] for k in backward}
+        end = read()
+        # report the same (start, mid, end) triple: backward = end - mid
+        return start, {k: end[k] - backward[k] for k in end}, end
+
+
+def compiled_loss(problem: Problem, window: int, **options) -> Callable:
+    from .api import jagg_compile
+
+    return jagg_compile(own_code(problem.loss_fn), window=window, **options)
+
+
+def runtime_loss(problem: Problem, window: int, **options) -> Callable:
+    """The same loss with its velocities from ``jagg_calls``: no capture, no graph (the glue's
+    baseline)."""
+    window_options = WindowOptions(**options)
+
+    def loss(model, batch):
+        outs = jagg_calls(model, problem.dit_calls(batch), window=window, options=window_options)
+        return sum(problem.step_loss(o, batch, j) for j, o in enumerate(outs))
+
+    return loss
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A way to run one training step. ``build(problem, window)`` returns an object with
+    ``run(read)``; ``cost(num_steps, window)`` is its cost-model prediction."""
+
+    name: str
+    build: Callable[[Problem, int | None], Any]
+    cost: Callable[[int, int | None], Cost]
+    windowed: bool
+    about: str
+
+
+# One line per strategy. A new mode, e.g. the per-window backward:
+#   Strategy("jagg_per_window", lambda p, w: LossStep(p, compiled_loss(p, w, backward="per_window")),
+#            per_window_cost, True, "@jagg_compile(backward='per_window')"),
+STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
+    Strategy("exact", lambda p, w: LossStep(p, p.loss_fn), exact_cost, False,
+             "the undecorated loss, one backward"),
+    Strategy("exact_per_step", lambda p, w: PerStepBackward(p), exact_cost, False,
+             "Flow-GRPO's loop: backward inside the step loop"),
+    Strategy("jagg", lambda p, w: LossStep(p, compiled_loss(p, w)), jagg_cost, True,
+             "@jagg_compile(window=W)"),
+    Strategy("jagg_split_knots", lambda p, w: LossStep(p, compiled_loss(p, w, batch_knots=False)), jagg_cost, True,
+             "@jagg_compile(window=W, batch_knots=False): knots as separate passes"),
+    Strategy("runtime", lambda p, w: LossStep(p, runtime_loss(p, w)), jagg_cost, True,
+             "jagg_calls directly in a hand-split loss (no capture, no graph)"),
+)}
+
+
+@dataclass(frozen=True)
+class Mode:
+    strategy: Strategy
+    window: int | None
+
+    @property
+    def name(self) -> str:
+        return self.strategy.name if self.window is None else f"{self.strategy.name}@{self.window}"
+
+
+def parse_mode(text: str) -> Mode:
+    """"exact", "jagg@4", "jagg_split_knots@4", ..."""
+    name, _, window = text.partition("@")
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; choose from {sorted(STRATEGIES)}")
+    strategy = STRATEGIES[name]
+    if strategy.windowed != bool(window):
+        raise ValueError(f"mode {text!r}: {name} {'needs' if strategy.windowed else 'takes no'} a window (@W)")
+    return Mode(strategy, int(window) if window else None)

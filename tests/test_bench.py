@@ -1,0 +1,174 @@
+"""``jaggc bench``: structure of the results, DiT pass counts, the cost model, speedups computed
+from the measured times (a deterministic clock is injected: the cost-model ``passes`` clock, and
+hand-made round times), no recompiles over repeated calls, and the RSS child.
+
+No timing assertion: every number checked here is a count, a formula, or a ratio of injected
+times. The bench runs once, through the CLI, on the tiny SD3 model (16 steps, 1 repeat) plus a
+3-step compile probe; its JSON file is shared by the tests.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+
+from jaggc import cli
+from jaggc.bench import (BenchConfig, ModeResult, exact_cost, jagg_cost, parse_mode, run_bench,
+                         theory_backward_speedup, theory_step_speedup)
+from jaggc.bench_report import format_table, summarize
+
+NUM_STEPS, BATCH = 16, 4
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """One CLI run (exact vs jagg@4, 1 round, the cost-model clock first) read back from its JSON."""
+    torch._dynamo.reset()
+    path = tmp_path_factory.mktemp("bench") / "bench.json"
+    rc = cli.main(["bench", "--size", "tiny", "--steps", str(NUM_STEPS), "--batch", str(BATCH),
+                   "--modes", "exact,jagg@4", "--repeats", "1", "--clock", "passes", "--compile-steps", "3",
+                   "--no-progress", "--json", str(path)])
+    assert rc == 0
+    yield json.loads(path.read_text())
+    torch._dynamo.reset()
+
+
+def test_json_structure(results):
+    for key in ("step_speedup", "backward_speedup", "theory_step_speedup", "theory_backward_speedup",
+                "backward_passes", "peak_mem_ratio", "compile_overhead_s", "recompiles", "model", "torch_version",
+                "device", "modes", "speedups", "step_speedup_range", "counted_step_speedup"):
+        assert key in results, key
+    assert results["model"] == "sd3-tiny" and results["device"] == "cpu"
+    assert results["torch_version"] == torch.__version__
+    assert set(results["modes"]) == {"exact", "jagg@4"}
+    assert set(results["step_speedup"]) == {"4"}
+    for mode in results["modes"].values():
+        assert len(mode["whole"]["passes"]) == 1 and len(mode["backward"]["cpu"]) == 1
+        assert len(mode["whole"]["wall"]) == 1
+    assert "jagg@4" in format_table(results)
+
+
+def test_pass_counts(results):
+    assert results["backward_passes"] == {"exact": NUM_STEPS, "jagg": {"4": NUM_STEPS // 4}}
+    # one joint backward per window is of twice the batch
+    assert results["backward_samples"] == {"exact": NUM_STEPS * BATCH, "jagg": {"4": NUM_STEPS // 4 * 2 * BATCH}}
+    jagg = results["modes"]["jagg@4"]["passes"]
+    assert jagg["grad_forwards"] == NUM_STEPS // 4 and jagg["nograd_forwards"] == NUM_STEPS // 4
+    assert 0 < results["peak_mem_ratio"]["4"] < 1   # one joint backward keeps 2 of 4 steps per window
+
+
+@pytest.mark.parametrize("window", [2, 3, 4, 6, 8])
+def test_theory_follows_the_cost_model(window):
+    assert theory_step_speedup(window) == pytest.approx(3 * window / (window + 4))
+    assert theory_backward_speedup(window) == pytest.approx(window / 2)
+    if NUM_STEPS % window == 0:   # no tail window: the trajectory's ratio is the formula's
+        exact, jagg = exact_cost(NUM_STEPS), jagg_cost(NUM_STEPS, window)
+        assert exact.step / jagg.step == pytest.approx(theory_step_speedup(window))
+        assert exact.backward / jagg.backward == pytest.approx(theory_backward_speedup(window))
+
+
+def test_tail_window_cost():
+    # 16 steps at W=6: windows of 6, 6 and 4 steps
+    assert jagg_cost(16, 6).forward == 16 and jagg_cost(16, 6).backward == 12
+    # a 1-step tail runs exactly
+    assert jagg_cost(9, 4).backward == 4 + 4 + 2
+
+
+def test_theory_in_results(results):
+    assert results["theory_step_speedup"]["4"] == pytest.approx(1.5)
+    assert results["theory_backward_speedup"]["4"] == pytest.approx(2.0)
+
+
+def test_speedups_come_from_the_injected_clock(results):
+    # with the cost-model clock, every measured time is the DiT work the step really ran
+    exact, jagg = results["modes"]["exact"], results["modes"]["jagg@4"]
+    assert exact["whole"]["passes"] == [3 * NUM_STEPS]
+    assert jagg["whole"]["passes"] == [NUM_STEPS + 4 * NUM_STEPS // 4]
+    ratio = exact["whole"]["passes"][0] / jagg["whole"]["passes"][0]
+    assert results["step_speedup"]["4"] == pytest.approx(ratio)
+    assert results["backward_speedup"]["4"] == pytest.approx(exact["backward"]["passes"][0] / jagg["backward"]["passes"][0])
+    assert results["step_speedup"]["4"] == pytest.approx(results["counted_step_speedup"]["4"])
+
+
+class ForwardCallClock:
+    """An injected fake clock: the number of DiT forward calls made so far."""
+
+    def __init__(self, problem):
+        self.calls = 0
+        self.handle = problem.model.register_forward_hook(self._tick)
+
+    def _tick(self, module, args, output):
+        self.calls += 1
+
+    def __call__(self) -> float:
+        return float(self.calls)
+
+    def close(self):
+        self.handle.remove()
+
+
+def test_run_bench_uses_an_injected_clock():
+    # the runtime strategy (no trace) keeps this cheap: 16 exact calls vs 4 windows x (1 interior
+    # + 1 knot) batched calls per step
+    config = BenchConfig(size="tiny", num_steps=NUM_STEPS, batch=BATCH, modes=("exact", "runtime@4"), repeats=2,
+                         clocks=("fake",), compile_steps=(), recompile_iterations=0, activation_memory=False)
+    out = run_bench(config, clock_factories={"fake": ForwardCallClock})
+    assert out["modes"]["exact"]["whole"]["fake"] == [16.0, 16.0]
+    assert out["modes"]["runtime@4"]["whole"]["fake"] == [8.0, 8.0]
+    assert out["speedups"]["runtime@4"]["step"] == dict(median=2.0, min=2.0, max=2.0)
+
+
+def test_speedups_are_per_round_ratios():
+    """Hand-made round times: the summary is the median/min/max of exact_r / mode_r."""
+    def mode(name, window, whole, backward):
+        res = ModeResult(name, name.split("@")[0], window, "", dict(forward=1, backward=1, step=2))
+        res.whole, res.backward = {"fake": whole}, {"fake": backward}
+        res.passes = dict(backwards=1, backward_samples=1, forward_samples=1, grad_forwards=1, nograd_forwards=0)
+        res.first_call = {"fake": 0.0}
+        return res
+
+    runner = types.SimpleNamespace(
+        problem=types.SimpleNamespace(name="x", num_params=1, family="sd3", size="tiny", num_steps=16, batch_size=4),
+        results={"exact": mode("exact", None, [10.0, 12.0, 30.0], [6.0, 6.0, 6.0]),
+                 "jagg@4": mode("jagg@4", 4, [5.0, 8.0, 10.0], [2.0, 3.0, 6.0])},
+        elapsed=lambda: 0.0)
+    config = BenchConfig(clocks=("fake",))
+    out = summarize(config, runner, {}, [])
+    assert out["step_speedup"]["4"] == pytest.approx(2.0)           # ratios 2, 1.5, 3
+    assert out["step_speedup_range"]["4"] == pytest.approx([1.5, 3.0])
+    assert out["backward_speedup"]["4"] == pytest.approx(2.0)       # ratios 3, 2, 1
+    assert out["backward_speedup_range"]["4"] == pytest.approx([1.0, 3.0])
+
+
+def test_no_recompiles_over_repeated_calls(results):
+    # first call + counted call + a timed round of the same compiled loss: one trace
+    assert results["modes"]["jagg@4"]["traces"] == 1
+    assert results["recompiles"] == 0
+
+
+def test_compile_probe_counts_recompiles_over_training_iterations(results):
+    assert set(results["compile_overhead_s"]) == {"3"}
+    detail = results["compile_details"]["3"]
+    assert detail["passes"]["cpu"] > 0 and detail["first_call"]["cpu"] > 0
+    assert results["recompile_detail"] == dict(iterations=20, traces=0, dynamo_unique_graphs=0)
+
+
+def test_modes_parse_and_refuse():
+    assert parse_mode("jagg_split_knots@4").window == 4 and parse_mode("exact").window is None
+    with pytest.raises(ValueError):
+        parse_mode("jagg")
+    with pytest.raises(ValueError):
+        parse_mode("exact@4")
+    with pytest.raises(ValueError):
+        parse_mode("nope@4")
+
+
+def test_rss_child_reports_a_step_peak():
+    from jaggc.bench_memory import measure_rss
+
+    rss = measure_rss(BenchConfig(size="tiny", num_steps=4, batch=2), "exact")
+    assert rss.get("error") is None, rss
+    assert rss["peak_mb"] >= rss["before_mb"] > 0 and rss["step_peak_mb"] >= 0
