@@ -53,6 +53,13 @@ def find_dit_calls(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         counts = Counter(id(module_of(n)) for n in calls if n.meta["jagg_grad"])
         if not counts:
             raise JaggGraphError("the loss calls its modules only without grad; there is no DiT backward to rewrite")
+        if len(counts) > 1:
+            # guessing (e.g. the most-called one) could rewrite a reward model's calls as DiT windows
+            names = sorted({f"{type(module_of(n)).__name__} ({n.args[0].target}, {counts[id(module_of(n))]} calls)"
+                            for n in calls if n.meta["jagg_grad"]})
+            raise JaggGraphError(
+                f"the loss calls {len(counts)} module arguments with grad ({', '.join(names)}), so jaggc cannot "
+                f"tell which is the DiT; pass it: jagg_compile(fn, dit=model)")
         target_id = counts.most_common(1)[0][0]
         ctx.dit = next(module_of(n) for n in calls if id(module_of(n)) == target_id)
     dit = unwrap(ctx.dit)

@@ -275,3 +275,23 @@ def test_on_unsupported_exact_does_not_hide_input_errors():
     with pytest.raises(JaggInputError, match="window=5 is larger than the 4"):
         compiled(model, *inputs(), T)
     assert all(p.grad is None for p in model.parameters())
+
+
+def two_module_loss(dit, other, zs, ts, g):
+    total = 0.0
+    for k in range(zs.shape[0]):
+        total = total + (dit(zs[k], ts[k]) * g[k]).sum() + (other(zs[k], ts[k]) * g[k]).sum()
+    return total + (dit(zs[0], ts[0]) * g[0]).sum()
+
+
+def test_two_trained_module_arguments_need_dit():
+    """The loss calls two module arguments with grad: jaggc refuses to guess which is the DiT, and
+    with dit= it rewrites only that module's calls."""
+    a, b = AffineJacobianField(3, seed=1), AffineJacobianField(3, seed=2)
+    zs, ts, gs = inputs()
+    with pytest.raises(JaggGraphError, match=r"calls 2 module arguments with grad .*jagg_compile\(fn, dit=model\)"):
+        jagg_compile(two_module_loss, window=2, capture="dynamo")(a, b, zs, ts, gs)
+    assert all(p.grad is None for p in a.parameters())
+    compiled = jagg_compile(two_module_loss, dit=a, window=2, capture="dynamo")
+    compiled(a, b, zs, ts, gs).backward()
+    assert compiled.report.backward_before == T + 1
