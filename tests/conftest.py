@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+import torch
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -24,3 +26,12 @@ settings.register_profile(
 )
 settings.register_profile("thorough", max_examples=300, deadline=None)
 settings.load_profile(os.environ.get("JAGGC_HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """A clean Dynamo cache before and after the test (compile tests: no graphs or recompile counts
+    leak between tests). Use with ``pytestmark = pytest.mark.usefixtures("fresh_dynamo")``."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

@@ -16,11 +16,7 @@ from jaggc.verify.fields import AffineJacobianField
 T, B = 6, 2
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def inputs(seed: int = 0):

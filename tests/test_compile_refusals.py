@@ -29,11 +29,7 @@ HERE = re.escape(__file__.rsplit("/", 1)[-1])
 AT_LINE = HERE + r":\d+"
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def inputs(num_steps: int = T, seed: int = 0):

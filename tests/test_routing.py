@@ -17,11 +17,7 @@ from jaggc.verify.fields import AffineJacobianField, CurvedField, LinearThetaZ
 T, B = 12, 2
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 @pytest.fixture(scope="module")
