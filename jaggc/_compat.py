@@ -53,15 +53,15 @@ def flat_apply_inputs(gm, node):
     return tree_unflatten(list(node.args[2:]), spec)
 
 
+def detect_fake_mode(tensors):
+    """The FakeTensorMode of a trace's fake tensors (None if there are none)."""
+    from torch._guards import detect_fake_mode as detect
+
+    return detect(tensors)
+
+
 def dynamo_reset():
     torch._dynamo.reset()
-
-
-def topological_sort(gm):
-    """Re-sort the graph so every node follows its inputs, moving as few nodes as possible."""
-    from torch.fx.passes.tools_common import stable_topological_sort
-
-    return stable_topological_sort(gm)
 
 
 def unwrap_backend_error(exc: BaseException) -> BaseException:

@@ -154,10 +154,12 @@ class JaggCompiled:
             backend = lambda gm, example_inputs: self._dynamo_backend(gm, example_inputs)  # noqa: E731
             self._dynamo_fn = torch.compile(self.fn, backend=backend, fullgraph=True, dynamic=False)
         try:
+            self._graph_ran = False
             with opaque_modules(candidates):
                 out = self._dynamo_fn(*args, **kwargs)
-            if self.traces == 0:
-                # Dynamo built no graph at all: the loss is a Python constant of its inputs
+            if not self._graph_ran:
+                # Dynamo built no graph for these inputs (on a first call, or a retrace for a new
+                # step count): the loss is a Python constant of its inputs
                 raise JaggGraphError(
                     f"{self.__qualname__} made no DiT call (no dit call on an empty trajectory?): Dynamo captured "
                     f"no graph, so there is nothing to train. Check the step count of the batch")
@@ -165,6 +167,9 @@ class JaggCompiled:
         except _compat.backend_failed_type() as e:
             raise _compat.unwrap_backend_error(e) from None
         except _compat.dynamo_unsupported_types() as e:
+            user_error = self._user_exception(e, candidates, args, kwargs)
+            if user_error is not None:
+                raise user_error from e
             where = _compat.dynamo_user_location(e)
             raise JaggUnsupportedError(
                 f"{where + ': ' if where else ''}Dynamo could not capture {self.__qualname__} in one graph "
@@ -179,6 +184,32 @@ class JaggCompiled:
                 f"code. Reuse one compiled loss, call torch._dynamo.reset(), or raise "
                 f"torch._dynamo.config.recompile_limit. Dynamo says: {_first_lines(e, 3)}") from e
 
+    def _user_exception(self, err: BaseException, candidates, args, kwargs) -> JaggInputError | None:
+        """Dynamo reports an exception raised by the user's own code (a ZeroDivisionError when a
+        loss divides by an empty trajectory's step count) as an 'Observed exception' graph break,
+        which reads like a jaggc limitation. Run the loss eagerly (no grad, nothing accumulated)
+        to surface the user's exception, counting DiT calls; None if it does not raise."""
+        if "observed exception" not in str(err).lower():
+            return None
+        calls = [0]
+
+        def count(*_):
+            calls[0] += 1
+
+        handles = [m.register_forward_pre_hook(count) for m in candidates]
+        try:
+            with torch.no_grad():
+                self.fn(*args, **kwargs)
+        except Exception as raised:  # noqa: BLE001 - the user's own error, re-raised with context
+            empty = (" It made no DiT call: an empty trajectory (no trained step) has nothing to train; "
+                     "check the step count of the batch." if calls[0] == 0 else "")
+            return JaggInputError(f"{self.__qualname__} itself raises {type(raised).__name__}: {raised} "
+                                  f"(run uncompiled on these inputs).{empty}")
+        finally:
+            for h in handles:
+                h.remove()
+        return None
+
     def _dynamo_backend(self, gm: fx.GraphModule, example_inputs):
         gm = canonicalize_dynamo_calls(gm)
         gm, report = self._rewrite(gm, "dynamo")
@@ -191,6 +222,7 @@ class JaggCompiled:
         def run_graph(*args):
             # Dynamo keeps one compiled graph per guard set; .report follows the one that runs
             self._report = report
+            self._graph_ran = True
             return forward(*args)
 
         return run_graph

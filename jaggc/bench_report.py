@@ -18,6 +18,8 @@ from typing import Any
 import torch
 
 from .bench import BenchConfig, ModeResult, theory_backward_speedup, theory_step_speedup
+from .bench_strategies import (theory_fast_backward_speedup, theory_fast_step_speedup,
+                               theory_per_window_backward_speedup, theory_per_window_step_speedup)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -49,12 +51,17 @@ def summarize(config: BenchConfig, runner, compile_info: dict, skipped: list[str
     )
     for key in _WINDOW_KEYS:
         out[key] = {}
+    for prefix in _VARIANTS.values():
+        for key in _VARIANT_KEYS:
+            out[key.format(prefix)] = {}
     for text, res in runner.results.items():
         summary = _mode_summary(exact, res, clock)
         out["speedups"][text] = summary
         out["modes"][text] = _mode_json(res)
         if res.strategy == "jagg":
             _add_window_entries(out, str(res.window), res, summary)
+        elif res.strategy in _VARIANTS:
+            _add_variant_entries(out, _VARIANTS[res.strategy], res, summary)
     out.update(compile_info)
     traces = [r.traces for r in runner.results.values() if r.traces is not None]
     out["recompiles_main"] = max((t - 1 for t in traces), default=0)
@@ -68,6 +75,26 @@ _WINDOW_KEYS = ("step_speedup", "backward_speedup", "step_speedup_range", "backw
                 "theory_step_speedup", "theory_backward_speedup", "theory_step_speedup_trajectory",
                 "theory_backward_speedup_trajectory", "counted_step_speedup", "counted_backward_speedup",
                 "peak_mem_ratio", "compile_overhead_main_s")
+
+
+# per-window maps of the JAGG variants, "<prefix>_step_speedup" etc.: strategy -> (prefix, theory)
+_VARIANTS = {"jagg_fast": "fast", "jagg_per_window": "per_window"}
+_VARIANT_THEORY = {"fast": (theory_fast_step_speedup, theory_fast_backward_speedup),
+                   "per_window": (theory_per_window_step_speedup, theory_per_window_backward_speedup)}
+_VARIANT_KEYS = ("{}_step_speedup", "{}_backward_speedup", "{}_step_speedup_range", "{}_backward_speedup_range",
+                 "theory_{}_step_speedup", "theory_{}_backward_speedup", "counted_{}_step_speedup")
+
+
+def _add_variant_entries(out: dict, prefix: str, res: ModeResult, summary: dict) -> None:
+    w, (theory_step, theory_backward) = str(res.window), _VARIANT_THEORY[prefix]
+    step, back = summary["step_ratios"], summary["backward_ratios"]
+    out[f"{prefix}_step_speedup"][w] = summary["step"].get("median")
+    out[f"{prefix}_backward_speedup"][w] = summary["backward"].get("median")
+    out[f"{prefix}_step_speedup_range"][w] = [min(step), max(step)] if step else None
+    out[f"{prefix}_backward_speedup_range"][w] = [min(back), max(back)] if back else None
+    out[f"theory_{prefix}_step_speedup"][w] = theory_step(res.window)
+    out[f"theory_{prefix}_backward_speedup"][w] = theory_backward(res.window)
+    out[f"counted_{prefix}_step_speedup"][w] = summary["counted_step"]
 
 
 def _mode_summary(exact: ModeResult, res: ModeResult, clock: str) -> dict:
@@ -171,6 +198,12 @@ def format_table(results: dict) -> str:
         lines += [f"  W={w}: step {_num(results['step_speedup'][w])}x (theory {results['theory_step_speedup'][w]:.2f}), "
                   f"backward {_num(results['backward_speedup'][w])}x (theory {results['theory_backward_speedup'][w]:.2f}), "
                   f"activation memory {_num(results['peak_mem_ratio'][w])}x exact" for w in windows]
+    for prefix, label in (("fast", "fast path (theory 3W/6, W/2)"), ("per_window", "per-window (theory 3W/(W+6), W/3)")):
+        for w in sorted(results.get(f"theory_{prefix}_step_speedup", {}), key=int):
+            lines.append(f"  {label} W={w}: step {_num(results[f'{prefix}_step_speedup'][w])}x "
+                         f"(theory {results[f'theory_{prefix}_step_speedup'][w]:.2f}), backward "
+                         f"{_num(results[f'{prefix}_backward_speedup'][w])}x "
+                         f"(theory {results[f'theory_{prefix}_backward_speedup'][w]:.2f})")
     overhead = results.get("compile_overhead_s", {})
     if overhead:
         lines.append(f"first-call overhead (trace + passes, {results['compile_overhead_model']}, "

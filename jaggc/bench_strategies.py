@@ -8,7 +8,17 @@ the bench is one line in ``STRATEGIES``.
 
 Cost model (spec §2.4; F = one DiT forward of batch B, backward = 2F): exact = 3F per step; a JAGG
 window of W steps = (W-2)F no-grad interior + 2F knot forward + 4F joint backward = (W+4)F, so the
-step speedup is 3W/(W+4) and the backward speedup W/2.
+step speedup is 3W/(W+4) and the backward speedup W/2. ``Cost.backward`` is the work done inside
+``loss.backward()`` (where the per-window mode re-runs its knot forward), so that the theory sits
+next to the measured backward time.
+
+Two variants of a JAGG window (windows of <= 2 steps run exactly, 3F per step, in all of them):
+  * per-window backward (``backward="per_window"``): every step of the window runs without grad for
+    the values (W F), and ``loss.backward()`` re-runs the 2B knot forward with grad (2F) and the joint
+    backward (4F): (W+6)F, step speedup 3W/(W+6), backward speedup 2W/6 = W/3;
+  * on-policy fast path (``rollout_cache=``): the interior outputs come from the rollout's recorded
+    DiT calls, so a window costs only the knot forward and the joint backward: 6F, step speedup
+    3W/6 = W/2, backward speedup W/2 (the backward is JAGG's).
 """
 
 from __future__ import annotations
@@ -16,8 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
+
 from .bench_problems import Problem, own_code
-from .runtime import WindowOptions, jagg_calls, partition
+from .runtime import RolloutCache, WindowOptions, jagg_calls, partition
 
 # ---------------------------------------------------------------------------------------------
 # the cost model
@@ -49,11 +61,47 @@ def jagg_cost(num_steps: int, window: int) -> Cost:
     return Cost(forward, backward)
 
 
+def per_window_cost(num_steps: int, window: int) -> Cost:
+    """Every step's value from a no-grad forward; inside the backward, per window, the 2B knot
+    re-forward (2F) and one joint backward (4F)."""
+    forward = backward = 0
+    for steps in partition(num_steps, window):
+        forward += len(steps)
+        backward += 2 * len(steps) if len(steps) <= 2 else 2 + 4
+    return Cost(forward, backward)
+
+
+def fast_cost(num_steps: int, window: int) -> Cost:
+    """Interior outputs served from the rollout cache: per window only the 2B knot forward (2F)
+    and one joint backward (4F)."""
+    forward = backward = 0
+    for steps in partition(num_steps, window):
+        forward += len(steps) if len(steps) <= 2 else 2
+        backward += 2 * len(steps) if len(steps) <= 2 else 4
+    return Cost(forward, backward)
+
+
 def theory_step_speedup(window: int) -> float:
     return 3 * window / (window + 4)
 
 
 def theory_backward_speedup(window: int) -> float:
+    return window / 2
+
+
+def theory_per_window_step_speedup(window: int) -> float:
+    return 3 * window / (window + 6)
+
+
+def theory_per_window_backward_speedup(window: int) -> float:
+    return 2 * window / 6
+
+
+def theory_fast_step_speedup(window: int) -> float:
+    return 3 * window / 6
+
+
+def theory_fast_backward_speedup(window: int) -> float:
     return window / 2
 
 
@@ -105,6 +153,40 @@ def compiled_loss(problem: Problem, window: int, **options) -> Callable:
     return jagg_compile(own_code(problem.loss_fn), window=window, **options)
 
 
+class RolloutCachedStep(LossStep):
+    """The on-policy fast path: ``@jagg_compile(window=W, rollout_cache=cache)``.
+
+    ``build`` plays the rollout: it records the DiT's no-grad outputs on exactly the inputs the
+    loss will use, with the parameters the timed steps run with (in GRPO the rollout is not part
+    of the training step, so this is outside the timed region). The bench never writes a parameter
+    in place after this (``zero_grad(set_to_none=True)`` only drops ``.grad``); if something did,
+    the cache would drop itself and the runtime would silently run the interior forwards again, so
+    every step checks that each interior call was served from the cache and raises otherwise: a
+    "fast path" that fell back would time plain JAGG under the wrong name."""
+
+    def __init__(self, problem: Problem, window: int):
+        self.cache = RolloutCache(problem.model)
+        with torch.no_grad(), self.cache.record():
+            for call in problem.dit_calls(problem.batch):
+                call(problem.model)
+        # one lookup per interior step of every window of > 2 steps (shorter windows run exactly)
+        basis = WindowOptions().basis
+        self.interior_calls = sum(len(w) - len(basis.knot_positions(len(w)))
+                                  for w in partition(problem.num_steps, window) if len(w) > 2)
+        super().__init__(problem, compiled_loss(problem, window, rollout_cache=self.cache))
+
+    def run(self, read: Read) -> tuple[dict, dict, dict]:
+        stats = self.cache.stats
+        hits, misses = stats.hits, stats.misses
+        out = super().run(read)
+        served, missed = stats.hits - hits, stats.misses - misses
+        if missed or served != self.interior_calls:
+            raise RuntimeError(
+                f"jagg_fast: the rollout cache served {served} of {self.interior_calls} interior calls "
+                f"({missed} misses, {stats.invalidations} invalidations): the step fell back to forwards")
+        return out
+
+
 def runtime_loss(problem: Problem, window: int, **options) -> Callable:
     """The same loss with its velocities from ``jagg_calls``: no capture, no graph (the glue's
     baseline)."""
@@ -129,9 +211,7 @@ class Strategy:
     about: str
 
 
-# One line per strategy. A new mode, e.g. the per-window backward:
-#   Strategy("jagg_per_window", lambda p, w: LossStep(p, compiled_loss(p, w, backward="per_window")),
-#            per_window_cost, True, "@jagg_compile(backward='per_window')"),
+# One line per strategy.
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("exact", lambda p, w: LossStep(p, p.loss_fn), exact_cost, False,
              "the undecorated loss, one backward"),
@@ -143,6 +223,10 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              "@jagg_compile(window=W, batch_knots=False): knots as separate passes"),
     Strategy("runtime", lambda p, w: LossStep(p, runtime_loss(p, w)), jagg_cost, True,
              "jagg_calls directly in a hand-split loss (no capture, no graph)"),
+    Strategy("jagg_per_window", lambda p, w: LossStep(p, compiled_loss(p, w, backward="per_window")),
+             per_window_cost, True, "@jagg_compile(window=W, backward='per_window')"),
+    Strategy("jagg_fast", RolloutCachedStep, fast_cost, True,
+             "@jagg_compile(window=W, rollout_cache=cache): interior outputs from the rollout"),
 )}
 
 

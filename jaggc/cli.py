@@ -193,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="time a GRPO training step: exact vs JAGG (speedups, passes, memory)")
     p.add_argument("--quick", action="store_true",
-                   help="10M SD3, exact vs W=4 (and W=8 if the budget allows), 3 repeats, ~3 min on 2 cores")
+                   help="10M SD3, 8 trained steps: exact vs jagg@4 and jagg_fast@4 (jagg@8 if the budget "
+                        "allows), 3 repeats, under 3 min on 2 cores")
     p.add_argument("--family", default=None, choices=["sd3", "flux"], help="DiT family (default sd3)")
     p.add_argument("--size", default=None, choices=["tiny", "10m"], help="model size (default 10m)")
     p.add_argument("--steps", type=int, default=None, help="trained steps of the trajectory (default 16)")

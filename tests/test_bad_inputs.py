@@ -564,10 +564,19 @@ def test_empty_trajectory_compiled(env):
             advice=("empty", "trajectory"))
 
 
-@pytest.mark.xfail(strict=True, reason="Flow-GRPO's loss divides by the step count: on 0 steps Dynamo reports the "
-                   "user's ZeroDivisionError as 'Observed exception' inside a generic graph-break message "
-                   "(api.py; proposed fix in the issue-8 report)")
+def test_empty_trajectory_after_a_successful_call(env):
+    """Dynamo retraces for the new step count and builds no graph: refused like a first call."""
+    COUNTS["window_vs_steps"] += 1
+    compiled = jaggc.jagg_compile(fresh(summed_loss), window=2)
+    compiled(env.model, _steps(env.batch, 2)).backward()
+    env.model.zero_grad(set_to_none=True)
+    refused(env.model, lambda: compiled(env.model, _steps(env.batch, 0)), mentions=("no dit call",),
+            advice=("empty", "trajectory"))
+
+
 def test_empty_trajectory_compiled_dividing_loss(env):
+    """Flow-GRPO's loss divides by the step count: Dynamo reports the ZeroDivisionError as an
+    'Observed exception' graph break; jaggc names the user's exception and the empty trajectory."""
     COUNTS["window_vs_steps"] += 1
     compiled = jaggc.jagg_compile(fresh(el.flow_grpo_sd3_loss), window=2)
     refused(env.model, lambda: compiled(env.model, _steps(env.batch, 0)), mentions=("ZeroDivisionError",),

@@ -15,10 +15,15 @@ import types
 import pytest
 import torch
 
+from helpers import grads, rel_err
 from jaggc import cli
-from jaggc.bench import (BenchConfig, ModeResult, exact_cost, jagg_cost, parse_mode, run_bench,
-                         theory_backward_speedup, theory_step_speedup)
+from jaggc.bench import (BenchConfig, Cost, ModeResult, PassClock, exact_cost, fast_cost, jagg_cost, parse_mode,
+                         per_window_cost, run_bench, theory_backward_speedup, theory_fast_backward_speedup,
+                         theory_fast_step_speedup, theory_per_window_backward_speedup, theory_per_window_step_speedup,
+                         theory_step_speedup)
+from jaggc.bench_problems import build_problem
 from jaggc.bench_report import format_table, summarize
+from jaggc.runtime import count_dit_passes
 
 NUM_STEPS, BATCH = 16, 4
 
@@ -172,3 +177,121 @@ def test_rss_child_reports_a_step_peak():
     rss = measure_rss(BenchConfig(size="tiny", num_steps=4, batch=2), "exact")
     assert rss.get("error") is None, rss
     assert rss["peak_mb"] >= rss["before_mb"] > 0 and rss["step_peak_mb"] >= 0
+
+
+# ---------------------------------------------------------------------------------------------
+# the JAGG variants: per-window backward and the on-policy fast path
+
+
+@pytest.mark.parametrize("window", [2, 3, 4, 6, 8])
+def test_variant_costs_follow_their_cost_models(window):
+    exact = exact_cost(NUM_STEPS)
+    if NUM_STEPS % window == 0 and window > 2:
+        fast, per_window = fast_cost(NUM_STEPS, window), per_window_cost(NUM_STEPS, window)
+        # fast: 2F knot forward + 4F backward per window; per-window: W no-grad + (2F + 4F) in backward
+        assert fast == Cost(2 * NUM_STEPS // window, 4 * NUM_STEPS // window)
+        assert per_window == Cost(NUM_STEPS, 6 * NUM_STEPS // window)
+        assert exact.step / fast.step == pytest.approx(theory_fast_step_speedup(window))
+        assert exact.backward / fast.backward == pytest.approx(theory_fast_backward_speedup(window))
+        assert exact.step / per_window.step == pytest.approx(theory_per_window_step_speedup(window))
+        assert exact.backward / per_window.backward == pytest.approx(theory_per_window_backward_speedup(window))
+    assert theory_fast_step_speedup(window) == pytest.approx(window / 2)
+    assert theory_per_window_step_speedup(window) == pytest.approx(3 * window / (window + 6))
+    # windows of <= 2 steps run exactly in every variant
+    assert fast_cost(NUM_STEPS, 2) == per_window_cost(NUM_STEPS, 2) == exact_cost(NUM_STEPS)
+
+
+def test_variant_tail_windows():
+    # 9 steps at W=4: windows of 4, 4 and a 1-step tail that runs exactly (3F)
+    assert fast_cost(9, 4) == Cost(2 + 2 + 1, 4 + 4 + 2)
+    assert per_window_cost(9, 4) == Cost(9, 6 + 6 + 2)
+    assert theory_fast_step_speedup(4) == pytest.approx(2.0)
+
+
+TINY_STEPS, TINY_BATCH = 4, 2   # one window of 4 steps: 2 knots, 2 interior steps
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A 4-step tiny SD3 problem and the jagg@4 reference gradient."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    problem = build_problem("sd3", "tiny", num_steps=TINY_STEPS, batch=TINY_BATCH)
+    _, _, reference = _counted_step(problem, "jagg@4")
+    yield problem, reference
+    torch._dynamo.reset()
+
+
+def _counted_step(problem, text, step=None):
+    """Build (or reuse) the mode's step, run it twice (the first call traces), count the second one's
+    DiT passes and cost-model units; return the step, the counts and the (forward, backward, step)
+    units, and the gradient."""
+    if step is None:
+        mode = parse_mode(text)
+        step = mode.strategy.build(problem, mode.window)
+    for _ in range(2):
+        problem.model.zero_grad(set_to_none=True)
+        clock = PassClock(problem)
+        try:
+            with count_dit_passes(problem.model) as counts:
+                start, mid, end = step.run(lambda: {"passes": clock()})
+        finally:
+            clock.close()
+    units = (mid["passes"] - start["passes"], end["passes"] - mid["passes"])
+    return step, (counts, units), grads(problem.model).clone()
+
+
+def test_fast_path_runs_no_interior_forward_and_matches_jagg(tiny):
+    problem, reference = tiny
+    step, (counts, units), grad = _counted_step(problem, "jagg_fast@4")
+    assert counts.nograd_forwards == 0                          # no interior forward at all
+    assert counts.grad_forwards == 1 and counts.backwards == 1   # one 2B knot forward, one joint backward
+    cost = fast_cost(TINY_STEPS, 4)
+    assert units == (cost.forward, cost.backward) == (2, 4)
+    assert step.cache.stats.misses == 0 and step.cache.stats.hits == 2 * 2   # 2 interior calls per step, 2 steps
+    assert rel_err(grad, reference) < 1e-5
+    # a parameter written in place drops the cache: the step must refuse to time a fallback
+    with torch.no_grad():
+        next(problem.model.parameters()).mul_(1.0)
+    with pytest.raises(RuntimeError, match="fell back"):
+        step.run(lambda: {})
+
+
+def test_per_window_backward_reruns_the_knots_in_backward_and_matches_jagg(tiny):
+    problem, reference = tiny
+    _, (counts, units), grad = _counted_step(problem, "jagg_per_window@4")
+    # values: one no-grad forward of all 4 steps; backward: the knot forward again, with grad, and its backward
+    assert counts.nograd_forwards == 1 and counts.grad_forwards == 1 and counts.backwards == 1
+    cost = per_window_cost(TINY_STEPS, 4)
+    assert units == (cost.forward, cost.backward) == (4, 6)
+    assert rel_err(grad, reference) < 1e-5
+
+
+def test_variant_maps_in_results():
+    """Hand-made round times: each variant gets its own per-window maps next to its theory."""
+    def mode(name, window, whole, backward, cost):
+        res = ModeResult(name, name.split("@")[0], window, "", dict(forward=cost.forward, backward=cost.backward,
+                                                                    step=cost.step))
+        res.whole, res.backward = {"fake": whole}, {"fake": backward}
+        res.passes = dict(backwards=1, backward_samples=1, forward_samples=1, grad_forwards=1, nograd_forwards=0)
+        res.first_call = {"fake": 0.0}
+        return res
+
+    runner = types.SimpleNamespace(
+        problem=types.SimpleNamespace(name="x", num_params=1, family="sd3", size="tiny", num_steps=16, batch_size=4),
+        results={"exact": mode("exact", None, [12.0, 12.0, 12.0], [8.0, 8.0, 8.0], exact_cost(16)),
+                 "jagg_fast@4": mode("jagg_fast@4", 4, [6.0, 4.0, 8.0], [4.0, 4.0, 4.0], fast_cost(16, 4)),
+                 "jagg_per_window@8": mode("jagg_per_window@8", 8, [10.0, 10.0, 10.0], [5.0, 5.0, 5.0],
+                                           per_window_cost(16, 8))},
+        elapsed=lambda: 0.0)
+    out = summarize(BenchConfig(clocks=("fake",)), runner, {}, [])
+    assert out["fast_step_speedup"] == {"4": pytest.approx(2.0)}             # ratios 2, 3, 1.5
+    assert out["fast_step_speedup_range"]["4"] == pytest.approx([1.5, 3.0])
+    assert out["theory_fast_step_speedup"] == {"4": pytest.approx(2.0)}
+    assert out["per_window_step_speedup"] == {"8": pytest.approx(1.2)}
+    assert out["theory_per_window_step_speedup"] == {"8": pytest.approx(24 / 14)}
+    assert out["speedups"]["jagg_fast@4"]["theory_step"] == pytest.approx(2.0)
+    assert out["step_speedup"] == {} and out["theory_step_speedup"] == {}   # the jagg maps stay jagg's
+    table = format_table(out | dict(compile_overhead_s={}, recompiles=0, clock="fake", threads=1,
+                                    torch_version="x", model_params=1, batch=4, repeats=3))
+    assert "fast path" in table and "per-window" in table

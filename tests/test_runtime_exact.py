@@ -24,6 +24,7 @@ from torch import nn
 from helpers import grad_of, rel_err
 from jaggc import Basis, DitCall, WindowOptions, count_dit_passes, jagg_calls, run_exact, run_window
 from jaggc.runtime import partition
+from jaggc.runtime.weights import randomized_matrix
 from jaggc.verify.fields import AffineJacobianField, CurvedField, LinearThetaZ, ThetaT, TimeAffineField
 
 DT = torch.float64
@@ -409,3 +410,59 @@ def test_unused_outputs(unused):
     exact, jagg = exact_and_jagg(field, calls, gs)
     assert exact.norm() > 0
     assert rel_err(jagg, exact) < EXACT_TOL
+
+
+@given(window=st.integers(3, 8), batch=st.integers(1, 3), dim=st.integers(1, 4), per_sample=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_extrapolation_basis_is_exact_for_an_affine_jacobian_on_the_chord(window, batch, dim, per_sample, seed):
+    """Causal linear extrapolation from the window's first two steps reproduces a Jacobian affine
+    along the chord (E1) exactly, like interpolation does; on a curved field it is a real
+    approximation (and a worse one than interpolation)."""
+    gen = torch.Generator().manual_seed(seed)
+    times = window_times(gen, window, batch, per_sample)
+    calls = make_calls(chord_states(gen, times, dim), times)
+    gs = upstream(gen, window, batch, dim)
+    options = WindowOptions(weights=Basis("extrapolate", "t"))
+    exact, extrapolated = exact_and_jagg(AffineJacobianField(dim, seed=seed % 997), calls, gs, options=options)
+    assert rel_err(extrapolated, exact) < EXACT_TOL
+
+
+def test_extrapolation_matrix_rows():
+    x = torch.tensor([1.0, 0.8, 0.5, 0.3, 0.1], dtype=torch.float64)[:, None]
+    phi = Basis("extrapolate", "t", knots=(0, 2, 4)).matrix(x)[..., 0]
+    expected = torch.tensor([[1, 0, 0], [1, 0, 0], [0, 1, 0], [0, 0, 0], [0, 0, 1]], dtype=torch.float64)
+    # step 3 extrapolates the line through knots 0 and 2 (x = 1.0, 0.5) to x = 0.3: β = (0.3-0.5)/(0.5-1.0)
+    beta = (0.3 - 0.5) / (0.5 - 1.0)
+    expected[3] = torch.tensor([-beta, 1 + beta, 0], dtype=torch.float64)
+    torch.testing.assert_close(phi, expected, rtol=0, atol=1e-15)
+    assert torch.allclose(phi.sum(1), torch.ones(5, dtype=torch.float64))
+
+
+def test_randomized_basis_is_unbiased_for_any_jacobians():
+    """E over the drawn interior knot of Σ_j J_{knot j}ᵀ Γ_j is Σ_s J_sᵀ g_s for arbitrary,
+    unrelated per-step Jacobians (no affine assumption), and each draw is a different estimate."""
+    gen = torch.Generator().manual_seed(0)
+    num_steps, dim, batch = 6, 4, 1
+    jac = torch.randn(num_steps, dim, dim, generator=gen, dtype=torch.float64)
+    g = torch.randn(num_steps, dim, generator=gen, dtype=torch.float64)
+    x = torch.linspace(1.0, 0.2, num_steps, dtype=torch.float64)[:, None] ** 2
+    exact = sum(jac[s].T @ g[s] for s in range(num_steps))
+    draws = []
+    for pos in range(1, num_steps - 1):
+        phi = randomized_matrix(x, pos)[..., 0]                  # (S, 3)
+        knots = (0, pos, num_steps - 1)
+        assert torch.allclose(phi.sum(1), torch.ones(num_steps, dtype=torch.float64))
+        draws.append(sum(jac[k].T @ (phi[:, j, None] * g).sum(0) for j, k in enumerate(knots)))
+    assert rel_err(torch.stack(draws).mean(0), exact) < 1e-13
+    assert min(rel_err(d, exact) for d in draws) > CLEARLY_WRONG
+
+
+def test_randomized_basis_draws_from_its_own_seeded_stream():
+    times = torch.linspace(1.0, 0.1, 8, dtype=torch.float64)[:, None].expand(8, 2)
+    state = torch.get_rng_state()
+    a = [Basis("randomized", seed=3).sample(times)[0], Basis("randomized", seed=3).sample(times)[0]]
+    basis = Basis("randomized", seed=3)
+    seq = [basis.sample(times)[0] for _ in range(6)]
+    assert torch.equal(torch.get_rng_state(), state), "the user's RNG stream was consumed"
+    assert a[0] == a[1] == seq[0] and len({k[1] for k in seq}) > 1
+    assert all(k[0] == 0 and k[2] == 7 and 1 <= k[1] <= 6 for k in seq)

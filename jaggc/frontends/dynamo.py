@@ -28,6 +28,7 @@ from ..errors import JaggGraphError
 from ..graph_ops import dit_call, flatten_output
 from ..runtime.calls import DitCall
 from ..runtime.checks import conform_placement
+from .fake_cache import cached_fake_call
 
 _OPAQUE: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
 _MISSING = object()
@@ -93,11 +94,11 @@ def _opaque_functions(module: nn.Module):
             args, kwargs = _for_fake_run(module, *decode_none(args, kwargs))
             if _distributed(module) and _has_fake(args, kwargs):
                 return _real_run_as_fake(original_call, args, kwargs)
-            return original_call(*args, **kwargs)
+            return cached_fake_call(module, original_call, args, kwargs)
 
         def jaggc_opaque_dit_forward(*args, **kwargs):
             args, kwargs = _for_fake_run(module, *decode_none(args, kwargs))
-            return original_forward(*args, **kwargs)
+            return cached_fake_call(module, original_forward, args, kwargs)
 
         opaque_call = _compat.nonstrict_trace(jaggc_opaque_dit_call)
         opaque_forward = _compat.nonstrict_trace(jaggc_opaque_dit_forward)

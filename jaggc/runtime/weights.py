@@ -7,8 +7,10 @@ is Γ_j = Σ_s Φ[s, j] · g_s. Plain JAGG is the two-knot linear basis (knots =
 Φ = (1-α, α)); shared-endpoint hat weights and three-knot Lagrange weights are other bases over
 other knot sets, and the causal left-knot variant is the one-knot constant basis.
 
-Invariant every basis keeps: at a knot step s = knots[j], Φ[s, :] is the unit vector e_j, so the
-knot's own gradient is exact; and Σ_j Φ[s, j] = 1 (an affine Jacobian is reproduced exactly).
+Invariant every deterministic basis keeps: at a knot step s = knots[j], Φ[s, :] is the unit
+vector e_j, so the knot's own gradient is exact; and Σ_j Φ[s, j] = 1 (an affine Jacobian is
+reproduced exactly). The randomized basis keeps Σ_j Φ[s, j] = 1 but trades the first property
+for unbiasedness: its drawn knot's row is a correction, and only its expectation is exact.
 """
 
 from __future__ import annotations
@@ -21,12 +23,20 @@ import torch
 from ..errors import JaggInputError
 
 
+KINDS = ("linear", "lagrange", "constant", "extrapolate", "randomized")
+
+
 @dataclass(frozen=True)
 class Basis:
     """A knot placement and interpolation rule.
 
     kind: "linear" (piecewise-linear hat functions over the knots), "lagrange" (one polynomial
-    through all knots) or "constant" (every step uses the first knot: the causal left knot).
+    through all knots), "constant" (every step uses the nearest knot at or before it: the causal
+    left knot), "extrapolate" (causal linear extrapolation: a step after knot k_j uses the line
+    through k_{j-1} and k_j; with knots shared by a trajectory-long window, one backward per
+    knot), or "randomized" (plain JAGG plus one interior knot drawn uniformly per window call,
+    with the endpoint composites corrected so that the expected gradient is the exact one;
+    ``seed`` seeds its own generator, so the user's RNG stream is untouched).
     by: "t" interpolates in timestep value, "index" in step position (the first author's code).
     knots: positions of the knot steps within the window; None means the window's two endpoints
     (or its first step for "constant").
@@ -35,39 +45,71 @@ class Basis:
     kind: str = "linear"
     by: str = "t"
     knots: tuple[int, ...] | None = None
+    seed: int = 0
 
     def __post_init__(self):
-        if self.kind not in ("linear", "lagrange", "constant"):
-            raise JaggInputError(f"unknown basis kind {self.kind!r}; use 'linear', 'lagrange' or 'constant'")
+        if self.kind not in KINDS:
+            raise JaggInputError(f"unknown basis kind {self.kind!r}; use one of {KINDS}")
         if self.by not in ("t", "index"):
             raise JaggInputError(f"unknown weights {self.by!r}; use weights='t' or weights='index'")
+        if self.kind == "randomized" and self.knots is not None:
+            raise JaggInputError("Basis('randomized') draws its interior knot per window; it takes no knots=")
+        # the randomized basis's draws; a frozen dataclass, so set past __setattr__
+        object.__setattr__(self, "_generator", None)
+
+    def sample(self, times: torch.Tensor) -> tuple[tuple[int, ...], torch.Tensor]:
+        """(knot positions, Φ) for one window call; the same as (knot_positions, matrix) for
+        every kind but "randomized", which draws a new interior knot on each call."""
+        num_steps = times.shape[0]
+        if self.kind != "randomized" or num_steps <= 3:
+            return self.knot_positions(num_steps), self.matrix(times)
+        if self._generator is None:
+            object.__setattr__(self, "_generator", torch.Generator().manual_seed(self.seed))
+        pos = 1 + int(torch.randint(num_steps - 2, (1,), generator=self._generator))
+        return (0, pos, num_steps - 1), randomized_matrix(self._x(times), pos)
+
+    def _x(self, times: torch.Tensor) -> torch.Tensor:
+        num_steps, batch = times.shape
+        if self.by == "index":
+            return torch.arange(num_steps, dtype=torch.float64, device=times.device)[:, None].expand(num_steps, batch)
+        return times.to(torch.float64)
 
     def knot_positions(self, num_steps: int) -> tuple[int, ...]:
         if self.knots is not None:
             knots = tuple(self.knots)
             if list(knots) != sorted(set(knots)) or knots[0] < 0 or knots[-1] >= num_steps:
                 raise JaggInputError(f"knots {knots} must be increasing positions in 0..{num_steps - 1}")
-            if self.kind != "constant" and (knots[0] != 0 or knots[-1] != num_steps - 1):
+            if self.kind == "extrapolate" and knots[0] != 0:
+                raise JaggInputError(f"knots {knots} must start at the window's first step 0")
+            if self.kind in ("linear", "lagrange") and (knots[0] != 0 or knots[-1] != num_steps - 1):
                 raise JaggInputError(f"knots {knots} must include both window endpoints 0 and {num_steps - 1}")
             return knots
         if self.kind == "constant" or num_steps == 1:
             return (0,)
         if self.kind == "lagrange" and num_steps >= 3:
             return (0, (num_steps - 1) // 2, num_steps - 1)
+        if self.kind == "extrapolate":
+            return (0, 1)
+        if self.kind == "randomized":
+            # the count every call has (its middle knot is drawn per call by ``sample``)
+            return tuple(range(num_steps)) if num_steps <= 3 else (0, 1, num_steps - 1)
         return (0, num_steps - 1)
 
     def matrix(self, times: torch.Tensor) -> torch.Tensor:
         """Φ of shape (S, K, B) in float64 for per-step, per-sample times of shape (S, B)."""
         num_steps, batch = times.shape
         knots = self.knot_positions(num_steps)
-        if self.by == "index":
-            x = torch.arange(num_steps, dtype=torch.float64, device=times.device)[:, None].expand(num_steps, batch)
-        else:
-            x = times.to(torch.float64)
+        x = self._x(times)
         if self.kind == "constant":
             return _constant_matrix(num_steps, knots, batch, x)
         if self.kind == "lagrange":
             return lagrange_matrix(x, knots)
+        if self.kind == "extrapolate":
+            return extrapolation_matrix(x, knots)
+        if self.kind == "randomized":
+            if num_steps <= 3:
+                return hat_matrix(x, knots)
+            raise JaggInputError("Basis('randomized') has no fixed matrix; use Basis.sample(times)")
         return hat_matrix(x, knots)
 
 
@@ -94,6 +136,39 @@ def hat_matrix(x: torch.Tensor, knots: Sequence[int]) -> torch.Tensor:
             alpha = (x[s] - x[lo]) / span
             phi[s, j] = 1.0 - alpha
             phi[s, j + 1] = alpha
+    return phi
+
+
+def extrapolation_matrix(x: torch.Tensor, knots: Sequence[int]) -> torch.Tensor:
+    """Causal linear extrapolation: a step at or after knot k_j (j >= 1) uses the line through
+    k_{j-1} and k_j; steps before k_1 use k_0 alone (no earlier knot to extrapolate from)."""
+    num_steps, batch = x.shape
+    phi = torch.zeros(num_steps, len(knots), batch, dtype=torch.float64, device=x.device)
+    for s in range(num_steps):
+        j = max(i for i, k in enumerate(knots) if k <= s)
+        if j == 0:
+            phi[s, 0] = 1.0
+            continue
+        lo, hi = knots[j - 1], knots[j]
+        beta = (x[s] - x[hi]) / (x[hi] - x[lo])
+        phi[s, j - 1] = -beta
+        phi[s, j] = 1.0 + beta
+    return phi
+
+
+def randomized_matrix(x: torch.Tensor, pos: int) -> torch.Tensor:
+    """Knots (0, pos, S-1): plain two-knot weights for every step, except that the drawn interior
+    step's gradient goes to its own knot scaled by m = S-2 (the number of interior steps) and its
+    linear share is taken back from the endpoints: E over pos of Φᵀg is the exact Σ J_sᵀ g_s when
+    the interior step is drawn uniformly (the estimator's correction term is unbiased)."""
+    num_steps = x.shape[0]
+    m = num_steps - 2
+    linear = hat_matrix(x, (0, num_steps - 1))             # (S, 2, B)
+    phi = torch.zeros(num_steps, 3, x.shape[1], dtype=torch.float64, device=x.device)
+    phi[:, 0], phi[:, 2] = linear[:, 0], linear[:, 1]
+    phi[pos, 0] = (1 - m) * linear[pos, 0]
+    phi[pos, 2] = (1 - m) * linear[pos, 1]
+    phi[pos, 1] = m
     return phi
 
 

@@ -136,8 +136,7 @@ def prepare_window(dit: nn.Module, calls: Sequence[DitCall], steps: Sequence[int
     """Checks, weights, the batched no-grad interior forwards and the knot forward with grad."""
     steps = list(steps)
     time_arg, batch, times = _checked_times(dit, calls, steps, options)
-    knots = options.basis.knot_positions(len(calls))
-    phi = options.basis.matrix(times)
+    knots, phi = options.basis.sample(times)
     interior = [p for p in range(len(calls)) if p not in knots]
     interior_out = _interior_outputs(dit, [calls[p] for p in interior], [steps[p] for p in interior],
                                      time_arg, options, batch)
@@ -166,8 +165,8 @@ def run_window(dit: nn.Module, calls: Sequence[DitCall], *, steps: Sequence[int]
         return run_exact(dit, calls, steps=steps, options=options)
     if options.backward == "per_window":
         time_arg, batch, times = _checked_times(dit, calls, steps, options)
-        return DeferredWindow(dit, calls, steps, time_arg=time_arg, batch=batch,
-                              knots=options.basis.knot_positions(len(calls)), phi=options.basis.matrix(times),
+        knots, phi = options.basis.sample(times)
+        return DeferredWindow(dit, calls, steps, time_arg=time_arg, batch=batch, knots=knots, phi=phi,
                               interior_chunk=options.interior_chunk, batch_knots=options.batch_knots,
                               unbatched=options.unbatched, group=group).run()
     return prepare_window(dit, calls, steps, options).assemble()
