@@ -186,3 +186,39 @@ def test_calibrate_unreachable_target_recommends_exact(curved):
                     candidates=[dict(variant="jagg", window=4), dict(variant="causal", window=3)])
     assert res["recommended"] is None
     assert "exact" in res["note"]
+
+
+def test_randomized_basis_is_the_random3_estimator(curved):
+    """@jagg_compile/jagg_calls with weights=Basis("randomized", seed) computes the randomized
+    third-knot estimator for the interior knots its seeded stream draws (replayed here)."""
+    dit, batch, rec = curved       # windows of 4 over 9 steps: [0-3] [4-7] draw, [8] is exact
+    draws = torch.Generator().manual_seed(5)
+    picks = {w: 1 + int(torch.randint(2, (1,), generator=draws)) for w in (0, 1)}
+    ref = E.runtime_gradient(toy_loss, dit, batch, window=4, weights=jaggc.Basis("randomized", seed=5))
+    assert rel(E.random3(rec, dit, window=4, picks=picks).grad, ref) < 1e-12
+    assert rel(ref, E.exact(rec, dit).grad) > 1e-3
+
+
+def test_extrapolation_basis_is_the_causal_extrapolation(curved):
+    """Knots shared along the trajectory (one backward per knot): each step after knot k_j uses
+    J(k_j) + β (J(k_j) − J(k_{j−1})); checked against VJPs at the knots built by hand."""
+    dit, batch, rec = curved
+    knots = (0, 3, 6)
+    ref = E.runtime_gradient(toy_loss, dit, batch, window=S, weights=jaggc.Basis("extrapolate", "t", knots=knots))
+    t = rec.times
+    pairs = []
+    for j, k in enumerate(knots):
+        cot = 0
+        for s in range(S):
+            seg = max(i for i, kk in enumerate(knots) if kk <= s)
+            if seg == 0:
+                w = torch.ones_like(t[0]) if j == 0 else torch.zeros_like(t[0])
+            else:
+                lo, hi = knots[seg - 1], knots[seg]
+                beta = (t[s] - t[hi]) / (t[hi] - t[lo])
+                w = -beta if j == seg - 1 else (1 + beta) if j == seg else torch.zeros_like(t[0])
+            cot = cot + w[:, None] * rec.upstream[s]
+        pairs.append((rec.calls[k], cot))
+    by_hand = E.vjp_sum(dit, pairs, rec.time_arg)
+    assert rel(by_hand, ref) < 1e-12
+    assert rel(ref, E.exact(rec, dit).grad) > 1e-3

@@ -45,7 +45,7 @@ from ..errors import JaggInputError
 from ..runtime import Basis, DitCall, WindowOptions, jagg_calls, partition
 from ..runtime.calls import concat_calls, per_sample_time, primary_input, resolve_time_arg, set_time, split_output
 
-VARIANTS = ("exact", "jagg", "causal", "lagrange", "hat", "denoised", "random3", "subsample")
+VARIANTS = ("exact", "jagg", "causal", "lagrange", "hat", "extrapolate", "denoised", "random3", "subsample")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,6 +293,22 @@ def hat(rec, dit, *, spacing: int, weights: str = "t", exact_steps_from: int | N
     return plan.run(dit, f"hat-{spacing}")
 
 
+def extrapolate(rec, dit, *, spacing: int, weights: str = "t", exact_steps_from: int | None = None) -> Estimate:
+    """Causal linear extrapolation with shared knots (spec §2.2): knots every ``spacing`` steps
+    over steps 0..E-1 (one backward each); a step after knot k_j uses the line through the
+    Jacobians at k_{j-1} and k_j, steps before the second knot the first one; steps ≥ E exact.
+    ``@jagg_compile(window=T, weights=Basis("extrapolate", knots=...))``."""
+    end = rec.num_steps if exact_steps_from is None else exact_steps_from
+    plan = _Plan(rec)
+    knots = tuple(range(0, end, spacing))
+    if end >= 2 and len(knots) < end:
+        plan.basis_window(list(range(end)), Basis("extrapolate", weights, knots=knots))
+    else:
+        plan.exact_steps(range(end))
+    plan.exact_steps(range(end, rec.num_steps))
+    return plan.run(dit, f"extrapolate-{spacing}")
+
+
 def denoised(rec: Recording, dit: nn.Module, *, window: int, weights: str = "t", exact_windows=(),
              means: Sequence[torch.Tensor] | None = None, end_time: torch.Tensor | None = None) -> Estimate:
     """Denoised right knot (spec §2.2): window [a, r), knots z_a at t_a and
@@ -480,6 +496,12 @@ def estimate(rec: Recording, dit: nn.Module, setting: Setting, *, generator: tor
             below = (rec.times < s.exact_below).any(dim=1).nonzero()
             end = int(below[0]) if len(below) else None
         return hat(rec, dit, spacing=s.spacing, weights=s.weights, exact_steps_from=end)
+    if s.variant == "extrapolate":
+        end = None
+        if s.exact_below is not None:
+            below = (rec.times < s.exact_below).any(dim=1).nonzero()
+            end = int(below[0]) if len(below) else None
+        return extrapolate(rec, dit, spacing=s.window, weights=s.weights, exact_steps_from=end)
     if exact_windows is None:
         exact_windows = routed_exact_windows(rec, s.window, jagg_frac=s.jagg_frac, weights=s.weights,
                                              exact_below=s.exact_below)
@@ -500,7 +522,7 @@ def estimate(rec: Recording, dit: nn.Module, setting: Setting, *, generator: tor
 def matched_subsample(rec: Recording, setting: Setting) -> Setting | None:
     """The subsampling baseline with the same windows, exact set and backward count per window
     (jagg/denoised: 2 of W; causal: 1; lagrange/random3: 3). None for hat/exact."""
-    k = {"jagg": 2, "denoised": 2, "causal": 1, "lagrange": 3, "random3": 3}.get(setting.variant)
+    k = {"jagg": 2, "denoised": 2, "causal": 1, "extrapolate": 1, "lagrange": 3, "random3": 3}.get(setting.variant)
     if k is None:
         return None
     return Setting("subsample", setting.window, setting.weights, setting.jagg_frac, setting.exact_below, k=k)
@@ -515,6 +537,6 @@ def rel_error(est: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 __all__ = ["Estimate", "Recording", "Setting", "VARIANTS", "basis_estimate", "causal", "cosine", "denoised",
-           "estimate", "exact", "flow_grpo_extras", "hat", "jagg", "lagrange", "matched_subsample", "random3",
+           "estimate", "exact", "extrapolate", "flow_grpo_extras", "hat", "jagg", "lagrange", "matched_subsample", "random3",
            "record", "rel_error", "routed_exact_windows", "routing_scores", "runtime_gradient", "subsample",
            "trainable", "vjp_sum", "windows_below", "with_state"]
