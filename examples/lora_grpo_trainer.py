@@ -236,8 +236,10 @@ def main(argv=None) -> list[dict]:
         for _epoch in range(args.inner_epochs):
             for mb in mbs:
                 with accelerator.accumulate(dit), count_dit_passes(local) as passes:
-                    loss, log_probs = compiled(dit, mb)
-                    accelerator.backward(loss)
+                    # a step that raises leaves .grad as the earlier micro-batches made it
+                    with jaggc.atomic_step(dit):
+                        loss, log_probs = compiled(dit, mb)
+                        accelerator.backward(loss)
                     if accelerator.sync_gradients:
                         grad_norm = float(accelerator.clip_grad_norm_(params, 1.0))
                     optimizer.step()

@@ -221,4 +221,5 @@ def test_extrapolation_basis_is_the_causal_extrapolation(curved):
         pairs.append((rec.calls[k], cot))
     by_hand = E.vjp_sum(dit, pairs, rec.time_arg)
     assert rel(by_hand, ref) < 1e-12
+    assert rel(E.extrapolate(rec, dit, spacing=3).grad, ref) < 1e-12
     assert rel(ref, E.exact(rec, dit).grad) > 1e-3

@@ -31,20 +31,29 @@ class KnotAggregate(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         (phi,) = ctx.saved_tensors
-        num_steps, num_knots, batch = phi.shape
-        ref = next(g for g in grads if g is not None)
-        # accumulate low-precision gradients in fp32; fp32/fp64 stay as they are
-        acc = ref.dtype if ref.dtype in (torch.float32, torch.float64) else torch.float32
-        weights = phi.to(device=ref.device, dtype=acc).view(num_steps, num_knots, batch, *([1] * (ref.ndim - 1)))
-        # the composites are written in place into the batched knot gradient: one fused
-        # multiply-add per step for all knots at once (addcmul_ reads low-precision g as fp32),
-        # instead of a temporary per (step, knot), a cast per step and a final torch.cat
-        grad_knots = torch.zeros((num_knots * batch,) + tuple(ref.shape[1:]), dtype=acc, device=ref.device)
-        composites = grad_knots.view((num_knots, batch) + tuple(ref.shape[1:]))
-        for s, g in enumerate(grads):
-            if g is not None:
-                composites.addcmul_(g.unsqueeze(0), weights[s])
-        return (None, grad_knots.to(ref.dtype), None) + (None,) * num_steps
+        grad_knots = knot_composites(phi, grads)
+        return (None, grad_knots, None) + (None,) * phi.shape[0]
+
+
+def knot_composites(phi: torch.Tensor, grads) -> torch.Tensor | None:
+    """cat_j Γ_j, Γ_j = Σ_s Φ[s, j] ⊙ g_s, shape (K·B, ...), from per-step gradients g_s of one
+    output leaf (None where a step's output got no gradient); None if every g_s is None."""
+    num_steps, num_knots, batch = phi.shape
+    ref = next((g for g in grads if g is not None), None)
+    if ref is None:
+        return None
+    # accumulate low-precision gradients in fp32; fp32/fp64 stay as they are
+    acc = ref.dtype if ref.dtype in (torch.float32, torch.float64) else torch.float32
+    weights = phi.to(device=ref.device, dtype=acc).view(num_steps, num_knots, batch, *([1] * (ref.ndim - 1)))
+    # the composites are written in place into the batched knot gradient: one fused multiply-add
+    # per step for all knots at once (addcmul_ reads low-precision g as fp32), instead of a
+    # temporary per (step, knot), a cast per step and a final torch.cat
+    grad_knots = torch.zeros((num_knots * batch,) + tuple(ref.shape[1:]), dtype=acc, device=ref.device)
+    composites = grad_knots.view((num_knots, batch) + tuple(ref.shape[1:]))
+    for s, g in enumerate(grads):
+        if g is not None:
+            composites.addcmul_(g.unsqueeze(0), weights[s])
+    return grad_knots.to(ref.dtype)
 
 
 def aggregate_knots(phi: torch.Tensor, knot_out: torch.Tensor, knot_steps: Sequence[int],

@@ -31,6 +31,7 @@ from torch import nn
 
 from .._compat import tree_flatten, tree_unflatten
 from ..errors import JaggUnsupportedError
+from .aggregate import knot_composites
 from .calls import DitCall, concat_calls, split_output
 
 
@@ -92,19 +93,13 @@ class DeferredWindow:
             leaves_per_step[s][i] = v
         return [tree_unflatten(leaves, spec) for leaves, (_, spec) in zip(leaves_per_step, flat)]
 
-    def composites(self, grads: Sequence[torch.Tensor | None]) -> dict[tuple[int, int], torch.Tensor]:
-        """Γ[j, leaf] = Σ_s Φ[s, j] ⊙ g[s, leaf] for every knot j and differentiable leaf."""
-        out: dict[tuple[int, int], torch.Tensor] = {}
+    def composites(self, grads: Sequence[torch.Tensor | None]) -> dict[int, torch.Tensor]:
+        """cat_j Γ_j (K·B, ...) per differentiable leaf index, Γ_j = Σ_s Φ[s, j] ⊙ g[s, leaf]."""
+        per_leaf: dict[int, list] = {}
         for (s, i), g in zip(self.diff_index, grads):
-            if g is None:
-                continue
-            acc = g.dtype if g.dtype in (torch.float32, torch.float64) else torch.float32
-            shape = (self.batch,) + (1,) * (g.ndim - 1)
-            phi = self.phi.to(device=g.device, dtype=acc)
-            for j in range(len(self.knots)):
-                term = g.to(acc) * phi[s, j].view(shape)
-                out[(j, i)] = term if (j, i) not in out else out[(j, i)].add_(term)
-        return out
+            per_leaf.setdefault(i, [None] * len(self.calls))[s] = g
+        out = {i: knot_composites(self.phi, gs) for i, gs in per_leaf.items()}
+        return {i: c for i, c in out.items() if c is not None}
 
     def backward(self, grads: Sequence[torch.Tensor | None]) -> None:
         gamma = self.composites(grads)
@@ -118,19 +113,13 @@ class DeferredWindow:
                 leaves = tree_flatten(out)[0]
                 roots, root_grads = [], []
                 for i, leaf in enumerate(leaves):
-                    parts = [gamma.get((j, i)) for j in group]
-                    if not isinstance(leaf, torch.Tensor) or not leaf.requires_grad or all(p is None for p in parts):
+                    if not isinstance(leaf, torch.Tensor) or not leaf.requires_grad or i not in gamma:
                         continue
-                    parts = [torch.zeros_like(leaf[:self.batch], dtype=_dtype_of(parts)) if p is None else p
-                             for p in parts]
+                    b = self.batch
                     roots.append(leaf)
-                    root_grads.append(torch.cat(parts, 0).to(leaf.dtype))
+                    root_grads.append(torch.cat([gamma[i][j * b:(j + 1) * b] for j in group], 0).to(leaf.dtype))
                 if roots:
                     torch.autograd.backward(roots, root_grads)
-
-
-def _dtype_of(parts) -> torch.dtype:
-    return next(p.dtype for p in parts if p is not None)
 
 
 class _DeferredWindowFn(torch.autograd.Function):
