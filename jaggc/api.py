@@ -16,7 +16,7 @@ from torch import fx, nn
 
 from . import _compat
 from .backends import BACKENDS, compile_glue
-from .errors import JaggError, JaggGraphError, JaggInputError, JaggUnsupportedError
+from .errors import JaggGraphError, JaggInputError, JaggUnsupportedError
 from .frontends.dynamo import canonicalize_dynamo_calls, opaque_modules
 from .frontends.fx import capture_fx
 from .frontends.intercept import InterceptedLoss

@@ -17,7 +17,7 @@ from __future__ import annotations
 from torch import fx
 
 from jaggc._compat import tree_flatten
-from jaggc.errors import JaggInputError, JaggUnsupportedError
+from jaggc.errors import JaggInputError
 from jaggc.runtime.window import partition
 
 from .context import PassContext, Window

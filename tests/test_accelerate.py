@@ -35,9 +35,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
-import multiprocessing
 import os
-import traceback
 import types
 from pathlib import Path
 
@@ -48,7 +46,8 @@ import torch.distributed as dist
 import jaggc
 from jaggc import example_losses as el
 
-from test_ddp import _free_port
+from multiproc import run_ranks
+
 
 WORLD = 2
 LOCAL_B = 2
@@ -119,14 +118,6 @@ def params_of(model) -> dict[str, torch.Tensor]:
 
 
 def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
-    try:
-        _run_rank(rank, world, port, out_dir)
-    except BaseException:
-        (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
-        os._exit(1)
-
-
-def _run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
@@ -204,34 +195,9 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def rank_results(tmp_path_factory):
-    if "fork" not in multiprocessing.get_all_start_methods() or not dist.is_available():
-        pytest.skip("needs the fork start method and torch.distributed")
     pytest.importorskip("accelerate")
     rollout()  # warm the lazy imports before forking
-    ctx = multiprocessing.get_context("fork")
-    errors = ""
-    for _attempt in range(2):
-        out = tmp_path_factory.mktemp("accelerate")
-        port = _free_port()
-        procs = [ctx.Process(target=run_rank, args=(r, WORLD, port, str(out))) for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(TIMEOUT_S)
-        hung = [p for p in procs if p.is_alive()]
-        for p in hung:
-            p.kill()
-            p.join()
-        if hung:
-            pytest.fail(f"ranks did not finish within {TIMEOUT_S}s")
-        if all(p.exitcode == 0 for p in procs):
-            return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
-        errors = "\n".join(f"--- rank {r} (exit code {p.exitcode}):\n"
-                           + ((out / f"rank{r}.err").read_text() if (out / f"rank{r}.err").exists() else "")
-                           for r, p in enumerate(procs))
-        if "address already in use" not in errors.lower():
-            break
-    pytest.fail(f"ranks failed:\n{errors}")
+    return run_ranks(run_rank, WORLD, tmp_path_factory, name="accelerate", timeout_s=TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

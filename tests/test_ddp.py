@@ -23,10 +23,6 @@ or their traceback, to a temporary folder.
 from __future__ import annotations
 
 import datetime
-import multiprocessing
-import os
-import socket
-import traceback
 from pathlib import Path
 
 import pytest
@@ -37,6 +33,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from jaggc import models
 from jaggc.runtime import DitCall, WindowOptions, count_dit_passes, jagg_calls, run_window
+
+from multiproc import run_ranks
 
 WORLD = 2
 GLOBAL_B = 4
@@ -103,14 +101,6 @@ def window_slices():
 
 
 def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
-    try:
-        _run_rank(rank, world, port, out_dir)
-    except BaseException:
-        (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
-        os._exit(1)
-
-
-def _run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
@@ -187,42 +177,11 @@ def _run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
 # --------------------------------------------------------------------------- test side
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def rank_results(tmp_path_factory):
-    if "fork" not in multiprocessing.get_all_start_methods() or not dist.is_available():
-        pytest.skip("needs the fork start method and torch.distributed")
     # build a model once here so the forked ranks inherit every lazily imported diffusers module
     models.sd3(seed=0)
-    ctx = multiprocessing.get_context("fork")
-    errors = ""
-    for _attempt in range(2):  # a second try only if the free port was taken in between
-        out = tmp_path_factory.mktemp("ddp")
-        port = _free_port()
-        procs = [ctx.Process(target=run_rank, args=(r, WORLD, port, str(out))) for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(TIMEOUT_S)
-        hung = [p for p in procs if p.is_alive()]
-        for p in hung:
-            p.kill()
-            p.join()
-        if hung:
-            pytest.fail(f"DDP ranks did not finish within {TIMEOUT_S}s")
-        if all(p.exitcode == 0 for p in procs):
-            return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
-        errors = "\n".join(f"--- rank {r} (exit code {p.exitcode}):\n"
-                           + ((out / f"rank{r}.err").read_text() if (out / f"rank{r}.err").exists() else "")
-                           for r, p in enumerate(procs))
-        if "address already in use" not in errors.lower():
-            break
-    pytest.fail(f"DDP ranks failed:\n{errors}")
+    return run_ranks(run_rank, WORLD, tmp_path_factory, name="DDP", timeout_s=TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

@@ -24,9 +24,6 @@ The ranks are forked from the test process (imports already warm) like test_ddp.
 from __future__ import annotations
 
 import datetime
-import multiprocessing
-import os
-import traceback
 from pathlib import Path
 
 import pytest
@@ -36,7 +33,8 @@ import torch.distributed as dist
 from jaggc import jagg_compile, models
 from jaggc.runtime import jagg_calls, run_window
 
-from test_ddp import GLOBAL_B, T, _free_port, assert_grads_match, global_inputs, loss_of, shard, window_slices
+from multiproc import run_ranks
+from test_ddp import GLOBAL_B, T, assert_grads_match, global_inputs, loss_of, shard, window_slices
 
 WORLD = 2
 TIMEOUT_S = 240
@@ -116,14 +114,6 @@ def as_batch(calls, gs, world: int) -> dict:
 
 
 def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
-    try:
-        _run_rank(rank, world, port, out_dir)
-    except BaseException:
-        (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
-        os._exit(1)
-
-
-def _run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
@@ -196,34 +186,9 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def rank_results(tmp_path_factory):
-    if "fork" not in multiprocessing.get_all_start_methods() or not dist.is_available():
-        pytest.skip("needs the fork start method and torch.distributed")
     pytest.importorskip("torch.distributed.fsdp")
     models.sd3(seed=0)  # warm the lazy diffusers imports before forking
-    ctx = multiprocessing.get_context("fork")
-    errors = ""
-    for _attempt in range(2):
-        out = tmp_path_factory.mktemp("fsdp")
-        port = _free_port()
-        procs = [ctx.Process(target=run_rank, args=(r, WORLD, port, str(out))) for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(TIMEOUT_S)
-        hung = [p for p in procs if p.is_alive()]
-        for p in hung:
-            p.kill()
-            p.join()
-        if hung:
-            pytest.fail(f"FSDP ranks did not finish within {TIMEOUT_S}s")
-        if all(p.exitcode == 0 for p in procs):
-            return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
-        errors = "\n".join(f"--- rank {r} (exit code {p.exitcode}):\n"
-                           + ((out / f"rank{r}.err").read_text() if (out / f"rank{r}.err").exists() else "")
-                           for r, p in enumerate(procs))
-        if "address already in use" not in errors.lower():
-            break
-    pytest.fail(f"FSDP ranks failed:\n{errors}")
+    return run_ranks(run_rank, WORLD, tmp_path_factory, name="FSDP", timeout_s=TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

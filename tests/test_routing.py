@@ -9,7 +9,7 @@ import torch
 import jaggc
 from helpers import grad_of, grads, linear_loss, rel_err, zero_grads
 from jaggc import models
-from jaggc.runtime import DitCall, WindowOptions, count_dit_passes, jagg_calls, run_window
+from jaggc.runtime import DitCall, WindowOptions, count_dit_passes, jagg_calls
 from jaggc.runtime.routing import Routing, choose_jagg_windows, run_routed, window_score
 from jaggc.runtime.window import partition, prepare_window
 from jaggc.verify.fields import AffineJacobianField, CurvedField, LinearThetaZ

@@ -442,7 +442,7 @@ def test_randomized_basis_is_unbiased_for_any_jacobians():
     """E over the drawn interior knot of Σ_j J_{knot j}ᵀ Γ_j is Σ_s J_sᵀ g_s for arbitrary,
     unrelated per-step Jacobians (no affine assumption), and each draw is a different estimate."""
     gen = torch.Generator().manual_seed(0)
-    num_steps, dim, batch = 6, 4, 1
+    num_steps, dim = 6, 4
     jac = torch.randn(num_steps, dim, dim, generator=gen, dtype=torch.float64)
     g = torch.randn(num_steps, dim, generator=gen, dtype=torch.float64)
     x = torch.linspace(1.0, 0.2, num_steps, dtype=torch.float64)[:, None] ** 2

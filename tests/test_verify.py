@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from hypothesis import strategies as st
 
 from jaggc.verify import properties, symbolic
 from jaggc.verify.cli import main_verify

@@ -26,6 +26,7 @@ from hypothesis import settings
 
 from jaggc import grpo
 from jaggc.runtime.aggregate import KnotAggregate
+from jaggc.verify import grpo_losses as gl
 from jaggc.verify import loss_properties as lp
 from jaggc.verify.cli import main_verify, registry
 from jaggc.verify.fields import AffineJacobianField, CurvedField
@@ -45,11 +46,11 @@ CASE = dict(W=3, n=4, B=3, D=2, per_sample=False, shift=3, start=0, extra=4, cli
 
 @pytest.mark.parametrize("kind", grpo.STEP_KINDS)
 def test_inline_losses_are_the_jaggc_grpo_losses(kind):
-    field = lp._seeded(CurvedField, CASE, 0)
-    rollout = lp.make_rollout(kind, field, CASE, 0, stream=1, on_chord=False)
-    value, _ = lp.eager(rollout, field)
-    assert rel_err(value, lp.grpo_reference_value(rollout, field)) < 1e-13
-    for j, g in enumerate(lp.upstream_grads(rollout, field)):
+    field = gl._seeded(CurvedField, CASE, 0)
+    rollout = gl.make_rollout(kind, field, CASE, 0, stream=1, on_chord=False)
+    value, _ = gl.eager(rollout, field)
+    assert rel_err(value, gl.grpo_reference_value(rollout, field)) < 1e-13
+    for j, g in enumerate(gl.upstream_grads(rollout, field)):
         assert rel_err(g, _closed_form_upstream(kind, rollout, field, j)) < 1e-12
 
 
@@ -57,11 +58,11 @@ def _closed_form_upstream(kind: str, rollout, field, j: int) -> torch.Tensor:
     """grpo.upstream_grad at step j; the loss is a mean over B samples and n steps."""
     b = rollout.batch
     v = field(b["latents"][:, j], timestep=b["timesteps"][:, j]).detach()
-    step_options = {"flow_grpo_sde": dict(noise_level=lp.NOISE_LEVEL, sigma_max=float(b["sigma_max"][0])),
-                    "dance_flux": dict(eta=lp.ETA), "cps": dict(noise_level=lp.NOISE_LEVEL)}[kind]
+    step_options = {"flow_grpo_sde": dict(noise_level=gl.NOISE_LEVEL, sigma_max=float(b["sigma_max"][0])),
+                    "dance_flux": dict(eta=gl.ETA), "cps": dict(noise_level=gl.NOISE_LEVEL)}[kind]
     return grpo.upstream_grad(kind, v, b["latents"][:, j], b["next_latents"][:, j], b["sigmas"][:, j],
                               b["sigmas_next"][:, j], b["log_probs"][:, j], b["advantages"][:, j],
-                              normaliser=v.shape[0] * rollout.num_steps, **lp._ppo_kw(rollout), **step_options)
+                              normaliser=v.shape[0] * rollout.num_steps, **gl._ppo_kw(rollout), **step_options)
 
 
 # ----------------------------------------------------------------------------- the properties
@@ -100,11 +101,11 @@ def test_exact_regime_example_has_clipped_and_unclipped_samples_and_sigma_one():
 
 def test_compiled_value_is_bit_identical_with_per_step_forwards():
     # on a curved field whose batched forwards differ from per-step ones in the last bits
-    field = lp._seeded(CurvedField, CASE, 0)
-    rollout = lp.make_rollout("dance_flux", field, CASE, 0, stream=1, on_chord=False)
-    value, _ = lp.eager(rollout, field)
-    assert torch.equal(lp.compiled(rollout, field, "fx", per_step=True)[0], value)
-    assert rel_err(lp.compiled(rollout, field, "fx")[0], value) < 1e-14
+    field = gl._seeded(CurvedField, CASE, 0)
+    rollout = gl.make_rollout("dance_flux", field, CASE, 0, stream=1, on_chord=False)
+    value, _ = gl.eager(rollout, field)
+    assert torch.equal(gl.compiled(rollout, field, "fx", per_step=True)[0], value)
+    assert rel_err(gl.compiled(rollout, field, "fx")[0], value) < 1e-14
 
 
 def test_exact_check_fails_on_a_curved_field():
@@ -178,7 +179,7 @@ def test_cli_losses_suite_json(tmp_path, capsys, monkeypatch):
 
 def test_fields_are_float64():
     # exactness to 1e-12 needs float64 all the way: fields, rollouts and the losses' math
-    field = lp._seeded(AffineJacobianField, CASE, 0)
-    rollout = lp.make_rollout("cps", field, CASE, 0, stream=1, on_chord=True)
+    field = gl._seeded(AffineJacobianField, CASE, 0)
+    rollout = gl.make_rollout("cps", field, CASE, 0, stream=1, on_chord=True)
     assert all(p.dtype == torch.float64 for p in field.parameters())
     assert all(t.dtype == torch.float64 for t in rollout.batch.values())

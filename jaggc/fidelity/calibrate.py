@@ -141,7 +141,7 @@ def digits_batches(num_batches: int = 2, *, seed: int = 0, warmup: int = 1, num_
         trainer.step()
     theta0 = copy.deepcopy(dit.state_dict())
     opt0 = copy.deepcopy(trainer.optimizer.state_dict())
-    batches, states = [], []
+    batches = []
     for r in range(num_batches):
         it = 2000 + r
         batch = trainer.collect(it)

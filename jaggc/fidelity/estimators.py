@@ -43,7 +43,7 @@ from torch import nn
 from .._compat import tree_flatten, tree_unflatten
 from ..errors import JaggInputError
 from ..runtime import Basis, DitCall, WindowOptions, jagg_calls, partition
-from ..runtime.calls import concat_calls, per_sample_time, primary_input, resolve_time_arg, set_time, split_output
+from ..runtime.calls import concat_calls, per_sample_time, primary_input, resolve_time_arg, set_time
 
 VARIANTS = ("exact", "jagg", "causal", "lagrange", "hat", "extrapolate", "denoised", "random3", "subsample")
 
