@@ -75,17 +75,16 @@ def restore_topological_order(graph: fx.Graph) -> None:
     nodes = list(graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     waiting = {n: len(n.all_input_nodes) for n in nodes}
-    ready = [(position[n], n.name) for n in nodes if waiting[n] == 0]
-    by_name = {n.name: n for n in nodes}
+    ready = [position[n] for n in nodes if waiting[n] == 0]
     heapq.heapify(ready)
     order = []
     while ready:
-        node = by_name[heapq.heappop(ready)[1]]
+        node = nodes[heapq.heappop(ready)]
         order.append(node)
         for user in node.users:
             waiting[user] -= 1
             if waiting[user] == 0:
-                heapq.heappush(ready, (position[user], user.name))
+                heapq.heappush(ready, position[user])
     if len(order) != len(nodes):
         raise JaggGraphError(f"the rewritten graph has a cycle through {[n.name for n in nodes if waiting[n]]}")
     if order == nodes:

@@ -450,3 +450,26 @@ def forward(self, L_batch_timesteps_ : torch.Tensor, L_batch_latents_ : torch.Te
 
 if __name__ == "__main__":
     expecttest.run_tests()
+
+
+def test_restore_topological_order_moves_only_what_must_move():
+    """A use placed before its input (what rewrite_windows leaves) is moved below it; every other
+    node keeps its place; the nodes are relinked, not copied."""
+    from torch import fx
+
+    from jaggc.passes.rewrite import restore_topological_order
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    a = graph.call_function(torch.neg, (x,))
+    b = graph.call_function(torch.sin, (x,))
+    late = graph.call_function(torch.cos, (x,))
+    graph.output((a, b, late))
+    with graph.inserting_before(b):
+        early_use = graph.call_function(torch.exp, (late,))   # reads `late` before it is defined
+    nodes_before = set(graph.nodes)
+    restore_topological_order(graph)
+    graph.lint()
+    assert set(graph.nodes) == nodes_before
+    assert [n.name for n in graph.nodes] == ["x", "neg", "sin", "cos", "exp", "output"]
+    assert early_use.args[0] is late
