@@ -8,6 +8,12 @@ losses of ``BenchConfig.compile_steps`` steps: the capture cost grows with the n
 and the DiT's op count, not with its parameter count (the 10M model's own first call is in the
 main results as ``first_call``).
 
+Where the overhead goes: ``passes`` (jaggc's graph passes, timed on their own) and ``glue_trace``:
+Dynamo compiling the same loss with the DiT replaced by a plain Python stand-in that returns a
+precomputed output (no module, no opaque call, no passes), i.e. what tracing the loss's own ops
+costs whoever captures it. The rest is the opaque DiT calls (Dynamo's nonstrict_trace machinery,
+and one fake DiT forward per call signature).
+
 Recompiles: the smallest probe's compiled loss then runs ``recompile_iterations`` training
 iterations of fixed shape (forward, backward, an SGD step so the parameter values change as in
 training); any new trace is a recompile. Dynamo's own graph counter is reported next to it.
@@ -20,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from ._compat import tree_map
 from .bench_problems import build_problem
 
 _TIME_CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
@@ -42,7 +49,8 @@ def compile_probes(config) -> dict:
         overhead[str(num_steps)] = first[primary] - second[primary]
         details[str(num_steps)] = dict(
             first_call={c: first[c] for c in _TIME_CLOCKS}, second_call={c: second[c] for c in _TIME_CLOCKS},
-            passes=dict(passes_time), per_dit_call_s=(first[primary] - second[primary]) / num_steps)
+            passes=dict(passes_time), per_dit_call_s=(first[primary] - second[primary]) / num_steps,
+            glue_trace=_glue_trace_time(problem))
         if i == 0 and config.recompile_iterations:
             recompiles = _recompiles(compiled, problem, config.recompile_iterations)
     result = dict(compile_overhead_s=overhead, compile_overhead_model=f"{config.family}-tiny",
@@ -56,6 +64,32 @@ def _timed(fn: Callable) -> dict[str, float]:
     start = {c: clock() for c, clock in _TIME_CLOCKS.items()}
     fn()
     return {c: clock() - start[c] for c, clock in _TIME_CLOCKS.items()}
+
+
+class _StandIn:
+    """Returns one precomputed DiT output for every call: the loss's glue is all Dynamo traces."""
+
+    def __init__(self, output):
+        self.output = output
+
+    def __call__(self, *args, **kwargs):
+        return self.output
+
+
+def _glue_trace_time(problem) -> dict[str, float]:
+    """First call minus second call of the loss compiled by Dynamo (eager backend) with the DiT
+    replaced by a ``_StandIn``."""
+    from .bench_problems import own_code
+
+    with torch.no_grad():
+        output = problem.dit_calls(problem.batch)[0](problem.model)
+    output = tree_map(lambda t: t.detach().requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+                      output)
+    fn = torch.compile(own_code(problem.loss_fn), backend="eager", fullgraph=True)
+    stand_in = _StandIn(output)
+    first = _timed(lambda: fn(stand_in, problem.batch))
+    second = _timed(lambda: fn(stand_in, problem.batch))
+    return {c: first[c] - second[c] for c in _TIME_CLOCKS}
 
 
 def _time_passes(compiled) -> dict[str, float]:

@@ -206,9 +206,17 @@ def format_table(results: dict) -> str:
                          f"(theory {results[f'theory_{prefix}_backward_speedup'][w]:.2f})")
     overhead = results.get("compile_overhead_s", {})
     if overhead:
-        lines.append(f"first-call overhead (trace + passes, {results['compile_overhead_model']}, "
-                     f"{results['compile_overhead_clock']} s): "
-                     + ", ".join(f"{n} steps {s:.1f} s" for n, s in overhead.items()))
+        clock = results["compile_overhead_clock"]
+        details = results.get("compile_details", {})
+
+        def parts(n):
+            d = details.get(n, {})
+            if "glue_trace" not in d:
+                return ""
+            return f" (passes {d['passes'][clock]:.1f} s, Dynamo on the loss alone {d['glue_trace'][clock]:.1f} s)"
+
+        lines.append(f"first-call overhead (trace + passes, {results['compile_overhead_model']}, {clock} s): "
+                     + ", ".join(f"{n} steps {s:.1f} s{parts(n)}" for n, s in overhead.items()))
     main = {w: s for w, s in results.get("compile_overhead_main_s", {}).items() if s is not None}
     if main:
         lines.append(f"first-call overhead of the benchmarked loss ({results['model']}, {results['num_steps']} steps, "
