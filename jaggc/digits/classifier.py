@@ -27,13 +27,13 @@ CLASSIFIER_REGEN_COMMAND = "python -m jaggc.digits.classifier"
 class RewardCNN(nn.Module):
     """Three 3x3 convs, one pool, global average pool: small and smooth (a well-behaved reward)."""
 
-    def __init__(self):
+    def __init__(self, num_classes: int = NUM_CLASSES):
         super().__init__()
         self.features = nn.Sequential(
             nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
             nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),   # 8x8 -> 4x4
             nn.Conv2d(32, 64, 3, padding=1), nn.ReLU())
-        self.head = nn.Linear(64, NUM_CLASSES)
+        self.head = nn.Linear(64, num_classes)
 
     def forward(self, x):
         return self.head(self.features(x).mean(dim=(2, 3)))
@@ -42,14 +42,14 @@ class RewardCNN(nn.Module):
 class EvalCNN(nn.Module):
     """A different design (GELU, two pools, dense head with dropout) so its errors differ."""
 
-    def __init__(self):
+    def __init__(self, num_classes: int = NUM_CLASSES):
         super().__init__()
         self.features = nn.Sequential(
             nn.Conv2d(1, 32, 3, padding=1), nn.GELU(),
             nn.Conv2d(32, 32, 3, padding=1), nn.GELU(), nn.MaxPool2d(2),   # 8x8 -> 4x4
             nn.Conv2d(32, 64, 3, padding=1), nn.GELU(), nn.MaxPool2d(2))   # 4x4 -> 2x2
         self.head = nn.Sequential(nn.Flatten(), nn.Dropout(0.3), nn.Linear(256, 128), nn.GELU(),
-                                  nn.Linear(128, NUM_CLASSES))
+                                  nn.Linear(128, num_classes))
 
     def forward(self, x):
         return self.head(self.features(x))
@@ -78,13 +78,15 @@ def _augment(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     return x + 0.1 * torch.randn(x.shape, generator=g)
 
 
-def train_classifier(kind: str, *, epochs: int = 40, batch_size: int = 64, lr: float = 2e-3) -> nn.Module:
-    """Train one classifier on the train split (deterministic in its seed)."""
+def train_classifier(kind: str, *, epochs: int = 40, batch_size: int = 64, lr: float = 2e-3,
+                     data=None, num_classes: int = NUM_CLASSES) -> nn.Module:
+    """Train one classifier on the train split (deterministic in its seed). Defaults: the digits;
+    another 8x8 data set passes its ``data`` (``.images``, ``.labels``) and ``num_classes``."""
     _check_kind(kind)
     cls, seed, augment = _SPECS[kind]
     torch.manual_seed(seed)
-    model = cls()
-    data = load_digits_split("train")
+    model = cls(num_classes)
+    data = load_digits_split("train") if data is None else data
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
     steps = epochs * ((len(data.labels) + batch_size - 1) // batch_size)

@@ -44,19 +44,27 @@ def build_dit(*, seed: int = 0, config: dict | None = None):
     return SD3Transformer2DModel(**(config or DIGITS_CONFIG))
 
 
-def _prompt_table(config: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(_PROMPT_SEED)
-    prompts = torch.randn(NUM_CLASSES, PROMPT_LEN, config["joint_attention_dim"], generator=g)
-    pooled = torch.randn(NUM_CLASSES, config["pooled_projection_dim"], generator=g)
+def prompt_table(config: dict, *, num_classes: int = NUM_CLASSES, prompt_len: int = PROMPT_LEN,
+                 seed: int = _PROMPT_SEED) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fixed random "prompt embeddings" per class (sequence, pooled), deterministic in ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randn(num_classes, prompt_len, config["joint_attention_dim"], generator=g)
+    pooled = torch.randn(num_classes, config["pooled_projection_dim"], generator=g)
     return prompts, pooled
+
+
+def conditioning_of(table: tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor,
+                    dtype: torch.dtype = torch.float32) -> dict:
+    """The DiT keyword arguments of ``labels`` (B,) from a ``prompt_table``."""
+    prompts, pooled = table
+    labels = torch.as_tensor(labels, dtype=torch.int64)
+    return dict(encoder_hidden_states=prompts[labels].to(dtype), pooled_projections=pooled[labels].to(dtype))
 
 
 def class_conditioning(labels: torch.Tensor, *, dtype: torch.dtype = torch.float32,
                        config: dict | None = None) -> dict:
     """The frozen per-class "prompt embeddings" of ``labels`` (B,), as DiT keyword arguments."""
-    prompts, pooled = _prompt_table(config or DIGITS_CONFIG)
-    labels = torch.as_tensor(labels, dtype=torch.int64)
-    return dict(encoder_hidden_states=prompts[labels].to(dtype), pooled_projections=pooled[labels].to(dtype))
+    return conditioning_of(prompt_table(config or DIGITS_CONFIG), labels, dtype)
 
 
 def save_fp16_state(module: torch.nn.Module, path: Path, **meta) -> None:
@@ -80,13 +88,14 @@ def load_parameters(module: torch.nn.Module, state_dict: dict) -> None:
                          f"unexpected {sorted(unexpected)}")
 
 
-def load_fp16_state(path: Path, regen_command: str) -> dict:
-    """The checkpoint dict at ``path``; a clear error naming ``regen_command`` if it is missing."""
+def load_fp16_state(path: Path, regen_command: str, *, weights_dir: Path | None = None) -> dict:
+    """The checkpoint dict at ``path``; a clear error naming ``regen_command`` (which writes to
+    ``weights_dir``, default the digits weights folder) if it is missing."""
     path = Path(path)
     if not path.is_file():
         raise MissingWeightsError(
             f"weights file {path} is missing; regenerate it with `{regen_command}` "
-            f"(it writes to {WEIGHTS_DIR} by default)")
+            f"(it writes to {weights_dir or WEIGHTS_DIR} by default)")
     ckpt = torch.load(path, map_location="cpu", weights_only=True)
     ckpt["state_dict"] = {k: (v.float() if v.is_floating_point() else v) for k, v in ckpt["state_dict"].items()}
     return ckpt

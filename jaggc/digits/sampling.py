@@ -20,8 +20,10 @@ DEFAULT_SHIFT = 3.0  # SD3's shift, as in the Flow-GRPO setting the example imit
 
 @torch.no_grad()
 def sample_ode(dit, labels, *, num_steps: int = DEFAULT_NUM_STEPS, shift: float = DEFAULT_SHIFT,
-               generator: torch.Generator | None = None, noise: torch.Tensor | None = None) -> torch.Tensor:
-    """Images (B, 1, 8, 8) for class ``labels`` (B,), integrated from noise with Euler steps.
+               generator: torch.Generator | None = None, noise: torch.Tensor | None = None,
+               image_shape: tuple = IMAGE_SHAPE, conditioning=class_conditioning) -> torch.Tensor:
+    """Images (B, *image_shape) for class ``labels`` (B,), integrated from noise with Euler steps
+    (``image_shape`` and ``conditioning``: the digits' by default; another base passes its own).
 
     The starting noise is ``noise`` if given, else drawn from ``generator`` (deterministic when
     seeded). Outputs are not clamped: they live roughly in [-1, 1] like the training data.
@@ -29,9 +31,9 @@ def sample_ode(dit, labels, *, num_steps: int = DEFAULT_NUM_STEPS, shift: float 
     labels = torch.as_tensor(labels, dtype=torch.int64)
     param = next(dit.parameters())
     if noise is None:
-        noise = torch.randn((len(labels), *IMAGE_SHAPE), generator=generator)
+        noise = torch.randn((len(labels), *image_shape), generator=generator)
     z = noise.to(device=param.device, dtype=param.dtype)
-    cond = {k: v.to(param.device) for k, v in class_conditioning(labels, dtype=param.dtype).items()}
+    cond = {k: v.to(param.device) for k, v in conditioning(labels, dtype=param.dtype).items()}
     sigmas = flow_match_sigmas(num_steps, shift).tolist()
     for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
         timestep = torch.full((len(labels),), 1000.0 * sigma, device=param.device, dtype=param.dtype)

@@ -32,13 +32,14 @@ def sample_sigmas(n: int, g: torch.Generator, scheme: str) -> torch.Tensor:
 
 
 def flow_matching_loss(dit, x0: torch.Tensor, labels: torch.Tensor, g: torch.Generator,
-                       scheme: str = "logit-normal") -> torch.Tensor:
-    """MSE between the DiT velocity and noise - x0 at random noise levels."""
+                       scheme: str = "logit-normal", conditioning=class_conditioning) -> torch.Tensor:
+    """MSE between the DiT velocity and noise - x0 at random noise levels (``conditioning``:
+    labels -> the DiT's conditioning keyword arguments; the digits prompt table by default)."""
     noise = torch.randn(x0.shape, generator=g)
     sigma = sample_sigmas(len(x0), g, scheme)
     s = sigma.view(-1, 1, 1, 1)
     z = (1 - s) * x0 + s * noise
-    v = dit(hidden_states=z, timestep=1000.0 * sigma, **class_conditioning(labels), return_dict=False)[0]
+    v = dit(hidden_states=z, timestep=1000.0 * sigma, **conditioning(labels), return_dict=False)[0]
     return (v - (noise - x0)).pow(2).mean()
 
 
@@ -57,10 +58,15 @@ def lr_at(step: int, total: int, base_lr: float, warmup: int) -> float:
 
 
 def train_base(*, steps: int = 3000, batch_size: int = 64, lr: float = 1e-3, seed: int = 0,
-               ema_decay: float = 0.999, scheme: str = "logit-normal", eval_every: int = 0, log_every: int = 250):
-    """Returns the EMA DiT (eval mode). Deterministic in ``seed`` for a fixed thread count."""
-    data = load_digits_split("train")
-    dit = build_dit(seed=seed).train()
+               ema_decay: float = 0.999, scheme: str = "logit-normal", eval_every: int = 0, log_every: int = 250,
+               data=None, dit=None, conditioning=class_conditioning, eval_fn=None):
+    """Returns the EMA DiT (eval mode). Deterministic in ``seed`` for a fixed thread count.
+
+    Defaults train the digits base; another base passes its own ``data`` (``.images``, ``.labels``),
+    freshly built ``dit``, ``conditioning`` (labels -> DiT kwargs) and ``eval_fn(ema) -> str``
+    (printed every ``eval_every`` steps; default the digits sample quality)."""
+    data = load_digits_split("train") if data is None else data
+    dit = (build_dit(seed=seed) if dit is None else dit).train()
     ema = copy.deepcopy(dit).eval().requires_grad_(False)
     opt = torch.optim.AdamW(dit.parameters(), lr=lr, weight_decay=0.01)
     g = torch.Generator().manual_seed(seed)
@@ -74,7 +80,7 @@ def train_base(*, steps: int = 3000, batch_size: int = 64, lr: float = 1e-3, see
         cursor += batch_size
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, lr, warmup)
-        loss = flow_matching_loss(dit, data.images[idx], data.labels[idx], g, scheme)
+        loss = flow_matching_loss(dit, data.images[idx], data.labels[idx], g, scheme, conditioning)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(dit.parameters(), 1.0)
@@ -85,7 +91,9 @@ def train_base(*, steps: int = 3000, batch_size: int = 64, lr: float = 1e-3, see
         if log_every and (step + 1) % log_every == 0:
             print(f"step {step + 1}/{steps}  loss {running / log_every:.4f}  {time.time() - start:.0f}s", flush=True)
             running = 0.0
-        if eval_every and (step + 1) % eval_every == 0:
+        if eval_every and (step + 1) % eval_every == 0 and eval_fn is not None:
+            print(f"  EMA samples: {eval_fn(ema)}", flush=True)
+        elif eval_every and (step + 1) % eval_every == 0:
             from .quality import sample_quality
             r = sample_quality(ema, per_class=20, seed=123)
             print(f"  EMA samples: mean eval acc {r['mean_eval_accuracy']:.3f} "

@@ -39,6 +39,7 @@ from jaggc.errors import JaggInputError
 from jaggc.example_losses import sde_step_with_logprob
 from jaggc.runtime import count_dit_passes
 
+from .data import IMAGE_SHAPE
 from .model import class_conditioning
 from .sampling import sample_ode
 
@@ -202,13 +203,15 @@ def _generator(seed: int, iteration: int, purpose: int) -> torch.Generator:
 
 
 @torch.no_grad()
-def rollout(dit, labels: torch.Tensor, config: TrainerConfig, generator: torch.Generator) -> dict:
+def rollout(dit, labels: torch.Tensor, config: TrainerConfig, generator: torch.Generator, *,
+            image_shape: tuple = IMAGE_SHAPE, conditioning=None) -> dict:
     """T Flow-GRPO SDE steps from N(0, I) for ``labels``; the stored trajectory as a loss batch
-    (every sampled step; ``train_steps`` selects) plus ``images`` (the final states)."""
+    (every sampled step; ``train_steps`` selects) plus ``images`` (the final states).
+    ``image_shape`` / ``conditioning`` (labels -> DiT kwargs): the digits' unless another base's."""
     sigmas = grpo.flow_match_sigmas(config.num_steps, config.shift).to(torch.float32)
     bsz = labels.shape[0]
-    cond = class_conditioning(labels)
-    z = torch.randn(bsz, 1, 8, 8, generator=generator)
+    cond = (conditioning or class_conditioning)(labels)
+    z = torch.randn(bsz, *image_shape, generator=generator)
     states, next_states, log_probs = [], [], []
     for k in range(config.num_steps):
         s, s_next = sigmas[k].expand(bsz), sigmas[k + 1].expand(bsz)
@@ -259,14 +262,23 @@ def evaluate_rewards(dit, reward_fns: dict, config: TrainerConfig, *, per_class:
 
 @dataclass
 class GRPOTrainer:
-    """Flow-GRPO on ``dit`` (trained in place). ``step()`` runs one iteration and returns its log."""
+    """Flow-GRPO on ``dit`` (trained in place). ``step()`` runs one iteration and returns its log.
+
+    ``num_classes`` / ``image_shape`` / ``conditioning`` default to the digits; another base
+    (e.g. ``jaggc.shapes``) passes its own together with its ``reward_fn``."""
 
     dit: torch.nn.Module
     config: TrainerConfig = field(default_factory=TrainerConfig)
     reward_fn: object = None
+    num_classes: int = 10
+    image_shape: tuple = IMAGE_SHAPE
+    conditioning: object = None
 
     def __post_init__(self):
         self.config.validate()
+        if self.config.classes_per_iter > self.num_classes:
+            raise JaggInputError(f"classes_per_iter={self.config.classes_per_iter} exceeds the "
+                                 f"{self.num_classes} classes")
         if self.reward_fn is None:
             from .rewards import get_reward
 
@@ -280,9 +292,10 @@ class GRPOTrainer:
     def collect(self, iteration: int) -> dict:
         """Rollout + rewards + advantages of ``iteration`` (deterministic in seed and iteration)."""
         cfg = self.config
-        classes = torch.randperm(10, generator=_generator(cfg.seed, iteration, 1))[:cfg.classes_per_iter]
+        classes = torch.randperm(self.num_classes, generator=_generator(cfg.seed, iteration, 1))[:cfg.classes_per_iter]
         labels = classes.repeat_interleave(cfg.group_size)
-        batch = rollout(self.dit, labels, cfg, _generator(cfg.seed, iteration, 2))
+        batch = rollout(self.dit, labels, cfg, _generator(cfg.seed, iteration, 2), image_shape=self.image_shape,
+                        conditioning=self.conditioning)
         rewards = self.reward_fn(batch["images"].clamp(-1, 1), labels).float()
         batch["rewards"] = rewards
         batch["advantages"] = grpo.flow_grpo_advantages(rewards, labels, global_std=cfg.global_std).float()

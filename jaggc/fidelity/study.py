@@ -62,11 +62,13 @@ def main_settings(window: int = 4, t0: float = 500.0, full: bool = False) -> lis
     ]
     if full:
         out += [S("jagg", window, "t", jagg_frac=0.5), S("denoised", window, "t", exact_below=t0),
-                S("causal", window, exact_below=t0), S("subsample", window, k=1, exact_below=t0), S("hat", spacing=3)]
+                S("causal", window, exact_below=t0), S("subsample", window, k=1, exact_below=t0), S("hat", spacing=3),
+                S("extrapolate", window)]
     return out
 
 
 _BASE = []
+BASES = ("digits", "shapes")
 
 
 def _base():
@@ -76,6 +78,19 @@ def _base():
 
         _BASE.append(load_base())
     return _BASE[0]
+
+
+def named_base(name: str = "digits"):
+    """(pretrained DiT, extra GRPOTrainer kwargs) of a shipped base: ``digits`` (SD3 DiT on sklearn
+    digits, the trainer's defaults) or ``shapes`` (tiny Flux DiT on generated shapes, its own
+    reward classifier, classes and conditioning: ``jaggc.shapes.trainer_kwargs``)."""
+    if name == "digits":
+        return _base(), {}
+    if name == "shapes":
+        import jaggc.shapes as shapes
+
+        return shapes.load_base(), shapes.trainer_kwargs()
+    raise ValueError(f"base={name!r}: use one of {BASES}")
 
 
 class Accumulator:
@@ -117,13 +132,16 @@ def _bias(acc: Accumulator, mean_exact_norm: float) -> dict:
 
 def run_study(*, rollouts: int = 32, conditions=("on", "off1"), settings=None, draws: int = 3, warmup: int = 2,
               config=None, masks_for=("jagg/W4/t", "subsample/W4/2of4"), seed: int = 0, log=print, base=None,
-              dump: str | None = None) -> dict:
+              dump: str | None = None, trainer_kwargs: dict | None = None) -> dict:
+    """The protocol of the module docstring. ``base`` (a DiT, copied) defaults to the digits base;
+    ``trainer_kwargs`` are extra ``GRPOTrainer`` arguments (another base's reward, classes,
+    conditioning: see ``named_base``)."""
     from jaggc.digits.trainer import GRPOTrainer, TrainerConfig, grpo_loss, take_samples, _generator
 
     torch.manual_seed(seed)
     config = config or TrainerConfig(strategy="exact", seed=seed)
     dit = copy.deepcopy(_base()) if base is None else copy.deepcopy(base)
-    trainer = GRPOTrainer(dit, config)
+    trainer = GRPOTrainer(dit, config, **(trainer_kwargs or {}))
     for _ in range(warmup):
         trainer.step()
     theta0 = copy.deepcopy(dit.state_dict())
@@ -231,15 +249,15 @@ def sweep(*, windows=(3, 4, 6), steps=(10, 16, 25), noise_levels=(0.7,), rollout
 
 
 def window_positions(*, rollouts: int = 8, window: int = 4, draws: int = 2, warmup: int = 2, seed: int = 0,
-                     config=None, log=print) -> list[dict]:
+                     config=None, log=print, base=None, trainer_kwargs: dict | None = None) -> list[dict]:
     """Per window w: projection share ⟨g_w, g⟩/|g|² and norm ratio of its exact contribution g_w, and
     the cosine to g_w of JAGG's / 2-of-W subsampling's estimate of that window alone (other windows
     exact); on-policy and after one real optimizer step, same protocol as ``run_study``."""
     from jaggc.digits.trainer import GRPOTrainer, TrainerConfig, _generator, grpo_loss, take_samples
 
     cfg = config or TrainerConfig(strategy="exact", seed=seed)
-    dit = copy.deepcopy(_base())
-    trainer = GRPOTrainer(dit, cfg)
+    dit = copy.deepcopy(_base() if base is None else base)
+    trainer = GRPOTrainer(dit, cfg, **(trainer_kwargs or {}))
     for _ in range(warmup):
         trainer.step()
     theta0, opt0 = copy.deepcopy(dit.state_dict()), copy.deepcopy(trainer.optimizer.state_dict())
@@ -354,17 +372,38 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="write the markdown tables here (e.g. docs/fidelity.md)")
     p.add_argument("--json", default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--base", choices=BASES, default="digits", help="the pretrained base (default digits)")
+    p.add_argument("--trainable", choices=("attention", "all"), default="attention",
+                   help="trained parameters (the trainer's default: attention projections)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="warm-up GRPO iterations before θ0 (default 2 for attention, 0 for all)")
+    p.add_argument("--settings", default=None,
+                   help="comma list of setting labels of the main table to keep (default: all)")
     args = p.parse_args(argv)
+    if args.sweep and args.base != "digits":
+        p.error("--sweep runs on the digits base only")
     torch.set_num_threads(1)
+    base, tkw = named_base(args.base)
     rollouts = args.rollouts or (4 if args.quick else 32)
     conditions = tuple(args.conditions.split(",")) if args.conditions else (
         ("on", "off1") if args.quick else ("on", "off1", "off4"))
+    settings = main_settings(full=args.full)
+    if args.settings:
+        keep = args.settings.split(",")
+        settings = [x for x in settings if x.label() in keep]
+        if len(settings) != len(keep):
+            p.error(f"--settings: unknown labels {sorted(set(keep) - {x.label() for x in settings})}")
+    from jaggc.digits.trainer import TrainerConfig
+
+    warmup = args.warmup if args.warmup is not None else (2 if args.trainable == "attention" else 0)
     res = run_study(rollouts=rollouts, conditions=conditions, draws=args.draws, seed=args.seed,
-                    settings=main_settings(full=args.full), dump=args.json)
+                    settings=settings, dump=args.json, base=base, trainer_kwargs=tkw, warmup=warmup,
+                    config=TrainerConfig(strategy="exact", seed=args.seed, trainable=args.trainable))
     sweep_rows = sweep(rollouts=args.sweep_rollouts, draws=args.draws, seed=args.seed) if args.sweep else None
-    md = to_markdown(res, sweep_rows)
+    title = None if args.base == "digits" else f"JAGG gradient fidelity on the trained {args.base} DiT (GRPO conditions)"
+    md = to_markdown(res, sweep_rows, title=title)
     if args.positions:
-        pos = window_positions(seed=args.seed)
+        pos = window_positions(seed=args.seed, base=base, trainer_kwargs=tkw)
         md += "\n\n## By window position\n\n| data | window steps | share | norm | JAGG cos (window) | subsample cos (window) |\n"
         md += "|---|---|---|---|---|---|\n" + "".join(
             f"| {r['condition']} | {r['steps']} | {r['share']:.3f} | {r['norm']:.2f} | {r['jagg_win_cos']:.3f} | "
