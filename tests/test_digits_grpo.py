@@ -251,3 +251,25 @@ def test_demo_json_has_the_documented_keys(tmp_path, capsys):
 def test_demo_refuses_a_strategy_list_without_exact():
     with pytest.raises(JaggInputError, match="exact"):
         cli_main(["demo", "--strategies", "jagg", "--base", "random"])
+
+
+def test_lora_trains_only_the_adapter_and_starts_as_the_base():
+    """trainable="lora": a peft LoRA on the attention projections, zero B at init (the model's
+    output is the base's), only the lora_A/lora_B parameters require grad."""
+    from jaggc.digits.model import build_dit, class_conditioning
+    from jaggc.digits.trainer import trainable_parameters
+
+    torch.manual_seed(0)
+    dit = build_dit(seed=0)
+    x, t = torch.randn(2, 1, 8, 8), torch.tensor([500.0, 300.0])
+    cond = class_conditioning(torch.tensor([1, 7]))
+    with torch.no_grad():
+        before = dit(hidden_states=x, timestep=t, return_dict=False, **cond)[0]
+    params = trainable_parameters(dit, "lora")
+    names = {n for n, p in dit.named_parameters() if p.requires_grad}
+    assert names and all("lora_A" in n or "lora_B" in n for n in names)
+    assert len(params) == len(names) and any(".attn.to_q." in n for n in names)
+    with torch.no_grad():
+        after = dit(hidden_states=x, timestep=t, return_dict=False, **cond)[0]
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    assert len(trainable_parameters(dit, "lora")) == len(params)   # not injected twice

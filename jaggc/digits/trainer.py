@@ -44,7 +44,8 @@ from .model import class_conditioning
 from .sampling import sample_ode
 
 STRATEGIES = ("exact", "dance", "mix", "jagg")
-TRAINABLE = ("attention", "all")
+TRAINABLE = ("attention", "all", "lora")
+LORA_RANK = 8
 # Flow-GRPO's LoRA target modules on SD3 (scripts/train_sd3.py), here trained at full rank
 _ATTENTION_PROJECTIONS = re.compile(
     r"\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)\.")
@@ -179,18 +180,36 @@ def trainable_parameters(dit: torch.nn.Module, trainable: str) -> list[torch.nn.
     (``pos_embed.proj``, whose Jacobian is linear in the noisy state) and so sharp there that a
     step of norm 0.01 along it drops the reward from 0.92 to 0.68 whichever its sign, so full
     fine-tuning with Adam degrades the base within a few iterations. ``"all"``: every parameter.
+    ``"lora"``: a rank-``LORA_RANK`` peft LoRA on the same projections (Flow-GRPO's recipe: Gaussian
+    A, zero B, so the model is unchanged at first), injected into ``dit`` if it has none yet.
     """
     if trainable not in TRAINABLE:
         raise JaggInputError(f"trainable={trainable!r}: use one of {TRAINABLE}")
+    if trainable == "lora" and not any("lora_" in name for name, _ in dit.named_parameters()):
+        add_lora(dit)
     params = []
     for name, p in dit.named_parameters():
-        train = trainable == "all" or _ATTENTION_PROJECTIONS.search("." + name) is not None
+        if trainable == "lora":
+            train = "lora_" in name
+        else:
+            train = trainable == "all" or _ATTENTION_PROJECTIONS.search("." + name) is not None
         p.requires_grad_(train)
         if train:
             params.append(p)
     if not params:
         raise JaggInputError(f"trainable={trainable!r} selects no parameter of {type(dit).__name__}; use 'all'")
     return params
+
+
+def add_lora(dit: torch.nn.Module, rank: int = LORA_RANK, seed: int = 0) -> None:
+    """Inject a peft LoRA adapter into the attention projections of ``dit`` (deterministic in ``seed``)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    targets = [name for name, _ in dit.named_modules() if _ATTENTION_PROJECTIONS.search("." + name + ".")]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian",
+                                           target_modules=targets), dit)
 
 
 def _generator(seed: int, iteration: int, purpose: int) -> torch.Generator:

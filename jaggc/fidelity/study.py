@@ -373,10 +373,10 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--base", choices=BASES, default="digits", help="the pretrained base (default digits)")
-    p.add_argument("--trainable", choices=("attention", "all"), default="attention",
+    p.add_argument("--trainable", choices=("attention", "all", "lora"), default="attention",
                    help="trained parameters (the trainer's default: attention projections)")
     p.add_argument("--warmup", type=int, default=None,
-                   help="warm-up GRPO iterations before θ0 (default 2 for attention, 0 for all)")
+                   help="warm-up GRPO iterations before θ0 (default 2 for attention and lora, 0 for all)")
     p.add_argument("--settings", default=None,
                    help="comma list of setting labels of the main table to keep (default: all)")
     args = p.parse_args(argv)
@@ -395,7 +395,7 @@ def main(argv=None) -> int:
             p.error(f"--settings: unknown labels {sorted(set(keep) - {x.label() for x in settings})}")
     from jaggc.digits.trainer import TrainerConfig
 
-    warmup = args.warmup if args.warmup is not None else (2 if args.trainable == "attention" else 0)
+    warmup = args.warmup if args.warmup is not None else (0 if args.trainable == "all" else 2)
     res = run_study(rollouts=rollouts, conditions=conditions, draws=args.draws, seed=args.seed,
                     settings=settings, dump=args.json, base=base, trainer_kwargs=tkw, warmup=warmup,
                     config=TrainerConfig(strategy="exact", seed=args.seed, trainable=args.trainable))
