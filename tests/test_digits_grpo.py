@@ -185,7 +185,7 @@ def test_bad_options_are_refused_with_the_option_name():
     with pytest.raises(JaggInputError, match="reward"):
         get_reward("aesthetic")
     with pytest.raises(JaggInputError, match="trainable"):
-        TrainerConfig(trainable="lora").validate()
+        TrainerConfig(trainable="everything").validate()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -326,11 +326,10 @@ class GRPOTrainer:
         batch = self.collect(self.iteration)
         batch["train_steps"] = select_steps(cfg, self.iteration)
         rollout_s = time.perf_counter() - start
-        order = torch.randperm(batch["latents"].shape[0], generator=_generator(cfg.seed, self.iteration, 4))
         stats = []
         with count_dit_passes(self.dit) as counts:
-            for chunk in order.chunk(cfg.minibatches):
-                stats.append(self._optimize(take_samples(batch, chunk)))
+            for minibatch in self.minibatches(batch, self.iteration):
+                stats.append(self._optimize(minibatch))
         log = dict(iteration=self.iteration, reward_mean=float(batch["rewards"].mean()),
                    reward_std=float(batch["rewards"].std()), train_steps=list(batch["train_steps"]),
                    loss=sum(s["loss"] for s in stats) / len(stats),
@@ -341,6 +340,12 @@ class GRPOTrainer:
         self.history.append(log)
         self.iteration += 1
         return log
+
+    def minibatches(self, batch: dict, iteration: int) -> list[dict]:
+        """``batch`` shuffled into the trainer's minibatches (deterministic in seed and iteration)."""
+        cfg = self.config
+        order = torch.randperm(batch["latents"].shape[0], generator=_generator(cfg.seed, iteration, 4))
+        return [take_samples(batch, chunk) for chunk in order.chunk(cfg.minibatches)]
 
     def _optimize(self, minibatch: dict) -> dict:
         self.optimizer.zero_grad(set_to_none=True)

@@ -132,7 +132,7 @@ def digits_batches(num_batches: int = 2, *, seed: int = 0, warmup: int = 1, num_
     import copy
 
     from jaggc.digits.model import load_base
-    from jaggc.digits.trainer import GRPOTrainer, TrainerConfig, _generator, take_samples
+    from jaggc.digits.trainer import GRPOTrainer, TrainerConfig
 
     config = TrainerConfig(strategy="exact", seed=seed, num_steps=num_steps)
     dit = load_base()
@@ -146,8 +146,7 @@ def digits_batches(num_batches: int = 2, *, seed: int = 0, warmup: int = 1, num_
         it = 2000 + r
         batch = trainer.collect(it)
         batch["train_steps"] = tuple(range(config.num_steps - 1))
-        order = torch.randperm(batch["latents"].shape[0], generator=_generator(config.seed, it, 4))
-        mbs = [take_samples(batch, c) for c in order.chunk(config.minibatches)]
+        mbs = trainer.minibatches(batch, it)
         batches.append(("on", mbs[0], copy.deepcopy(dit.state_dict())))
         trainer._optimize(mbs[0])
         batches.append(("off1", mbs[-1], copy.deepcopy(dit.state_dict())))

@@ -35,7 +35,7 @@ def _flat(params) -> torch.Tensor:
 
 def measure_drift(*, base: str = "digits", trainable: str = "attention", rollouts: int = 6,
                   warmup: int | None = None, seed: int = 0, config=None, log=print) -> dict:
-    from jaggc.digits.trainer import GRPOTrainer, TrainerConfig, _generator, grpo_loss, take_samples
+    from jaggc.digits.trainer import GRPOTrainer, TrainerConfig, grpo_loss
 
     from .study import named_base
 
@@ -56,8 +56,7 @@ def measure_drift(*, base: str = "digits", trainable: str = "attention", rollout
         it = 1000 + r
         batch = trainer.collect(it)
         batch["train_steps"] = tuple(range(cfg.num_steps - 1))
-        order = torch.randperm(batch["latents"].shape[0], generator=_generator(cfg.seed, it, 4))
-        mbs = [take_samples(batch, c) for c in order.chunk(cfg.minibatches)]
+        mbs = trainer.minibatches(batch, it)
         measured = mbs[1 % len(mbs)]
         plan = {"off1": [0], "off4": [1, 0, 1]}   # off4 continues from off1: steps on mbs 1, 2, 1, 2
         for cond, steps in plan.items():

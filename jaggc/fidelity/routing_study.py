@@ -118,7 +118,7 @@ def run_routing_study(*, base: str = "digits", rollouts: int = 16, num_steps: in
                       weights: str = "t", conditions=("on", "off1"), warmup: int = 2, seed: int = 0,
                       log=print) -> dict:
     """The per-window (score, cosine) pairs and their rank statistics for one base and config."""
-    from jaggc.digits.trainer import GRPOTrainer, TrainerConfig, _generator, grpo_loss, take_samples
+    from jaggc.digits.trainer import GRPOTrainer, TrainerConfig, grpo_loss
 
     from .study import named_base
 
@@ -136,8 +136,7 @@ def run_routing_study(*, base: str = "digits", rollouts: int = 16, num_steps: in
         it = 1000 + r
         batch = trainer.collect(it)
         batch["train_steps"] = tuple(range(cfg.num_steps - 1))
-        order = torch.randperm(batch["latents"].shape[0], generator=_generator(cfg.seed, it, 4))
-        mbs = [take_samples(batch, c) for c in order.chunk(cfg.minibatches)]
+        mbs = trainer.minibatches(batch, it)
         for cond in conditions:
             if cond == "on":
                 mb = mbs[0]

@@ -136,7 +136,7 @@ def run_study(*, rollouts: int = 32, conditions=("on", "off1"), settings=None, d
     """The protocol of the module docstring. ``base`` (a DiT, copied) defaults to the digits base;
     ``trainer_kwargs`` are extra ``GRPOTrainer`` arguments (another base's reward, classes,
     conditioning: see ``named_base``)."""
-    from jaggc.digits.trainer import GRPOTrainer, TrainerConfig, grpo_loss, take_samples, _generator
+    from jaggc.digits.trainer import GRPOTrainer, TrainerConfig, grpo_loss
 
     torch.manual_seed(seed)
     config = config or TrainerConfig(strategy="exact", seed=seed)
@@ -157,8 +157,7 @@ def run_study(*, rollouts: int = 32, conditions=("on", "off1"), settings=None, d
         it = 1000 + r
         batch = trainer.collect(it)
         batch["train_steps"] = tuple(range(config.num_steps - 1))
-        order = torch.randperm(batch["latents"].shape[0], generator=_generator(config.seed, it, 4))
-        mbs = [take_samples(batch, c) for c in order.chunk(config.minibatches)]
+        mbs = trainer.minibatches(batch, it)
         measured = {}
         for cond in conditions:
             if cond == "on":
@@ -253,7 +252,7 @@ def window_positions(*, rollouts: int = 8, window: int = 4, draws: int = 2, warm
     """Per window w: projection share ⟨g_w, g⟩/|g|² and norm ratio of its exact contribution g_w, and
     the cosine to g_w of JAGG's / 2-of-W subsampling's estimate of that window alone (other windows
     exact); on-policy and after one real optimizer step, same protocol as ``run_study``."""
-    from jaggc.digits.trainer import GRPOTrainer, TrainerConfig, _generator, grpo_loss, take_samples
+    from jaggc.digits.trainer import GRPOTrainer, TrainerConfig, grpo_loss
 
     cfg = config or TrainerConfig(strategy="exact", seed=seed)
     dit = copy.deepcopy(_base() if base is None else base)
@@ -267,8 +266,7 @@ def window_positions(*, rollouts: int = 8, window: int = 4, draws: int = 2, warm
     for r in range(rollouts):
         batch = trainer.collect(1000 + r)
         batch["train_steps"] = tuple(range(cfg.num_steps - 1))
-        order = torch.randperm(batch["latents"].shape[0], generator=_generator(cfg.seed, 1000 + r, 4))
-        mbs = [take_samples(batch, c) for c in order.chunk(cfg.minibatches)]
+        mbs = trainer.minibatches(batch, 1000 + r)
         for cond in ("on", "off1"):
             if cond == "off1":
                 trainer._optimize(mbs[0])
