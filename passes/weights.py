@@ -43,6 +43,8 @@ def compute_weights(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 raise JaggInputError(f"node {node.name}: timestep argument differs within window {w.index}")
         w.knots = basis.knot_positions(len(w.nodes))
         w.basis = f"{basis.kind}/{basis.by}"
-        for pos in w.knots:
+        # a randomized basis draws its interior knot per call: only the endpoints are knots every time
+        fixed = w.knots if basis.kind != "randomized" else (w.knots[0], w.knots[-1])
+        for pos in fixed:
             w.nodes[pos].meta["jagg_call"].role = "knot"
     return gm

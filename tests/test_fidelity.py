@@ -223,3 +223,17 @@ def test_extrapolation_basis_is_the_causal_extrapolation(curved):
     assert rel(by_hand, ref) < 1e-12
     assert rel(E.extrapolate(rec, dit, spacing=3).grad, ref) < 1e-12
     assert rel(ref, E.exact(rec, dit).grad) > 1e-3
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_new_bases_through_jagg_compile(curved):
+    """The extrapolation and randomized bases run through the Dynamo-compiled loss exactly as through
+    the runtime (same seed, same draws), and the report names the basis."""
+    dit, batch, _ = curved
+    for window, make in ((4, lambda: jaggc.Basis("randomized", seed=5)),
+                         (S, lambda: jaggc.Basis("extrapolate", knots=(0, 3, 6)))):
+        ref = E.runtime_gradient(toy_loss, dit, batch, window=window, weights=make())
+        compiled = jaggc.jagg_compile(toy_loss, window=window, weights=make(), capture="dynamo")
+        got = E._flat(torch.autograd.grad(compiled(dit, batch), E.trainable(dit)), E.trainable(dit))
+        assert rel(got, ref) < 1e-12
+        assert compiled.report.windows[0].basis.startswith(make().kind)
