@@ -15,8 +15,9 @@ made atomic where the user's code is: snapshot the gradients that exist before t
 them if it raises. The cost is one copy of the already-accumulated gradients per step (nothing on
 the first micro-batch after ``zero_grad(set_to_none=True)``).
 
-Under DDP/FSDP the restore is local: a rank whose backward failed must not go on to the next
-collective anyway (the other ranks' all-reduce for that step would wait for it).
+Under DDP/FSDP the restore is local to the rank: a backward that fails on one rank leaves the
+other ranks waiting in that step's all-reduce (and DDP's reducer mid-iteration), so only failures
+raised before the backward (jaggc's refusals) can be skipped on a multi-rank job.
 """
 
 from __future__ import annotations
