@@ -16,8 +16,8 @@ them if it raises. The cost is one copy of the already-accumulated gradients per
 the first micro-batch after ``zero_grad(set_to_none=True)``).
 
 Under DDP/FSDP the restore is local to the rank: a backward that fails on one rank leaves the
-other ranks waiting in that step's all-reduce (and DDP's reducer mid-iteration), so only failures
-raised before the backward (jaggc's refusals) can be skipped on a multi-rank job.
+other ranks waiting in that step's all-reduce (and DDP's reducer mid-iteration); failures raised
+before the backward (jaggc's refusals) can be skipped if every rank skips that micro-batch.
 """
 
 from __future__ import annotations
