@@ -259,15 +259,19 @@ def take_samples(batch: dict, index: torch.Tensor) -> dict:
 
 
 def evaluate_rewards(dit, reward_fns: dict, config: TrainerConfig, *, per_class: int = 16,
-                     seed: int = 12345) -> dict[str, float]:
-    """Mean of each reward in ``reward_fns`` over ``per_class`` samples of every digit, drawn
+                     seed: int = 12345, num_classes: int = 10, image_shape: tuple = IMAGE_SHAPE,
+                     conditioning=None) -> dict[str, float]:
+    """Mean of each reward in ``reward_fns`` over ``per_class`` samples of every class, drawn
     two ways from fixed seeds (so models are compared on paired noise):
     ``name``: the trainer's own SDE sampler (what GRPO optimises);
-    ``name + "_ode"``: deterministic Euler-ODE samples (what Flow-GRPO evaluates with)."""
-    labels = torch.arange(10).repeat_interleave(per_class)
-    sde = rollout(dit, labels, config, torch.Generator().manual_seed(seed))["images"].clamp(-1, 1)
+    ``name + "_ode"``: deterministic Euler-ODE samples (what Flow-GRPO evaluates with).
+    ``num_classes`` / ``image_shape`` / ``conditioning``: the digits' unless another base's."""
+    labels = torch.arange(num_classes).repeat_interleave(per_class)
+    sde = rollout(dit, labels, config, torch.Generator().manual_seed(seed), image_shape=image_shape,
+                  conditioning=conditioning)["images"].clamp(-1, 1)
     ode = sample_ode(dit, labels, num_steps=config.num_steps, shift=config.shift,
-                     generator=torch.Generator().manual_seed(seed)).clamp(-1, 1)
+                     generator=torch.Generator().manual_seed(seed), image_shape=image_shape,
+                     conditioning=conditioning or class_conditioning).clamp(-1, 1)
     out = {}
     for name, fn in reward_fns.items():
         out[name] = float(fn(sde, labels).mean())
@@ -340,6 +344,11 @@ class GRPOTrainer:
         self.history.append(log)
         self.iteration += 1
         return log
+
+    def evaluate(self, reward_fns: dict, **kwargs) -> dict[str, float]:
+        """``evaluate_rewards`` on this trainer's DiT, classes, image shape and conditioning."""
+        return evaluate_rewards(self.dit, reward_fns, self.config, num_classes=self.num_classes,
+                                image_shape=self.image_shape, conditioning=self.conditioning, **kwargs)
 
     def minibatches(self, batch: dict, iteration: int) -> list[dict]:
         """``batch`` shuffled into the trainer's minibatches (deterministic in seed and iteration)."""
