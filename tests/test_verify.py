@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from jaggc.verify import properties, symbolic
+from jaggc.verify import model_check, properties, symbolic
 from jaggc.verify.cli import main_verify
 
 EXAMPLES = 5
@@ -108,7 +108,7 @@ def test_check_model_tiny_sd3_window2_is_exact():
     from jaggc import models
 
     dit = models.sd3("tiny")
-    result = properties.check_model(dit, properties.sd3_trajectory_factory(dit, num_steps=4),
+    result = model_check.check_model(dit, model_check.sd3_trajectory_factory(dit, num_steps=4),
                                     windows=(2, 4), trajectories=1)
     assert set(result) == {2, 4}
     assert result[2]["cosine"] == pytest.approx(1.0, abs=1e-6)

@@ -30,8 +30,8 @@ from jaggc.verify import grpo_losses as gl
 from jaggc.verify import loss_properties as lp
 from jaggc.verify.cli import main_verify, registry
 from jaggc.verify.fields import AffineJacobianField, CurvedField
+from jaggc.verify.harness import TOL, rel_err
 from jaggc.verify.properties import PROPERTIES as RUNTIME_PROPERTIES
-from jaggc.verify.properties import TOL, rel_err
 
 EXAMPLES = max(3, settings().max_examples // 5)
 EXACT = [name for name in lp.PROPERTIES if name not in ("grpo_off_chord", "grpo_curved_field")]

@@ -20,7 +20,7 @@ from torch import nn
 
 from .. import grpo
 from ..runtime import DitCall, count_dit_passes, jagg_calls
-from .properties import DT, _gen, rel_err, shift_sigmas
+from .harness import DT, _gen, rel_err, shift_sigmas
 
 NOISE_LEVEL = 0.7            # Flow-GRPO's SDE noise level a (also CPS's)
 ETA = 0.3                    # DanceGRPO's eta

@@ -60,8 +60,7 @@ from .fields import AffineJacobianField, CurvedField
 from .grpo_losses import (CAPTURES, CLIP_RANGES, LOSSES, Rollout, _params, _require_backwards, _require_nonzero,
                           _seeded, _value_error, clipped_share, compile_loss, compiled, eager, grpo_reference_value,
                           make_rollout, runtime, upstream_grads)
-from .properties import (DT, PropertyResult, _gen, rel_err, run_counterexample_property,
-                         run_exact_property)
+from .harness import DT, PropertyResult, _gen, rel_err, run_counterexample_property, run_exact_property
 
 __all__ = ["LOSSES", "PROPERTIES", "run_all"]
 

@@ -23,188 +23,23 @@ the example is shrunk to a minimal one):
   * ``curved_field``        CurvedField (J nonlinear in z and t), states on the chord;
   * ``index_weights_grid``  TimeAffineField with index weights on a shift-s grid.
 
-``check_model(dit, inputs_factory)`` compares JAGG with the exact per-step gradient on real DiT
-trajectories (no exactness expected; W = 2 must give cosine 1).
+The harness (results, runners, numerics) is :mod:`jaggc.verify.harness`; ``check_model`` on real
+DiT trajectories is :mod:`jaggc.verify.model_check`.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
-from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
-from hypothesis.errors import NoSuchExample
-from torch import nn
 
-from .._compat import tree_flatten
-from ..runtime import (Basis, DitCall, KnotAggregate, WindowOptions, concat_calls, hat_matrix, jagg_calls,
-                       run_exact, run_window)
+from ..runtime import (Basis, KnotAggregate, WindowOptions, concat_calls, hat_matrix, jagg_calls, run_exact,
+                       run_window)
 from .fields import AffineJacobianField, CurvedField, TimeAffineField
+from .harness import (DT, TOL, PropertyResult, _calls, _chord, _gen, _grad_of, _upstream, _window_times, rel_err, shift_sigmas, run_counterexample_property, run_exact_property)
 
-DT = torch.float64
-TOL = 1e-6
-
-__all__ = ["PROPERTIES", "PropertyResult", "TOL", "check_model", "model_table", "run_all",
-           "sd3_trajectory_factory"]
-
-
-@dataclass
-class PropertyResult:
-    name: str
-    kind: str  # "exact" | "counterexample"
-    passed: bool
-    examples: int
-    max_rel_err: float
-    counterexample: str | None = None
-    detail: str = ""
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-
-# ----------------------------------------------------------------------------- numerics
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """‖a − b‖ / ‖b‖ (‖a − b‖ itself when b is zero)."""
-    a, b = a.detach().double().reshape(-1), b.detach().double().reshape(-1)
-    den, num = b.norm(), (a - b).norm()
-    return float(num / den) if den > 0 else float(num)
-
-
-def _flat_grads(model: nn.Module) -> torch.Tensor:
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                      for p in model.parameters()])
-
-
-def _grad_of(model: nn.Module, runner: Callable[[], Sequence[Any]], gs: Sequence[Any]) -> torch.Tensor:
-    """Flat parameter gradient of L = Σ_k <leaves(out_k), leaves(g_k)>."""
-    for p in model.parameters():
-        p.grad = None
-    outs = runner()
-    terms = []
-    for out, g in zip(outs, gs):
-        o_leaves = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor) and x.requires_grad]
-        g_leaves = [x for x in tree_flatten(g)[0] if isinstance(x, torch.Tensor)]
-        terms += [(o * gg).sum() for o, gg in zip(o_leaves, g_leaves)]
-    torch.stack(terms).sum().backward()
-    out = _flat_grads(model).clone()
-    for p in model.parameters():
-        p.grad = None
-    return out
-
-
-def shift_sigmas(num_steps: int, shift: float = 3.0) -> torch.Tensor:
-    """σ' = sσ/(1+(s−1)σ) of linspace(1, 0, num_steps + 1) (SD3's schedule for s = 3)."""
-    s = torch.linspace(1.0, 0.0, num_steps + 1, dtype=DT)
-    return shift * s / (1 + (shift - 1) * s)
-
-
-def _gen(*parts: int) -> torch.Generator:
-    h = 0
-    for p in parts:
-        h = (h * 1_000_003 + int(p)) % (2**62)
-    return torch.Generator().manual_seed(h)
-
-
-def _window_times(gen: torch.Generator, window: int, batch: int, per_sample: bool) -> torch.Tensor:
-    def one() -> torch.Tensor:
-        n = int(torch.randint(window - 1, 25, (), generator=gen))
-        start = int(torch.randint(0, n + 2 - window, (), generator=gen))
-        return shift_sigmas(n)[start:start + window]
-    if per_sample:
-        return torch.stack([one() for _ in range(batch)], 1)
-    return one()[:, None].expand(window, batch).clone()
-
-
-def _chord(gen: torch.Generator, times: torch.Tensor, dim: int) -> torch.Tensor:
-    _, batch = times.shape
-    z_a = torch.randn(batch, dim, generator=gen, dtype=DT)
-    z_b = torch.randn(batch, dim, generator=gen, dtype=DT)
-    alpha = ((times - times[0]) / (times[-1] - times[0]))[..., None]
-    return (1 - alpha) * z_a + alpha * z_b
-
-
-def _calls(states: torch.Tensor, times: torch.Tensor) -> list[DitCall]:
-    return [DitCall((z, t)) for z, t in zip(states, times)]
-
-
-def _upstream(gen: torch.Generator, n: int, batch: int, dim: int) -> list[torch.Tensor]:
-    return [torch.randn(batch, dim, generator=gen, dtype=DT) for _ in range(n)]
-
-
-# ----------------------------------------------------------------------------- runners
-
-def _settings(examples: int) -> settings:
-    # no explain phase: after shrinking it re-runs the check on many variants of the minimal example
-    # only to annotate it, which costs dozens of re-traces when the check compiles a loss
-    return settings(max_examples=max(int(examples), 1), derandomize=True, database=None, deadline=None,
-                    suppress_health_check=list(HealthCheck), print_blob=False, report_multiple_bugs=False,
-                    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink])
-
-
-def _describe(case: Any) -> str:
-    if isinstance(case, dict):
-        return ", ".join(f"{k}={v}" for k, v in case.items())
-    return repr(case)
-
-
-def run_exact_property(name: str, strategy, check: Callable[[Any, int], float], examples: int,
-                       seed: int) -> PropertyResult:
-    """Every example must have error <= TOL; a violation is shrunk by hypothesis and reported."""
-    errs: list[float] = []
-    last: list = [None, None]
-
-    @_settings(examples)
-    @given(strategy)
-    def prop(case):
-        last[0], last[1] = case, None
-        try:
-            err = float(check(case, seed))
-        except Exception as e:  # a crash is a violation too; hypothesis shrinks it
-            last[1] = f"{type(e).__name__}: {e}"
-            raise
-        errs.append(err)
-        last[1] = err
-        assert err <= TOL and not math.isnan(err), f"rel_err {err:.3g} > {TOL:g}"
-
-    try:
-        prop()
-        passed, counterexample = True, None
-    except Exception:  # noqa: BLE001 - AssertionError or whatever the runtime raised
-        passed = False
-        what = f"rel_err={last[1]:.3g}" if isinstance(last[1], float) else str(last[1])
-        counterexample = f"{_describe(last[0])} -> {what}"
-    finite = [e for e in errs if not math.isnan(e)]
-    return PropertyResult(name, "exact", passed, len(errs), max(finite, default=0.0), counterexample)
-
-
-def run_counterexample_property(name: str, strategy, check: Callable[[Any, int], float], examples: int,
-                                seed: int) -> PropertyResult:
-    """hypothesis must FIND (and shrink) an example with error > TOL."""
-    errs: list[float] = []
-    first_hit: list[int] = []
-
-    def condition(case) -> bool:
-        err = float(check(case, seed))
-        errs.append(err)
-        hit = err > TOL
-        if hit and not first_hit:
-            first_hit.append(len(errs))
-        return hit
-
-    try:
-        case = find(strategy, condition, settings=_settings(examples))
-    except NoSuchExample:
-        return PropertyResult(name, "counterexample", False, len(errs), max(errs, default=0.0), None,
-                              f"no example with rel_err > {TOL:g} in {len(errs)} examples")
-    err = float(check(case, seed))
-    detail = (f"first found at example {first_hit[0]}, shrunk over {len(errs) - first_hit[0]} "
-              f"further evaluations")
-    return PropertyResult(name, "counterexample", True, len(errs), max(errs), f"{_describe(case)} -> rel_err={err:.3g}",
-                          detail)
+__all__ = ["PROPERTIES", "PropertyResult", "TOL", "run_all"]
 
 
 # ----------------------------------------------------------------------------- exact properties
@@ -506,79 +341,3 @@ PROPERTIES: dict[str, Callable[[int, int], PropertyResult]] = {
 
 def run_all(examples: int, seed: int = 0) -> list[PropertyResult]:
     return [fn(examples, seed) for fn in PROPERTIES.values()]
-
-
-# ----------------------------------------------------------------------------- real models
-
-class ModelCheck(dict):
-    """{W: {"cosine": mean, "rel_err": mean}}; ``str()`` / ``.table()`` print it."""
-
-    def table(self) -> str:
-        return model_table(self)
-
-    def __str__(self) -> str:
-        return self.table()
-
-
-def model_table(result: dict) -> str:
-    lines = ["  W   cosine(JAGG, exact)   rel_err", "  --  -------------------   -------"]
-    for w, r in sorted(result.items()):
-        lines.append(f"  {w:<3} {r['cosine']:>19.7f}   {r['rel_err']:.3e}")
-    return "\n".join(lines)
-
-
-def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().reshape(-1), b.double().reshape(-1)
-    return float(torch.nn.functional.cosine_similarity(a, b, dim=0))
-
-
-def check_model(dit: nn.Module, inputs_factory: Callable[[int], list[DitCall]],
-                windows: Sequence[int] = (2, 3, 4, 6), trajectories: int = 4, *,
-                options: WindowOptions = WindowOptions()) -> ModelCheck:
-    """Mean cosine and relative error of the JAGG gradient (``jagg_calls`` with window W) against
-    the exact per-step gradient, for random upstream gradients on ``trajectories`` trajectories
-    ``inputs_factory(seed)``. Windows longer than a trajectory are skipped."""
-    acc: dict[int, list[tuple[float, float]]] = {w: [] for w in windows}
-    for seed in range(trajectories):
-        calls = inputs_factory(seed)
-        with torch.no_grad():
-            outs = run_exact(dit, calls, options=WindowOptions(check_inputs=False))
-        gen = torch.Generator().manual_seed(10_000 + seed)
-        gs = []
-        for out in outs:
-            leaves = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
-            gs.append([torch.randn(x.shape, generator=gen).to(dtype=x.dtype, device=x.device) for x in leaves[:1]])
-        exact = _grad_of(dit, lambda: run_exact(dit, calls, options=options), gs)
-        for w in windows:
-            if w > len(calls):
-                continue
-            jagg = _grad_of(dit, lambda: jagg_calls(dit, calls, window=w, options=options), gs)
-            acc[w].append((_cos(jagg, exact), rel_err(jagg, exact)))
-    return ModelCheck({w: {"cosine": sum(c for c, _ in v) / len(v), "rel_err": sum(e for _, e in v) / len(v)}
-                       for w, v in acc.items() if v})
-
-
-def sd3_trajectory_factory(dit: nn.Module, *, num_steps: int = 6, batch: int = 1, shift: float = 3.0,
-                           noise_level: float = 0.7) -> Callable[[int], list[DitCall]]:
-    """``seed -> list[DitCall]``: an SDE rollout (Euler + sqrt(dt) noise) of a diffusers SD3
-    transformer on a shift-``shift`` schedule, ``timestep = σ·1000`` per sample, stored states."""
-    from .. import models
-
-    def factory(seed: int) -> list[DitCall]:
-        gen = torch.Generator().manual_seed(seed)
-        dtype = next(dit.parameters()).dtype
-        cond = models.sd3_conditioning(dit, batch, seed=seed).kwargs
-        sig = shift_sigmas(num_steps, shift).to(torch.float32)
-        z = torch.randn(models.sd3_latent_shape(dit, batch), generator=gen).to(dtype)
-        calls = []
-        with torch.no_grad():
-            for k in range(num_steps):
-                call = DitCall(kwargs=dict(hidden_states=z, timestep=(sig[k] * 1000).expand(batch).to(dtype),
-                                           return_dict=False, **cond))
-                calls.append(call)
-                v = call(dit)[0]
-                dt = float(sig[k + 1] - sig[k])
-                z = z + dt * v + noise_level * math.sqrt(-dt) * torch.randn(z.shape, generator=gen).to(dtype)
-        return calls
-
-    return factory
