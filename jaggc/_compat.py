@@ -6,6 +6,8 @@ means a PyTorch upgrade that moves one of them costs one file.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.utils._pytree as _pytree
 
@@ -58,6 +60,20 @@ def detect_fake_mode(tensors):
     from torch._guards import detect_fake_mode as detect
 
     return detect(tensors)
+
+
+@contextlib.contextmanager
+def fake_mode_accepts_real_tensors():
+    """Inside a fake mode, let real tensors (the DiT's parameters) mix with fake inputs, as
+    ``nonstrict_trace`` does for the functions it runs."""
+    from torch._subclasses.fake_tensor import fake_tensor_tls
+
+    prior = fake_tensor_tls.allow_non_fake_inputs_override
+    fake_tensor_tls.allow_non_fake_inputs_override = True
+    try:
+        yield
+    finally:
+        fake_tensor_tls.allow_non_fake_inputs_override = prior
 
 
 def dynamo_reset():

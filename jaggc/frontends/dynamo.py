@@ -28,6 +28,7 @@ from ..errors import JaggGraphError
 from ..graph_ops import dit_call, flatten_output
 from ..runtime.calls import DitCall
 from ..runtime.checks import conform_placement
+from . import opaque_op
 from .fake_cache import cached_fake_call
 
 _OPAQUE: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
@@ -102,12 +103,17 @@ def _opaque_functions(module: nn.Module):
 
         opaque_call = _compat.nonstrict_trace(jaggc_opaque_dit_call)
         opaque_forward = _compat.nonstrict_trace(jaggc_opaque_dit_forward)
+        key = opaque_op.register_module(module, jaggc_opaque_dit_call, jaggc_opaque_dit_forward)
 
         def jaggc_dit_call_slot(*args, **kwargs):
+            if opaque_op.takes_fast_path(args, kwargs):
+                return opaque_op.fast_call(key, True, args, kwargs)
             args, kwargs = _encode_none(args, kwargs)
             return opaque_call(*args, **kwargs)
 
         def jaggc_dit_forward_slot(*args, **kwargs):
+            if opaque_op.takes_fast_path(args, kwargs):
+                return opaque_op.fast_call(key, False, args, kwargs)
             args, kwargs = _encode_none(args, kwargs)
             return opaque_forward(*args, **kwargs)
 
@@ -249,17 +255,22 @@ def canonicalize_dynamo_calls(gm: fx.GraphModule) -> fx.GraphModule:
     graph = gm.graph
     names: dict[int, str] = {}
     for node in list(graph.nodes):
-        if not _compat.is_flat_apply_node(node):
+        if opaque_op.is_opaque_op_node(node):
+            module, args, kwargs, via_call = opaque_op.call_of(node)
+            if not via_call:
+                check_called_as_module(node, module, None)
+        elif _compat.is_flat_apply_node(node):
+            fn = _compat.flat_apply_function(gm, node)
+            module = module_of_opaque(fn)
+            if module is None:
+                continue
+            check_called_as_module(node, module, fn)
+            args, kwargs = decode_none(*_compat.flat_apply_inputs(gm, node))
+        else:
             continue
-        fn = _compat.flat_apply_function(gm, node)
-        module = module_of_opaque(fn)
-        if module is None:
-            continue
-        check_called_as_module(node, module, fn)
         if id(module) not in names:
             names[id(module)] = f"jagg_dit_{len(names)}" if names else "jagg_dit"
             gm.add_submodule(names[id(module)], module)
-        args, kwargs = decode_none(*_compat.flat_apply_inputs(gm, node))
         with graph.inserting_before(node):
             dit = graph.get_attr(names[id(module)])
             call = graph.call_function(dit_call, (dit, tuple(args), dict(kwargs)))
@@ -269,7 +280,7 @@ def canonicalize_dynamo_calls(gm: fx.GraphModule) -> fx.GraphModule:
         spec_node, callable_node = node.args[1], node.args[0]
         graph.erase_node(node)
         for attr_node in (spec_node, callable_node):
-            if isinstance(attr_node, fx.Node) and not attr_node.users:
+            if isinstance(attr_node, fx.Node) and attr_node.op == "get_attr" and not attr_node.users:
                 graph.erase_node(attr_node)
     graph.lint()
     gm.recompile()
@@ -283,7 +294,9 @@ def _hidden_dit_calls(sub: fx.GraphModule) -> list[tuple[fx.Node, nn.Module]]:
         if not isinstance(m, fx.GraphModule):
             continue
         for n in m.graph.nodes:
-            if _compat.is_flat_apply_node(n):
+            if opaque_op.is_opaque_op_node(n):
+                found.append((n, opaque_op.site_of(n).module()))
+            elif _compat.is_flat_apply_node(n):
                 module = module_of_opaque(_compat.flat_apply_function(m, n))
                 if module is not None:
                     found.append((n, module))
