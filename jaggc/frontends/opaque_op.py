@@ -96,9 +96,11 @@ def fast_call(module_key: int, via_call: bool, args: tuple, kwargs: dict):
 
 
 def takes_fast_path(args: tuple, kwargs: dict) -> bool:
-    """While Dynamo traces (at run time the slots run the module itself): every argument a tensor or
-    a plain constant, and a tuple output (``return_dict=False``)."""
-    if not torch.compiler.is_compiling() or kwargs.get("return_dict", True) is not False:
+    """Only in code Dynamo traces symbolically (``is_dynamo_compiling`` is False in eager code, which
+    includes the fake and real runs made during a trace and the rewritten graph's own DiT calls),
+    and only for every argument a tensor or a plain constant and a tuple output
+    (``return_dict=False``)."""
+    if not torch.compiler.is_dynamo_compiling() or kwargs.get("return_dict", True) is not False:
         return False
     return all(v is None or isinstance(v, (torch.Tensor,) + _CONSTANTS) for v in args + tuple(kwargs.values()))
 
