@@ -190,7 +190,7 @@ def forward(self, L_batch_timesteps_ : torch.Tensor, L_batch_latents_ : torch.Te
     l_batch_log_probs_ = L_batch_log_probs_
     l_batch_advantages_ = L_batch_advantages_
     latents = l_batch_latents_[(slice(None, None, None), 0)]
-    dit_arg = l_batch_timesteps_[(slice(None, None, None), 0)]
+    v = l_batch_timesteps_[(slice(None, None, None), 0)]
     getitem_3 = l_batch_sigmas_[(slice(None, None, None), 0)]
     getitem_4 = l_batch_sigmas_next_[(slice(None, None, None), 0)]
     getitem_5 = l_batch_next_latents_[(slice(None, None, None), 0)]
@@ -230,7 +230,7 @@ def forward(self, L_batch_timesteps_ : torch.Tensor, L_batch_latents_ : torch.Te
     neg_1 = -advantages
     neg_2 = -advantages;  advantages = None
     latents_1 = l_batch_latents_[(slice(None, None, None), 1)]
-    dit_arg_1 = l_batch_timesteps_[(slice(None, None, None), 1)]
+    v_1 = l_batch_timesteps_[(slice(None, None, None), 1)]
     getitem_11 = l_batch_sigmas_[(slice(None, None, None), 1)]
     getitem_12 = l_batch_sigmas_next_[(slice(None, None, None), 1)]
     getitem_13 = l_batch_next_latents_[(slice(None, None, None), 1)]
@@ -270,7 +270,7 @@ def forward(self, L_batch_timesteps_ : torch.Tensor, L_batch_latents_ : torch.Te
     neg_4 = -advantages_1
     neg_5 = -advantages_1;  advantages_1 = None
     latents_2 = l_batch_latents_[(slice(None, None, None), 2)]
-    dit_arg_2 = l_batch_timesteps_[(slice(None, None, None), 2)]
+    v_2 = l_batch_timesteps_[(slice(None, None, None), 2)]
     getitem_19 = l_batch_sigmas_[(slice(None, None, None), 2)]
     getitem_20 = l_batch_sigmas_next_[(slice(None, None, None), 2)]
     getitem_21 = l_batch_next_latents_[(slice(None, None, None), 2)]
@@ -310,13 +310,13 @@ def forward(self, L_batch_timesteps_ : torch.Tensor, L_batch_latents_ : torch.Te
     neg_7 = -advantages_2
     neg_8 = -advantages_2;  advantages_2 = None
     latents_3 = l_batch_latents_[(slice(None, None, None), 3)];  l_batch_latents_ = None
-    dit_arg_3 = l_batch_timesteps_[(slice(None, None, None), 3)];  l_batch_timesteps_ = None
+    v_3 = l_batch_timesteps_[(slice(None, None, None), 3)];  l_batch_timesteps_ = None
     jagg_dit_3 = self.jagg_dit
     jagg_plan_0 = self.jagg_plan_0
-    jagg_window = jaggc_graph_ops_jagg_window(jagg_dit_3, (((), {'hidden_states': latents, 'timestep': dit_arg, 'encoder_hidden_states': l_batch_prompt_embeds_, 'pooled_projections': l_batch_pooled_prompt_embeds_, 'return_dict': False}),
-        ((), {'hidden_states': latents_1, 'timestep': dit_arg_1, 'encoder_hidden_states': l_batch_prompt_embeds_, 'pooled_projections': l_batch_pooled_prompt_embeds_, 'return_dict': False}),
-        ((), {'hidden_states': latents_2, 'timestep': dit_arg_2, 'encoder_hidden_states': l_batch_prompt_embeds_, 'pooled_projections': l_batch_pooled_prompt_embeds_, 'return_dict': False}),
-        ((), {'hidden_states': latents_3, 'timestep': dit_arg_3, 'encoder_hidden_states': l_batch_prompt_embeds_, 'pooled_projections': l_batch_pooled_prompt_embeds_, 'return_dict': False})), jagg_plan_0);  jagg_dit_3 = latents = dit_arg = l_batch_prompt_embeds_ = l_batch_pooled_prompt_embeds_ = latents_1 = dit_arg_1 = latents_2 = dit_arg_2 = dit_arg_3 = jagg_plan_0 = None
+    jagg_window = jaggc_graph_ops_jagg_window(jagg_dit_3, (((), {'hidden_states': latents, 'timestep': v, 'encoder_hidden_states': l_batch_prompt_embeds_, 'pooled_projections': l_batch_pooled_prompt_embeds_, 'return_dict': False}),
+        ((), {'hidden_states': latents_1, 'timestep': v_1, 'encoder_hidden_states': l_batch_prompt_embeds_, 'pooled_projections': l_batch_pooled_prompt_embeds_, 'return_dict': False}),
+        ((), {'hidden_states': latents_2, 'timestep': v_2, 'encoder_hidden_states': l_batch_prompt_embeds_, 'pooled_projections': l_batch_pooled_prompt_embeds_, 'return_dict': False}),
+        ((), {'hidden_states': latents_3, 'timestep': v_3, 'encoder_hidden_states': l_batch_prompt_embeds_, 'pooled_projections': l_batch_pooled_prompt_embeds_, 'return_dict': False})), jagg_plan_0);  jagg_dit_3 = latents = v = l_batch_prompt_embeds_ = l_batch_pooled_prompt_embeds_ = latents_1 = v_1 = latents_2 = v_2 = v_3 = jagg_plan_0 = None
     getitem_32 = jagg_window[0]
     flatten_output = jaggc_graph_ops_flatten_output(getitem_32);  getitem_32 = None
     noise_pred = flatten_output[0];  flatten_output = None

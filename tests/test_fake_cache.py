@@ -1,4 +1,5 @@
-"""The capture runs the DiT on fake tensors once per call signature, not once per call.
+"""The capture runs the DiT on fake tensors once per call signature, not once per call, and traces a
+tuple-output DiT call as one custom op.
 
 Checked: a 6-step Flow-GRPO loss is captured with one fake DiT forward (it was six), its
 gradient is unchanged (against the exact gradient at W=2, where JAGG is exact); the cache is keyed
@@ -92,3 +93,29 @@ def test_unkeyable_calls_are_not_cached():
         for _ in range(2):
             cached_fake_call(m, lambda *a, **k: m(a[0]), (x,), {"tag": marker})
         assert m.runs == 3
+
+
+@pytest.mark.parametrize("name,fast", [("flow_grpo_sd3", True), ("dance_flux", False)])
+def test_tuple_output_calls_are_traced_as_one_custom_op(name, fast):
+    """``return_dict=False`` calls with tensor/constant arguments go through the ``jaggc::opaque_dit``
+    custom op while Dynamo traces (a call site is registered for them); a ``.sample`` output keeps the
+    ``nonstrict_trace`` path. Either way the gradient is the exact one at W=2."""
+    from jaggc.frontends import opaque_op
+
+    ex = example_losses.build_example(name, num_steps=4, batch=2, seed=0)
+    sites = len(opaque_op._SITES)
+    compiled = jagg_compile(ex.loss_fn, window=2)
+    zero_grads(ex.model)
+    compiled(ex.model, ex.batch).backward()
+    assert (len(opaque_op._SITES) > sites) == fast
+    got = grads(ex.model).clone()
+    zero_grads(ex.model)
+    ex.loss_fn(ex.model, ex.batch).backward()
+    assert rel_err(got, grads(ex.model)) < 1e-5
+
+
+def test_the_custom_op_never_runs():
+    from jaggc.errors import JaggGraphError
+
+    with pytest.raises(JaggGraphError, match="internal error"):
+        torch.ops.jaggc.opaque_dit([torch.zeros(1)], 0)

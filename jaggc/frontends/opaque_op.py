@@ -44,6 +44,7 @@ class CallSite:
 
 
 _SITES: dict[int, CallSite] = {}
+_OUTPUT_KINDS: dict[int, str] = {}       # handle -> "tensor" | "tuple" | "list", set by the fake run
 _HANDLES: dict[tuple, int] = {}
 _MODULES: "weakref.WeakValueDictionary[int, nn.Module]" = weakref.WeakValueDictionary()
 _FAKE_RUNS: "weakref.WeakKeyDictionary[nn.Module, tuple[Callable, Callable]]" = weakref.WeakKeyDictionary()
@@ -80,19 +81,33 @@ def _opaque_dit_fake(tensors, handle):
     args, kwargs = site.rebuild(tensors)
     with _compat.fake_mode_accepts_real_tensors():
         out = _FAKE_RUNS[module][0 if site.via_call else 1](*args, **kwargs)
+    if isinstance(out, torch.Tensor):
+        _OUTPUT_KINDS[handle] = "tensor"
+        return [out]
     if not isinstance(out, (tuple, list)) or not all(isinstance(x, torch.Tensor) for x in out):
         raise JaggGraphError(f"the DiT ({type(module).__name__}) called with return_dict=False returned "
-                             f"{type(out).__name__}, not a tuple of tensors")
+                             f"{type(out).__name__}; jaggc's capture expects a tensor or a tuple of tensors")
+    _OUTPUT_KINDS[handle] = type(out).__name__
     return list(out)
 
 
+@torch._dynamo.assume_constant_result
+def output_kind(handle: int) -> str:
+    """How the op's flat output is handed back (known once the op's fake run has happened)."""
+    return _OUTPUT_KINDS[handle]
+
+
 def fast_call(module_key: int, via_call: bool, args: tuple, kwargs: dict):
-    """The call slot's fast path (inlined by Dynamo)."""
+    """The call slot's fast path (inlined by Dynamo; graph nodes are named after ``dit_arg``)."""
     values = args + tuple(kwargs.values())
-    tensors = [v for v in values if isinstance(v, torch.Tensor)]
-    constants = tuple((False, None) if isinstance(v, torch.Tensor) else (True, v) for v in values)
+    tensors = [dit_arg for dit_arg in values if isinstance(dit_arg, torch.Tensor)]
+    constants = tuple((False, None) if isinstance(dit_arg, torch.Tensor) else (True, dit_arg) for dit_arg in values)
     handle = site_handle(module_key, via_call, len(args), tuple(kwargs), constants)
-    return tuple(torch.ops.jaggc.opaque_dit(tensors, handle))
+    outs = torch.ops.jaggc.opaque_dit(tensors, handle)
+    kind = output_kind(handle)
+    if kind == "tensor":
+        return outs[0]
+    return list(outs) if kind == "list" else tuple(outs)
 
 
 def takes_fast_path(args: tuple, kwargs: dict) -> bool:
