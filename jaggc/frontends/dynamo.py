@@ -6,9 +6,11 @@ every wrapper around it: DDP, PeftModel, ...) has its ``_compiled_call_impl`` (t
 runs the module's normal call, hooks included; Dynamo records each call as one
 opaque ``flat_apply`` node, and ``canonicalize_dynamo_calls`` turns that node into
 ``dit_call(dit, args, kwargs)`` followed by ``flatten_output`` (Dynamo expects the opaque call to
-return its flat output leaves). The patched forward is created once per module and reinstalled
-for every call, so Dynamo's guards see the same function and never recompile for it; outside a
-jaggc call the module is untouched.
+return its flat output leaves). A call with tensor/constant arguments and ``return_dict=False``
+is recorded more cheaply, as one ``jaggc::opaque_dit`` custom-op node (``opaque_op.py``), which
+``canonicalize_dynamo_calls`` turns into the same ``dit_call`` + ``flatten_output``. The patched
+forward is created once per module and reinstalled for every call, so Dynamo's guards see the
+same function and never recompile for it; outside a jaggc call the module is untouched.
 """
 
 from __future__ import annotations
