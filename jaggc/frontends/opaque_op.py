@@ -61,10 +61,12 @@ def register_module(module: nn.Module, fake_call: Callable, fake_forward: Callab
 @torch._dynamo.assume_constant_result
 def site_handle(module_key: int, via_call: bool, num_args: int, names: tuple, constants: tuple) -> int:
     key = (module_key, via_call, num_args, names, constants)
+    module = _MODULES[module_key]
     handle = _HANDLES.get(key)
-    if handle is None:
-        handle = _HANDLES[key] = len(_HANDLES)
-        _SITES[handle] = CallSite(weakref.ref(_MODULES[module_key]), via_call, num_args, names, constants)
+    # module_key is an id(): a new module may reuse a collected one's id, and must get its own site
+    if handle is None or _SITES[handle].module() is not module:
+        handle = _HANDLES[key] = len(_SITES)
+        _SITES[handle] = CallSite(weakref.ref(module), via_call, num_args, names, constants)
     return handle
 
 
