@@ -30,6 +30,11 @@ def nonstrict_trace(fn):
     return torch._dynamo.nonstrict_trace(fn)
 
 
+def assume_constant_result(fn):
+    """Dynamo calls ``fn`` while tracing and records its result as a constant (no guard)."""
+    return torch._dynamo.assume_constant_result(fn)
+
+
 def is_flat_apply_node(node) -> bool:
     target = node.target
     return node.op == "call_function" and getattr(target, "__name__", "").startswith("flat_apply")

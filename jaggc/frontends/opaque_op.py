@@ -58,7 +58,7 @@ def register_module(module: nn.Module, fake_call: Callable, fake_forward: Callab
     return id(module)
 
 
-@torch._dynamo.assume_constant_result
+@_compat.assume_constant_result
 def site_handle(module_key: int, via_call: bool, num_args: int, names: tuple, constants: tuple) -> int:
     key = (module_key, via_call, num_args, names, constants)
     module = _MODULES[module_key]
@@ -93,7 +93,7 @@ def _opaque_dit_fake(tensors, handle):
     return list(out)
 
 
-@torch._dynamo.assume_constant_result
+@_compat.assume_constant_result
 def output_kind(handle: int) -> str:
     """How the op's flat output is handed back (known once the op's fake run has happened)."""
     return _OUTPUT_KINDS[handle]
