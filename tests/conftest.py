@@ -28,6 +28,18 @@ settings.register_profile("thorough", max_examples=300, deadline=None)
 settings.load_profile(os.environ.get("JAGGC_HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module (restored after it): the tiny DiTs are fastest on one, and
+    on a shared machine several threads spin-waiting on each op are 10-30x slower; the digits and
+    shapes tests also rely on it for reproducible float reductions. Use with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture
 def fresh_dynamo():
     """A clean Dynamo cache before and after the test (compile tests: no graphs or recompile counts

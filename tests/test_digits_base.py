@@ -23,12 +23,7 @@ REWARD_MIN_TEST_ACC = 0.96
 EVAL_MIN_TEST_ACC = 0.97
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_split_is_deterministic_stratified_and_a_partition():

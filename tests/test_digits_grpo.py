@@ -26,13 +26,7 @@ from jaggc.runtime import count_dit_passes
 TINY = dict(num_steps=7, classes_per_iter=2, group_size=4, minibatches=1, reward="jpeg")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # reproducible float reductions, and the machine is shared
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _trainer(strategy="exact", seed=0, dit=None, **kw) -> GRPOTrainer:

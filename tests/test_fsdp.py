@@ -171,14 +171,7 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny DiTs: one intra-op thread is fastest, and on a shared machine several threads
-    spin-waiting on each op are 10-30x slower. Restored for the other test modules."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --------------------------------------------------------------------------- test side

@@ -87,14 +87,7 @@ class Env:
         self.model.zero_grad(set_to_none=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny DiTs: one intra-op thread is fastest, and on a shared machine several threads
-    spin-waiting on each op are 10-30x slower. Restored for the other test modules."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

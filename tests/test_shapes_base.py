@@ -23,12 +23,7 @@ CLASSIFIER_MIN_TEST_ACC = 0.98
 SAMPLE_MIN_ACC = 0.85
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_data_is_deterministic_balanced_and_in_range():
