@@ -134,24 +134,20 @@ def digits_batches(num_batches: int = 2, *, seed: int = 0, warmup: int = 1, num_
     from jaggc.digits.model import load_base
     from jaggc.digits.trainer import GRPOTrainer, TrainerConfig
 
+    from .study import FrozenStart
+
     config = TrainerConfig(strategy="exact", seed=seed, num_steps=num_steps)
     dit = load_base()
     trainer = GRPOTrainer(dit, config)
-    for _ in range(warmup):
-        trainer.step()
-    theta0 = copy.deepcopy(dit.state_dict())
-    opt0 = copy.deepcopy(trainer.optimizer.state_dict())
+    frozen = FrozenStart(trainer, warmup)
     batches = []
     for r in range(num_batches):
         it = 2000 + r
-        batch = trainer.collect(it)
-        batch["train_steps"] = tuple(range(config.num_steps - 1))
-        mbs = trainer.minibatches(batch, it)
+        mbs = frozen.minibatches(it)
         batches.append(("on", mbs[0], copy.deepcopy(dit.state_dict())))
         trainer._optimize(mbs[0])
         batches.append(("off1", mbs[-1], copy.deepcopy(dit.state_dict())))
-        dit.load_state_dict(theta0)
-        trainer.optimizer.load_state_dict(copy.deepcopy(opt0))
+        frozen.restore()
     return dit, batches
 
 

@@ -37,7 +37,7 @@ def measure_drift(*, base: str = "digits", trainable: str = "attention", rollout
                   warmup: int | None = None, seed: int = 0, config=None, log=print) -> dict:
     from jaggc.digits.trainer import GRPOTrainer, TrainerConfig, grpo_loss
 
-    from .study import named_base
+    from .study import FrozenStart, named_base
 
     torch.manual_seed(seed)
     warmup = (2 if trainable == "attention" else 0) if warmup is None else warmup
@@ -45,18 +45,14 @@ def measure_drift(*, base: str = "digits", trainable: str = "attention", rollout
     dit0, tkw = named_base(base)
     dit = copy.deepcopy(dit0)
     trainer = GRPOTrainer(dit, cfg, **tkw)
-    for _ in range(warmup):
-        trainer.step()
-    theta0, opt0 = copy.deepcopy(dit.state_dict()), copy.deepcopy(trainer.optimizer.state_dict())
+    frozen = FrozenStart(trainer, warmup)
     p0 = _flat(trainer.params)
     model_norm = float(_flat(dit.parameters()).norm())
     sums = {c: dict(clipfrac=0.0, mean_abs_ratio_dev=0.0, rel_param_change=0.0, rel_trained_change=0.0)
             for c in ("off1", "off4")}
     for r in range(rollouts):
         it = 1000 + r
-        batch = trainer.collect(it)
-        batch["train_steps"] = tuple(range(cfg.num_steps - 1))
-        mbs = trainer.minibatches(batch, it)
+        mbs = frozen.minibatches(it)
         measured = mbs[1 % len(mbs)]
         plan = {"off1": [0], "off4": [1, 0, 1]}   # off4 continues from off1: steps on mbs 1, 2, 1, 2
         for cond, steps in plan.items():
@@ -72,8 +68,7 @@ def measure_drift(*, base: str = "digits", trainable: str = "attention", rollout
             step = float((_flat(trainer.params) - p0).norm())
             s["rel_param_change"] += step / model_norm
             s["rel_trained_change"] += step / float(p0.norm())
-        dit.load_state_dict(theta0)
-        trainer.optimizer.load_state_dict(copy.deepcopy(opt0))
+        frozen.restore()
         log(f"  drift {base}/{trainable}: rollout {r + 1}/{rollouts}")
     return dict(base=base, trainable=trainable, rollouts=rollouts, warmup=warmup, clip_range=cfg.clip_range,
                 lr=cfg.lr, **{c: {k: v / rollouts for k, v in s.items()} for c, s in sums.items()})

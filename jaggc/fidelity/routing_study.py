@@ -120,23 +120,19 @@ def run_routing_study(*, base: str = "digits", rollouts: int = 16, num_steps: in
     """The per-window (score, cosine) pairs and their rank statistics for one base and config."""
     from jaggc.digits.trainer import GRPOTrainer, TrainerConfig, grpo_loss
 
-    from .study import named_base
+    from .study import FrozenStart, named_base
 
     torch.manual_seed(seed)
     dit0, tkw = named_base(base)
     cfg = TrainerConfig(strategy="exact", seed=seed, num_steps=num_steps, window=window)
     dit = copy.deepcopy(dit0)
     trainer = GRPOTrainer(dit, cfg, **tkw)
-    for _ in range(warmup):
-        trainer.step()
-    theta0, opt0 = copy.deepcopy(dit.state_dict()), copy.deepcopy(trainer.optimizer.state_dict())
+    frozen = FrozenStart(trainer, warmup)
     per_cond: dict[str, list[list[dict]]] = {c: [] for c in conditions}
     start = time.perf_counter()
     for r in range(rollouts):
         it = 1000 + r
-        batch = trainer.collect(it)
-        batch["train_steps"] = tuple(range(cfg.num_steps - 1))
-        mbs = trainer.minibatches(batch, it)
+        mbs = frozen.minibatches(it)
         for cond in conditions:
             if cond == "on":
                 mb = mbs[0]
@@ -147,8 +143,7 @@ def run_routing_study(*, base: str = "digits", rollouts: int = 16, num_steps: in
                 raise ValueError(f"condition {cond!r}: use on / off1")
             rec = E.record(grpo_loss, dit, mb)
             per_cond[cond].append(window_fidelity(rec, dit, window=window, weights=weights))
-        dit.load_state_dict(theta0)
-        trainer.optimizer.load_state_dict(copy.deepcopy(opt0))
+        frozen.restore()
         log(f"  {base} T={num_steps} W={window}: rollout {r + 1}/{rollouts} ({time.perf_counter() - start:.0f} s)")
     return dict(base=base, num_steps=num_steps, window=window, weights=weights, rollouts=rollouts, warmup=warmup,
                 conditions={c: dict(stats=correlations(b), batches=b) for c, b in per_cond.items()})

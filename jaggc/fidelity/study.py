@@ -37,6 +37,29 @@ GROUPS = (("patch", ("pos_embed", "proj_out")), ("attention", (".attn.",)), ("ml
           ("adaLN", ("norm1", "norm_out")), ("embed", ("time_text_embed", "context_embedder")))
 
 
+class FrozenStart:
+    """The protocol's fixed starting point: ``trainer`` after ``warmup`` GRPO iterations (so Adam's
+    moments are warm) is frozen as θ0; ``minibatches(it)`` is rollout ``it`` at θ0 with every step
+    but the σ≈0 last one trained, cut into the trainer's minibatches; ``restore()`` puts θ0 and the
+    optimizer state back, so every rollout estimates the same expected gradient."""
+
+    def __init__(self, trainer, warmup: int):
+        for _ in range(warmup):
+            trainer.step()
+        self.trainer = trainer
+        self.theta0 = copy.deepcopy(trainer.dit.state_dict())
+        self.opt0 = copy.deepcopy(trainer.optimizer.state_dict())
+
+    def minibatches(self, iteration: int) -> list[dict]:
+        batch = self.trainer.collect(iteration)
+        batch["train_steps"] = tuple(range(self.trainer.config.num_steps - 1))
+        return self.trainer.minibatches(batch, iteration)
+
+    def restore(self) -> None:
+        self.trainer.dit.load_state_dict(self.theta0)
+        self.trainer.optimizer.load_state_dict(copy.deepcopy(self.opt0))
+
+
 def param_groups(dit) -> dict[str, torch.Tensor]:
     """Boolean masks over the flat trainable-parameter vector, one per parameter group."""
     masks = {g: [] for g, _ in GROUPS}
@@ -142,10 +165,7 @@ def run_study(*, rollouts: int = 32, conditions=("on", "off1"), settings=None, d
     config = config or TrainerConfig(strategy="exact", seed=seed)
     dit = copy.deepcopy(_base()) if base is None else copy.deepcopy(base)
     trainer = GRPOTrainer(dit, config, **(trainer_kwargs or {}))
-    for _ in range(warmup):
-        trainer.step()
-    theta0 = copy.deepcopy(dit.state_dict())
-    opt0 = copy.deepcopy(trainer.optimizer.state_dict())
+    frozen = FrozenStart(trainer, warmup)
     settings = settings or main_settings(config.window)
     masks = param_groups(dit)
     accs = {c: {s.label(): Accumulator() for s in settings} for c in conditions}
@@ -155,9 +175,7 @@ def run_study(*, rollouts: int = 32, conditions=("on", "off1"), settings=None, d
     start = time.perf_counter()
     for r in range(rollouts):
         it = 1000 + r
-        batch = trainer.collect(it)
-        batch["train_steps"] = tuple(range(config.num_steps - 1))
-        mbs = trainer.minibatches(batch, it)
+        mbs = frozen.minibatches(it)
         measured = {}
         for cond in conditions:
             if cond == "on":
@@ -183,8 +201,7 @@ def run_study(*, rollouts: int = 32, conditions=("on", "off1"), settings=None, d
                 random = s.variant in ("subsample", "random3")
                 ests = [E.estimate(rec, dit, s, generator=gen) for _ in range(draws if random else 1)]
                 accs[cond][s.label()].add(ests, ex, masks if s.label() in masks_for else None)
-        dit.load_state_dict(theta0)
-        trainer.optimizer.load_state_dict(copy.deepcopy(opt0))
+        frozen.restore()
         log(f"  rollout {r + 1}/{rollouts} ({time.perf_counter() - start:.0f} s)")
         if dump and (r + 1) % 4 == 0 and r + 1 < rollouts:
             Path(dump).write_text(json.dumps(dict(study=_summary(config, settings, conditions, accs, exact_sums,
@@ -257,16 +274,12 @@ def window_positions(*, rollouts: int = 8, window: int = 4, draws: int = 2, warm
     cfg = config or TrainerConfig(strategy="exact", seed=seed)
     dit = copy.deepcopy(_base() if base is None else base)
     trainer = GRPOTrainer(dit, cfg, **(trainer_kwargs or {}))
-    for _ in range(warmup):
-        trainer.step()
-    theta0, opt0 = copy.deepcopy(dit.state_dict()), copy.deepcopy(trainer.optimizer.state_dict())
+    frozen = FrozenStart(trainer, warmup)
     gen = torch.Generator().manual_seed(seed + 5)
     wins = E.partition(cfg.num_steps - 1, window)
     acc: dict = {}
     for r in range(rollouts):
-        batch = trainer.collect(1000 + r)
-        batch["train_steps"] = tuple(range(cfg.num_steps - 1))
-        mbs = trainer.minibatches(batch, 1000 + r)
+        mbs = frozen.minibatches(1000 + r)
         for cond in ("on", "off1"):
             if cond == "off1":
                 trainer._optimize(mbs[0])
@@ -283,8 +296,7 @@ def window_positions(*, rollouts: int = 8, window: int = 4, draws: int = 2, warm
                 d["norm"].append(float(gw.norm() / ex.norm()))
                 d["jagg_win_cos"].append(E.cosine(j - ex + gw, gw))
                 d["sub_win_cos"].append(sum(E.cosine(x - ex + gw, gw) for x in subs) / len(subs))
-        dit.load_state_dict(theta0)
-        trainer.optimizer.load_state_dict(copy.deepcopy(opt0))
+        frozen.restore()
         log(f"  window positions: rollout {r + 1}/{rollouts}")
     return [dict(condition=c, window=w, steps=wins[w], **{k: sum(v) / len(v) for k, v in d.items()})
             for (c, w), d in acc.items()]
