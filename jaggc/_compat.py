@@ -124,3 +124,11 @@ def backend_failed_type() -> type:
     import torch._dynamo.exc as exc
 
     return exc.BackendCompilerFailed
+
+
+# --- torch.fx: running real code in the middle of a symbolic trace ---------------------------
+
+def fx_patches_reverted():
+    """While torch.fx traces, ``nn.Module.__call__`` (and autowrapped functions) are patched to
+    record nodes; code run to compute an example value must see the real ones."""
+    return torch.fx._symbolic_trace._maybe_revert_all_patches()

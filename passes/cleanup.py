@@ -1,4 +1,4 @@
-"""cleanup: drop dead pure nodes, lint and recompile.
+"""cleanup: drop dead pure nodes and lint (``run_passes`` recompiles after every transform).
 
 DiT calls and window nodes are kept even when unused: they run module hooks (DDP's forward
 bookkeeping, buffer broadcasts) that the user's uncompiled loss would run too.
@@ -22,5 +22,4 @@ def _is_impure(node: fx.Node) -> bool:
 def cleanup(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     gm.graph.eliminate_dead_code(is_impure_node=_is_impure)
     gm.graph.lint()
-    gm.recompile()
     return gm

@@ -2,8 +2,10 @@
 
 Every snapshot is the graph's generated code after that pass, so users can read and diff what
 each pass did (``Report.stages``, ``Report.diff``). Generating code is most of the passes' time on
-a long loss (0.9 s per snapshot of a 50-step graph), so an analysis pass (one that only stores
-facts in ``node.meta``) reuses the previous snapshot; that it left the node list alone is checked.
+a long loss (0.2 s per snapshot of a 50-step graph), so it is generated only where the graph
+changed: the capture snapshot is the code the frontend compiled, an analysis pass (one that only
+stores facts in ``node.meta``) reuses the previous snapshot (that it left the node list alone is
+checked), and only the last transform's code is compiled (the graph that runs).
 """
 
 from __future__ import annotations
@@ -42,7 +44,11 @@ class Stage:
     code: str
 
 
-def graph_code(gm: fx.GraphModule) -> str:
+def graph_code(gm: fx.GraphModule, compile: bool = True) -> str:
+    """The graph's generated code; ``compile=False`` skips compiling it (a snapshot of a graph a
+    later pass changes again)."""
+    if not compile:
+        return gm.graph.python_code(root_module="self").src.strip() + "\n"
     gm.recompile()
     return gm.code.strip() + "\n"
 
@@ -52,8 +58,11 @@ def _node_list(gm: fx.GraphModule) -> list:
 
 
 def run_passes(gm: fx.GraphModule, ctx: PassContext, passes=DEFAULT_PASSES) -> tuple[fx.GraphModule, list[Stage]]:
-    stages = [Stage(f"capture ({ctx.frontend})", graph_code(gm))]
-    for p in passes:
+    # the frontends hand over a compiled GraphModule (fx.GraphModule() and canonicalize_dynamo_calls
+    # compile it), so the capture snapshot is its code as it stands
+    stages = [Stage(f"capture ({ctx.frontend})", gm.code.strip() + "\n")]
+    stale = False   # the graph changed since it was last compiled
+    for i, p in enumerate(passes):
         try:
             before = _node_list(gm) if p in ANALYSES else None
             gm = p(gm, ctx)
@@ -71,5 +80,9 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, passes=DEFAULT_PASSES) -> t
         except Exception as e:  # a pass bug must not look like a user error, nor pass silently
             raise JaggGraphError(f"pass {p.__name__} failed after {[s.name for s in stages]}: "
                                  f"{type(e).__name__}: {e}") from e
-        stages.append(Stage(p.__name__, graph_code(gm)))
+        last = i == len(passes) - 1
+        stages.append(Stage(p.__name__, graph_code(gm, compile=last)))
+        stale = not last
+    if stale:
+        gm.recompile()
     return gm, stages

@@ -1,4 +1,4 @@
-"""Reuse the DiT's fake-tensor output across identical opaque calls of one Dynamo trace.
+"""Reuse the DiT's fake-tensor output across identical opaque calls of one trace.
 
 Dynamo learns the output of each opaque DiT call by running the DiT on fake tensors: a full
 forward's worth of Python dispatch per call, most of a capture's time (a 50-step loss = 50 fake
@@ -11,7 +11,8 @@ ones get fresh fake tensors with the recorded metadata.
 The cache lives on the trace's FakeTensorMode, so it never outlives one trace: a later trace (the
 model cast to another dtype, new parameters, a retrace after a guard failure) starts empty.
 Calls whose signature cannot be keyed exactly (symbolic shapes, unhashable arguments) are never
-cached.
+cached. The FX frontend caches the example values of the loss's own ops the same way
+(``example_values``): every step repeats the previous step's ops on tensors of the same shapes.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ _CACHES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
-class _TensorMeta:
+class TensorMeta:
+    """A tensor's metadata; answers the metadata questions a loss asks (``x.ndim``, ``x.size(1)``)."""
+
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
@@ -38,8 +41,8 @@ class _TensorMeta:
     requires_grad: bool
 
     @staticmethod
-    def of(t: torch.Tensor) -> "_TensorMeta":
-        return _TensorMeta(tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.requires_grad)
+    def of(t: torch.Tensor) -> "TensorMeta":
+        return TensorMeta(torch.Size(t.shape), tuple(t.stride()), t.dtype, t.device, t.requires_grad)
 
     def fresh(self) -> torch.Tensor:
         """A new fake tensor like the recorded one (called inside the trace's fake mode)."""
@@ -47,35 +50,82 @@ class _TensorMeta:
         # a non-leaf, as the real DiT output is (Dynamo treats leaves requiring grad as inputs)
         return t.requires_grad_(True).clone() if self.requires_grad else t
 
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def size(self, dim: int | None = None):
+        return self.shape if dim is None else self.shape[dim]
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self.shape[0]
+
 
 def _concrete(values) -> bool:
     return all(type(v) is int for v in values)
 
 
-def signature(module: torch.nn.Module, args: tuple, kwargs: dict):
+_CONSTANTS = (bool, int, float, str, torch.dtype, torch.device, torch.memory_format, torch.layout)
+
+
+def _constant_key(leaf):
+    if leaf is None or leaf is Ellipsis or isinstance(leaf, _CONSTANTS):
+        return (type(leaf).__name__, leaf)
+    if isinstance(leaf, slice):   # x[:, j]; slices are unhashable before Python 3.12
+        parts = (leaf.start, leaf.stop, leaf.step)
+        return ("slice", parts) if all(p is None or type(p) is int for p in parts) else None
+    return None
+
+
+def signature(owner, args: tuple, kwargs: dict):
     """A hashable key of everything that decides the output's metadata, or None if the call
-    cannot be keyed exactly."""
+    cannot be keyed exactly. ``owner`` is the module (keyed by identity) or the op."""
     leaves, spec = tree_flatten((args, kwargs))
     key = []
     for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
+        if isinstance(leaf, TensorMeta):
+            key.append(("T", "FakeTensor", leaf))
+        elif isinstance(leaf, torch.Tensor):
             if not (_concrete(leaf.shape) and _concrete(leaf.stride())):
                 return None   # symbolic shapes: the output shape is an expression, not a value
-            key.append(("T", type(leaf).__name__, _TensorMeta.of(leaf)))
-        elif leaf is None or isinstance(leaf, (bool, int, float, str, torch.dtype, torch.device)):
-            key.append((type(leaf).__name__, leaf))
+            key.append(("T", type(leaf).__name__, TensorMeta.of(leaf)))
         else:
-            return None
+            constant = _constant_key(leaf)
+            if constant is None:
+                return None
+            key.append(constant)
     autocast = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
-    return (id(module), str(spec), tuple(key), torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+    owner_key = id(owner) if isinstance(owner, torch.nn.Module) else owner
+    return (owner_key, str(spec), tuple(key), torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
             autocast)
 
 
-def cached_fake_call(module: torch.nn.Module, run: Callable, args: tuple, kwargs: dict):
-    """``run(*args, **kwargs)`` on fake inputs, or the recorded output of an identical earlier call."""
-    leaves = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, FakeTensor)]
-    mode = detect_fake_mode(leaves)
-    key = signature(module, args, kwargs) if mode is not None else None
+def cached_fake_call(owner, run: Callable, args: tuple, kwargs: dict, *, mode=None, as_metadata: bool = False):
+    """``run(*args, **kwargs)`` on fake inputs, or the recorded output of an identical earlier call
+    of ``owner`` (a module, or an op whose output metadata is a function of its inputs').
+
+    ``mode``: the fake mode whose cache to use (default: the inputs'). ``as_metadata``: a recorded
+    output is returned as ``TensorMeta`` leaves instead of fresh fake tensors (the FX frontend's
+    example values; ``run`` then receives ``TensorMeta`` leaves as they are and materialises them).
+    """
+    if mode is None:
+        mode = detect_fake_mode([x for x in tree_flatten((args, kwargs))[0] if isinstance(x, FakeTensor)])
+    key = signature(owner, args, kwargs) if mode is not None else None
     if key is None:
         return run(*args, **kwargs)
     cache = _CACHES.setdefault(mode, {})
@@ -86,7 +136,9 @@ def cached_fake_call(module: torch.nn.Module, run: Callable, args: tuple, kwargs
         if not all(not isinstance(x, torch.Tensor) or (_concrete(x.shape) and _concrete(x.stride()))
                    for x in out_leaves):
             return out
-        cache[key] = (out_spec, [_TensorMeta.of(x) if isinstance(x, torch.Tensor) else x for x in out_leaves])
+        cache[key] = (out_spec, [TensorMeta.of(x) if isinstance(x, torch.Tensor) else x for x in out_leaves])
         return out
     out_spec, metas = recorded
-    return tree_unflatten([m.fresh() if isinstance(m, _TensorMeta) else m for m in metas], out_spec)
+    if as_metadata:
+        return tree_unflatten(list(metas), out_spec)
+    return tree_unflatten([m.fresh() if isinstance(m, TensorMeta) else m for m in metas], out_spec)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import ast
 import contextlib
 import inspect
+import linecache
+import re
 import textwrap
 import traceback
 import warnings
@@ -23,6 +25,8 @@ from torch import fx, nn
 from .._compat import tree_flatten, tree_unflatten
 from ..errors import JaggUnsupportedError
 from ..graph_ops import dit_call
+from . import example_values
+from .example_values import ExampleValues
 
 
 def _bind(fn: Callable, args: tuple, kwargs: dict) -> inspect.BoundArguments:
@@ -59,13 +63,102 @@ def refuse_no_grad_blocks(fn: Callable) -> None:
                     )
 
 
-class DiTLeafTracer(fx.Tracer):
-    """Keeps the DiT (and any wrapper around it) opaque: each call becomes a ``dit_call`` node."""
+class ShapedProxy(fx.Proxy):
+    """A Proxy that answers metadata questions (shape, dtype, ...) from its node's example value.
 
-    def __init__(self, dits: list[nn.Module]):
+    Everything else stays symbolic; a question about a value (``bool``, ``.item()``) still fails
+    the trace, as in plain FX.
+    """
+
+    def _example(self):
+        return self.tracer.examples.of(self.node)
+
+    @property
+    def shape(self):
+        return self._example().shape
+
+    @property
+    def ndim(self):
+        return self._example().ndim
+
+    @property
+    def dtype(self):
+        return self._example().dtype
+
+    @property
+    def device(self):
+        return self._example().device
+
+    @property
+    def is_cuda(self):
+        return self._example().is_cuda
+
+    def size(self, dim=None):
+        return self._example().size() if dim is None else self._example().size(dim)
+
+    def dim(self):
+        return self._example().dim()
+
+    def numel(self):
+        return self._example().numel()
+
+    def is_floating_point(self):
+        return self._example().is_floating_point()
+
+    def __len__(self):
+        return len(self._example())
+
+    def __iter__(self):
+        # tuple unpacking of a DiT output (``noise_pred, = dit(...)``) or a shape-sized loop
+        return iter([self[i] for i in range(len(self._example()))])
+
+    def __getattr__(self, k):
+        return ShapedAttribute(self, k)
+
+
+class ShapedAttribute(ShapedProxy, fx.proxy.Attribute):
+    """``out.sample`` of a DiT output: a lazily created getattr node that also has a shape."""
+
+
+def _source_prefix(node: fx.Node) -> str:
+    found = re.findall(r'File "([^"]+)", line (\d+)', node.stack_trace or "")
+    found = [(f, line) for f, line in found if not any(p in f.replace("\\", "/") for p in _INTERNAL_FILES)]
+    return f"{found[-1][0]}:{found[-1][1]}: " if found else ""
+
+
+class DiTLeafTracer(fx.Tracer):
+    """Keeps the DiT (and any wrapper around it) opaque: each call becomes a ``dit_call`` node.
+
+    ``inputs`` are the flattened argument leaves in signature order (one placeholder each), whose
+    fake copies seed the example values the ``ShapedProxy`` questions are answered from.
+    """
+
+    def __init__(self, dits: list[nn.Module], inputs: list):
         super().__init__()
         self.dits = {id(m): m for m in dits}
         self.installed: dict[str, nn.Module] = {}
+        self.examples = ExampleValues(self._root_value, _source_prefix)
+        self._inputs = list(reversed(inputs))
+
+    def _root_value(self, target: str):
+        if target in self.installed:
+            return self.installed[target]
+        value = self.root
+        for part in target.split("."):
+            value = getattr(value, part)
+        return value
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return ShapedProxy(node, self)
+
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None) -> fx.Node:
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        # the user's line only (error messages name one line), not fx's record_stack_traces
+        node.stack_trace = _user_line()
+        self.examples.add(node)
+        if kind == "placeholder":
+            self.examples.set_input(node, self._inputs.pop())
+        return node
 
     def _attr_name(self, m: nn.Module) -> str:
         for name, mod in self.installed.items():
@@ -114,6 +207,17 @@ def _user_stack() -> str:
     return "".join(traceback.format_stack(frame)) if frame is not None else ""
 
 
+def _user_line() -> str:
+    """The user's frame in traceback format (what ``user_source`` and fx's codegen read), built
+    by hand: ``traceback.format_stack`` costs a third of a 50-step trace when run for every node."""
+    frame = _user_frame()
+    if frame is None:
+        return ""
+    code = frame.f_code
+    text = linecache.getline(code.co_filename, frame.f_lineno).strip()
+    return f'  File "{code.co_filename}", line {frame.f_lineno}, in {code.co_name}\n    {text}\n'
+
+
 def _where() -> str:
     frame = _user_frame()
     return f"{frame.f_code.co_filename}:{frame.f_lineno}: " if frame is not None else ""
@@ -124,14 +228,20 @@ def _refuse_direct_forward(dits: list[nn.Module]):
     """A call through ``dit.forward(...)`` skips module hooks (DDP/FSDP sync): refuse it."""
     saved = []
 
-    def refuse(*args, **kwargs):
-        raise JaggUnsupportedError(
-            f"{_where()}the DiT is called through `.forward(...)`; call the module itself, `dit(...)`, so "
-            f"that its hooks (DDP/FSDP gradient sync, peft) run and jaggc can see the call")
+    def refusing(m: nn.Module):
+        original = m.__dict__.get("forward") or type(m).forward.__get__(m)
+
+        def refuse(*args, **kwargs):
+            if example_values.running():   # the DiT's own call, run for its output's shape
+                return original(*args, **kwargs)
+            raise JaggUnsupportedError(
+                f"{_where()}the DiT is called through `.forward(...)`; call the module itself, `dit(...)`, so "
+                f"that its hooks (DDP/FSDP gradient sync, peft) run and jaggc can see the call")
+        return refuse
 
     for m in dits:
         saved.append((m, m.__dict__.get("forward")))
-        m.__dict__["forward"] = refuse
+        m.__dict__["forward"] = refusing(m)
     try:
         yield
     finally:
@@ -149,7 +259,11 @@ class _RefuseFunctionApply:
         # the raw classmethod object: restoring the bound method would break every Function
         self.original = torch.autograd.Function.__dict__["apply"]
 
+        original = self.original
+
         def refuse(cls, *args, **kwargs):
+            if example_values.running():   # inside the DiT or an op run for an example value
+                return original.__get__(None, cls)(*args, **kwargs)
             raise JaggUnsupportedError(
                 f"{_where()}the loss calls {cls.__name__}.apply; torch.fx would inline its forward and silently drop "
                 f"its custom backward. Wrap the call in a module-level function decorated with "
@@ -165,9 +279,9 @@ class _RefuseFunctionApply:
 def capture_fx(fn: Callable, args: tuple, kwargs: dict, dits: list[nn.Module]) -> fx.GraphModule:
     """Trace ``fn(*args, **kwargs)`` into a GraphModule with ``dit_call`` nodes."""
     refuse_no_grad_blocks(fn)
-    tracer = DiTLeafTracer(dits)
-    tracer.record_stack_traces = True  # file:line of each node, for error messages
     concrete = concrete_args_for(fn, args, kwargs)
+    inputs = [leaf for value in _bind(fn, args, kwargs).arguments.values() for leaf in tree_flatten(value)[0]]
+    tracer = DiTLeafTracer(dits, inputs)
     try:
         with _refuse_direct_forward(dits), _RefuseFunctionApply(), warnings.catch_warnings():
             # fx cannot add an assertion for a module-valued concrete argument; the cache key has its id

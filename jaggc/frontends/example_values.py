@@ -1,0 +1,183 @@
+"""Fake-tensor values of FX-traced nodes, computed only when the loss asks for a shape.
+
+Plain torch.fx cannot trace a real GRPO loss: Flow-GRPO's ``sigma.view(-1, *[1] * (x.ndim - 1))``
+and ``range(batch["timesteps"].shape[1])`` ask a Proxy for its shape. The FX frontend answers
+such questions (shape, ndim, size(), dim(), numel(), dtype, device, len()) with concrete values
+taken from a fake-tensor run of the node's ancestors. That is exact for the inputs traced: every
+shape, dtype and device in the graph is a function of the input tensors' metadata, the module's
+parameters' metadata and the constant arguments, and all of them are in the FX cache key
+(``api._structure_key``). An op whose output shape depends on tensor *values* (``nonzero``,
+``masked_select``) cannot be run on fake tensors; asking for its shape is refused.
+
+Values are computed lazily: a loss asks about a handful of nodes (the DiT output's ``ndim``, a
+placeholder's ``shape[1]``), and only those and their ancestors run, each DiT call signature once
+(``fake_cache``), so tracing a 50-step loss costs about what plain FX costs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from typing import Any, Callable
+
+import torch
+from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from .. import _compat
+from .._compat import tree_map
+from ..errors import JaggUnsupportedError
+from ..graph_ops import dit_call
+from .fake_cache import TensorMeta, cached_fake_call
+
+
+_RUNNING = [0]
+
+
+def running() -> bool:
+    """True while an example value is computed: the FX frontend's refusals (``dit.forward``,
+    ``Function.apply``) are about the user's loss, not about the code run for a shape."""
+    return _RUNNING[0] > 0
+
+
+@contextlib.contextmanager
+def _running():
+    _RUNNING[0] += 1
+    try:
+        yield
+    finally:
+        _RUNNING[0] -= 1
+
+
+class ExampleValues:
+    """node -> example value, for the nodes of one trace (see module docstring).
+
+    A value is a fake tensor, a ``TensorMeta`` (the recorded output metadata of an op already run
+    on inputs with the same metadata: a 50-step loss repeats its first step's ops 49 times, and
+    running an op on fake tensors costs more than tracing it) or a plain Python value.
+    """
+
+    def __init__(self, root_value: Callable[[str], Any], describe: Callable[[fx.Node], str]):
+        # allow_non_fake_inputs: the DiT's real parameters meet fake activations in its fake run
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.values: dict[fx.Node, Any] = {}
+        self.order: dict[fx.Node, int] = {}
+        self.root_value = root_value      # get_attr target -> the real object
+        self.describe = describe          # node -> "file:line: " of the user code that made it
+        self._real_code: contextlib.ExitStack | None = None
+
+    def add(self, node: fx.Node) -> None:
+        self.order[node] = len(self.order)
+
+    def set_input(self, node: fx.Node, value: Any) -> None:
+        self.values[node] = self.mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
+
+    def of(self, node: fx.Node) -> Any:
+        """The example value of ``node``, computing every ancestor not yet computed (in trace order)."""
+        if node in self.values:
+            return self.values[node]
+        pending, stack, seen = [], [node], set()
+        while stack:   # iterative: a 100-step loss is a chain of thousands of nodes
+            n = stack.pop()
+            if n in self.values or n in seen:
+                continue
+            seen.add(n)
+            pending.append(n)
+            stack.extend(n.all_input_nodes)
+        with contextlib.ExitStack() as self._real_code:
+            for n in sorted(pending, key=self.order.__getitem__):
+                self.values[n] = self._compute(n)
+        self._real_code = None
+        return self.values[node]
+
+    def _enter_real_code(self, unpatched: bool) -> None:
+        """Once per ``of``, and only if some op really runs: enter the fake mode and, if ``fn``
+        may call a module, undo fx's patches (of ``nn.Module.__call__`` among others: reverting
+        and reapplying them costs more than running an op)."""
+        stack = self._real_code
+        if not getattr(stack, "entered", False):
+            stack.enter_context(self.mode)
+            stack.enter_context(_running())
+            stack.entered = True
+        if unpatched and not getattr(stack, "unpatched", False):
+            stack.enter_context(_compat.fx_patches_reverted())
+            stack.unpatched = True
+
+    def _really(self, fn: Callable) -> Callable:
+        """``fn`` run on fake tensors: recorded metadata among its inputs is materialised first."""
+        unpatched = not _is_builtin_op(fn)
+
+        def run(*args, **kwargs):
+            self._enter_real_code(unpatched)
+            args, kwargs = tree_map(lambda v: v.fresh() if isinstance(v, TensorMeta) else v, (args, kwargs))
+            return fn(*args, **kwargs)
+        return run
+
+    def _compute(self, node: fx.Node) -> Any:
+        if node.op == "placeholder":
+            raise JaggUnsupportedError(f"internal: placeholder {node.name} has no example value")
+        if node.op == "get_attr":
+            value = self.root_value(node.target)
+            return self.mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), self.values.__getitem__)
+        try:
+            if node.op == "call_function" and node.target is dit_call:
+                module, dit_args, dit_kwargs = args
+                return cached_fake_call(module, self._really(_fake_dit_run(module)), dit_args, dit_kwargs,
+                                        mode=self.mode, as_metadata=True)
+            if node.op == "call_module":
+                return self._really(self.root_value(node.target))(*args, **kwargs)
+            if node.op == "call_function":
+                owner, fn = node.target, node.target
+            elif node.op == "call_method":
+                owner, fn = ("method", node.target), _call_method(node.target)
+            else:
+                raise JaggUnsupportedError(f"internal: no example value for {node.op} node {node.name}")
+            if _mutates(node):
+                # an in-place op changes its input's metadata (unsqueeze_): run it on the stored
+                # fake input itself, never from the cache
+                for arg in node.all_input_nodes:
+                    self.values[arg] = self._really(lambda v: v)(self.values[arg])
+                args, kwargs = fx.node.map_arg((node.args, node.kwargs), self.values.__getitem__)
+                return self._really(fn)(*args, **kwargs)
+            return cached_fake_call(owner, self._really(fn), args, kwargs, mode=self.mode, as_metadata=True)
+        except JaggUnsupportedError:
+            raise
+        except Exception as e:  # data-dependent output shapes, ops without a fake kernel, ...
+            raise JaggUnsupportedError(
+                f"{self.describe(node)}the loss asks for a shape, dtype or device that depends on "
+                f"{node.format_node()}, which cannot be computed from the inputs' shapes "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Use capture='dynamo'") from e
+
+
+def _mutates(node: fx.Node) -> bool:
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or (
+        node.target in _INPLACE_OPERATORS)
+
+
+_INPLACE_OPERATORS = frozenset(getattr(operator, n) for n in (
+    "iadd", "iand", "iconcat", "ifloordiv", "ilshift", "imatmul", "imod", "imul", "ior", "ipow", "irshift",
+    "isub", "itruediv", "ixor"))
+
+
+def _is_builtin_op(fn) -> bool:
+    """A C function (``torch.add``, ``operator.mul``) or tensor method: it cannot call a module."""
+    return type(fn).__name__ in ("builtin_function_or_method", "method_descriptor") or getattr(fn, "_tensor_method", False)
+
+
+def _call_method(name: str):
+    def call(self, *args, **kwargs):
+        return getattr(self, name)(*args, **kwargs)
+    call._tensor_method = True   # x.float(), x.mean(...): the receiver is a tensor's example value
+    return call
+
+
+def _fake_dit_run(module: nn.Module) -> Callable:
+    """How the DiT's output metadata is learned: its own call on fake inputs, except that a
+    DDP/FSDP wrapper (whose hooks talk to the other ranks and keep state) runs for real on zeros."""
+    from .dynamo import _distributed, _real_run_as_fake
+
+    if _distributed(module):
+        return lambda *args, **kwargs: _real_run_as_fake(module, args, kwargs)
+    return module
