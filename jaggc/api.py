@@ -327,7 +327,9 @@ def _structure_key(args, kwargs):
         if isinstance(x, torch.Tensor):
             parts.append(("T", tuple(x.shape), x.dtype, x.device.type, x.requires_grad))
         elif isinstance(x, nn.Module):
-            parts.append(("M", id(x)))
+            # the FX trace answered the loss's dtype/device questions about the DiT's output (and
+            # `next(dit.parameters()).dtype`) for these parameters: model.half() must retrace
+            parts.append(("M", id(x), tuple(sorted({(str(p.dtype), str(p.device)) for p in x.parameters()}))))
         else:
             try:
                 hash(x)

@@ -8,6 +8,7 @@ retrace keeps them opaque, and module-level so that generated code can name them
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,22 @@ from .runtime.calls import DitCall, per_sample_time, resolve_time_arg
 from .runtime.deferred import BackwardGroup
 from .runtime.routing import Routing, RoutingDecision, run_routed
 from .runtime.window import WindowOptions, run_exact, run_window
+
+
+_IN_PLACE_OPERATORS = frozenset(getattr(operator, n) for n in (
+    "iadd", "iand", "iconcat", "ifloordiv", "ilshift", "imatmul", "imod", "imul", "ior", "ipow", "irshift",
+    "isub", "itruediv", "ixor", "setitem", "delitem"))
+
+
+def is_in_place(node: torch.fx.Node) -> bool:
+    """An op that writes one of its inputs (``x.add_(y)``, ``x[i] = y``, ``x += y``): its effect
+    lives in the input, so it must run even when its own output is unused."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    if node.target in _IN_PLACE_OPERATORS:
+        return True
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return name.endswith("_") and not name.endswith("__")
 
 
 @torch.fx.wrap

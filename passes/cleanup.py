@@ -1,7 +1,8 @@
 """cleanup: drop dead pure nodes and lint (``run_passes`` recompiles after every transform).
 
 DiT calls and window nodes are kept even when unused: they run module hooks (DDP's forward
-bookkeeping, buffer broadcasts) that the user's uncompiled loss would run too.
+bookkeeping, buffer broadcasts) that the user's uncompiled loss would run too. So are in-place ops
+and other module calls, whose effects do not flow through their outputs.
 
 Invariant after: the graph lints, and every node is used or has an effect.
 """
@@ -10,13 +11,16 @@ from __future__ import annotations
 
 from torch import fx
 
-from jaggc.graph_ops import dit_call, jagg_window
+from jaggc.graph_ops import dit_call, is_in_place, jagg_window
 
 from .context import PassContext
 
 
 def _is_impure(node: fx.Node) -> bool:
-    return node.is_impure() or (node.op == "call_function" and node.target in (dit_call, jagg_window))
+    # fx calls every call_method pure (``v.unsqueeze_(0)`` with its result unused would vanish)
+    # and a leaf module pure unless it says otherwise
+    return (node.is_impure() or node.op == "call_module" or is_in_place(node)
+            or (node.op == "call_function" and node.target in (dit_call, jagg_window)))
 
 
 def cleanup(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

@@ -17,7 +17,6 @@ placeholder's ``shape[1]``), and only those and their ancestors run, each DiT ca
 from __future__ import annotations
 
 import contextlib
-import operator
 from typing import Any, Callable
 
 import torch
@@ -27,7 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from .. import _compat
 from .._compat import tree_map
 from ..errors import JaggUnsupportedError
-from ..graph_ops import dit_call
+from ..graph_ops import dit_call, is_in_place
 from .fake_cache import TensorMeta, cached_fake_call
 
 
@@ -90,6 +89,15 @@ class ExampleValues:
         self._real_code = None
         return self.values[node]
 
+    def run_in_place_op(self, node: fx.Node) -> None:
+        """An in-place op (``v.unsqueeze_(0)``) changes its input's metadata from here on: every
+        node traced before it gets its value now (as eager code would compute them), then the op
+        runs on its input's stored fake tensor."""
+        earlier = [n for n in self.order if n not in self.values and n is not node]
+        for n in earlier:
+            self.of(n)
+        self.of(node)
+
     def _enter_real_code(self, unpatched: bool) -> None:
         """Once per ``of``, and only if some op really runs: enter the fake mode and, if ``fn``
         may call a module, undo fx's patches (of ``nn.Module.__call__`` among others: reverting
@@ -133,7 +141,7 @@ class ExampleValues:
                 owner, fn = ("method", node.target), _call_method(node.target)
             else:
                 raise JaggUnsupportedError(f"internal: no example value for {node.op} node {node.name}")
-            if _mutates(node):
+            if is_in_place(node):
                 # an in-place op changes its input's metadata (unsqueeze_): run it on the stored
                 # fake input itself, never from the cache
                 for arg in node.all_input_nodes:
@@ -148,17 +156,6 @@ class ExampleValues:
                 f"{self.describe(node)}the loss asks for a shape, dtype or device that depends on "
                 f"{node.format_node()}, which cannot be computed from the inputs' shapes "
                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Use capture='dynamo'") from e
-
-
-def _mutates(node: fx.Node) -> bool:
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return (name.endswith("_") and not name.endswith("__")) or (
-        node.target in _INPLACE_OPERATORS)
-
-
-_INPLACE_OPERATORS = frozenset(getattr(operator, n) for n in (
-    "iadd", "iand", "iconcat", "ifloordiv", "ilshift", "imatmul", "imod", "imul", "ior", "ipow", "irshift",
-    "isub", "itruediv", "ixor"))
 
 
 def _is_builtin_op(fn) -> bool:

@@ -1,5 +1,11 @@
 """torch.fx capture with the DiT as a leaf: Python loops unroll, each DiT call is one node.
 
+Unlike plain torch.fx, questions about a traced value's shape, dtype or device (``x.ndim``,
+``range(batch["timesteps"].shape[1])``) get concrete answers (``example_values.py``), so a real
+Flow-GRPO loss traces; the cache key holds every input's shape, dtype and device. This is the
+fast capture: a 50-step loss traces in about a quarter of Dynamo's time, without Dynamo's guards
+on globals and closures (README, Limitations).
+
 Arguments are bound to the function's signature: tensors (also inside dicts, lists and tuples)
 become placeholders, everything else (Python ints for the step count, modules, configs) is
 baked in as a constant, so a change in a constant re-traces (the cache key includes them).
@@ -24,7 +30,7 @@ from torch import fx, nn
 
 from .._compat import tree_flatten, tree_unflatten
 from ..errors import JaggUnsupportedError
-from ..graph_ops import dit_call
+from ..graph_ops import dit_call, is_in_place
 from . import example_values
 from .example_values import ExampleValues
 
@@ -158,6 +164,17 @@ class DiTLeafTracer(fx.Tracer):
         self.examples.add(node)
         if kind == "placeholder":
             self.examples.set_input(node, self._inputs.pop())
+        elif is_in_place(node):
+            target = node.args[0] if node.args else None
+            if isinstance(target, fx.Node) and target.op == "get_attr":
+                # `total = torch.zeros(()); total.add_(v)`: the tensor is a real constant of the
+                # trace, so its later uses read the unchanged constant (a loss of 0, silently)
+                raise JaggUnsupportedError(
+                    f"{_source_prefix(node)}the loss writes in place ({node.target if isinstance(node.target, str) else node.target.__name__}) "
+                    f"into a tensor it created from constants; torch.fx records the write but every later use "
+                    f"reads the unwritten constant. Accumulate out of place (`total = total + x`) or use "
+                    f"capture='dynamo'")
+            self.examples.run_in_place_op(node)
         return node
 
     def _attr_name(self, m: nn.Module) -> str:
@@ -292,6 +309,9 @@ def capture_fx(fn: Callable, args: tuple, kwargs: dict, dits: list[nn.Module]) -
     except Exception as e:  # TraceError, TypeError from len()/range() on proxies, ...
         raise JaggUnsupportedError(
             f"the FX frontend cannot trace {getattr(fn, '__qualname__', fn)}: {type(e).__name__}: {e}. "
-            f"Tensor-valued control flow, len() of tensors and shape-dependent ranges need "
-            f"capture='dynamo' (or make the step count a Python int argument)") from e
-    return fx.GraphModule(dict(tracer.installed), graph, class_name="JaggLoss")
+            f"Control flow on tensor values (`if` on a tensor, `.item()`, `range(int(x))`) needs "
+            f"capture='dynamo'; shapes, dtypes and devices may be used freely") from e
+    # the DiT and other called modules, and tensors the loss built from constants while tracing
+    # (``torch.ones(x.shape[-1])`` once the shape is known), which fx stores as ``_tensor_constant``
+    root = {n.target: tracer._root_value(n.target) for n in graph.nodes if n.op in ("get_attr", "call_module")}
+    return fx.GraphModule(root, graph, class_name="JaggLoss")

@@ -1,0 +1,242 @@
+"""The FX frontend on real GRPO losses: shape, dtype and device questions answered while tracing.
+
+What is checked:
+  * every built-in example loss written as Flow-GRPO / DanceGRPO write it (step count from
+    ``batch["timesteps"].shape[1]``, reductions over ``range(1, x.ndim)``, ``.sample`` outputs,
+    CFG ``chunk(2)``) captures with ``capture="fx"``; its loss and gradient equal the Dynamo
+    capture's, and its window table is the same; the KL loss's ``torch.no_grad()`` block is
+    refused, as FX would drop it;
+  * each question (``shape``, ``ndim``, ``size()``, ``dim()``, ``numel()``, ``len()``, ``dtype``,
+    ``device``, tuple unpacking of the DiT output) gets the eager answer, checked against the
+    undecorated loss on the same inputs;
+  * an in-place op that changes a shape (``unsqueeze_``) is seen by later questions, and not by
+    values computed before it;
+  * a shape that depends on tensor values (boolean-mask indexing) is refused, naming the source
+    line; control flow on a value is still refused;
+  * new input shapes, dtypes and a model cast to another dtype re-trace;
+  * example values are computed lazily and cached per op signature: a 12-step loss runs each
+    distinct op of a step once on fake tensors, not once per step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jaggc import JaggUnsupportedError, example_losses, jagg_compile
+from jaggc.frontends import fake_cache
+from jaggc.verify.fields import AffineJacobianField
+
+from helpers import grads, rel_err, zero_grads
+
+NAMES = [n for n in example_losses.EXAMPLES if n != "kl_reference_sd3"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _loss_and_grad(compiled, ex):
+    zero_grads(ex.model)
+    loss = compiled(ex.model, ex.batch)
+    loss.backward()
+    g = grads(ex.model).clone()
+    zero_grads(ex.model)
+    return loss.detach(), g
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fx_captures_example_losses_like_dynamo(name):
+    ex = example_losses.build_example(name, num_steps=6, batch=2, seed=0)
+    results = {}
+    for capture in ("dynamo", "fx"):
+        compiled = jagg_compile(ex.loss_fn, window=3, capture=capture)
+        results[capture] = _loss_and_grad(compiled, ex)
+        assert compiled.report.path == capture
+        results[capture + "_table"] = compiled.report.table()
+        assert [w.mode for w in compiled.report.windows] == ["jagg", "jagg"]
+    assert torch.equal(results["fx"][0], results["dynamo"][0])
+    assert rel_err(results["fx"][1], results["dynamo"][1]) < 1e-6
+    assert results["fx_table"] == results["dynamo_table"]
+
+
+def test_fx_refuses_the_kl_loss_no_grad_block():
+    ex = example_losses.build_example("kl_reference_sd3", num_steps=4, batch=2, seed=0)
+    with pytest.raises(JaggUnsupportedError, match=r"example_losses.py:\d+: `with torch.no_grad\(\):`"):
+        jagg_compile(ex.loss_fn, window=4, capture="fx")(ex.model, ex.batch)
+
+
+class TupleField(torch.nn.Module):
+    """A DiT stand-in returning a 1-tuple (``return_dict=False``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.field = AffineJacobianField(3, seed=2)
+
+    def forward(self, x, t):
+        return (self.field(x, t),)
+
+
+def metadata_loss(dit, zs, ts, g):
+    """Every metadata question the FX frontend answers, each steering Python."""
+    total = zs.new_zeros(())
+    assert len(zs) == zs.shape[0] == zs.size(0) == zs.size()[0]
+    for k in range(zs.size(0)):
+        (v,) = dit(zs[k], ts[k])                       # tuple unpacking of the DiT output
+        dims = tuple(range(1, v.ndim))
+        scale = 1.0 / v.numel() if v.dim() == 2 else 0.0
+        if v.dtype == torch.float64 and v.device.type == "cpu" and v.is_floating_point():
+            weight = torch.ones(v.shape[-1], dtype=v.dtype, device=v.device)
+        else:
+            weight = torch.zeros(v.shape[-1], dtype=v.dtype, device=v.device)
+        total = total + scale * ((v * g[k] * weight).sum(dim=dims) ** 2).sum()
+    return total
+
+
+def _inputs(num_steps: int, batch: int = 2, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(num_steps)
+    zs = torch.randn(num_steps, batch, 3, generator=gen, dtype=dtype)
+    t = torch.linspace(1.0, 0.1, num_steps, dtype=dtype)
+    ts = torch.stack([t] * batch, 1)
+    gs = torch.randn(num_steps, batch, 3, generator=gen, dtype=dtype)
+    return zs, ts, gs
+
+
+def test_metadata_questions_get_eager_answers():
+    field = TupleField()
+    zs, ts, gs = _inputs(4)
+    eager = metadata_loss(field, zs, ts, gs)
+    compiled = jagg_compile(metadata_loss, window=2, capture="fx")   # W=2: exact windows
+    assert torch.equal(compiled(field, zs, ts, gs), eager)
+    assert eager != 0            # the float64/cpu branch was taken (weights of one, not zero)
+    assert compiled.report.path == "fx"
+    assert compiled.report.backward_before == 4
+
+
+def inplace_loss(dit, zs, ts, g):
+    total = 0.0
+    for k in range(zs.shape[0]):
+        v = dit(zs[k], ts[k])
+        before = v.ndim               # 2
+        flat = v.sum(dim=tuple(range(1, v.ndim)))
+        v2 = v.clone()
+        v2.unsqueeze_(0)              # the clone's shape changes from here on
+        assert v2.ndim == before + 1 and flat.ndim == 1
+        total = total + (flat * g[k].sum(dim=1)).sum() + v2.sum(dim=tuple(range(v2.ndim)))
+    return total
+
+
+def test_in_place_shape_change_is_seen_after_not_before():
+    field = AffineJacobianField(3, seed=3)
+    zs, ts, gs = _inputs(4)
+    compiled = jagg_compile(inplace_loss, window=2, capture="fx")
+    torch.testing.assert_close(compiled(field, zs, ts, gs), inplace_loss(field, zs, ts, gs), rtol=0, atol=0)
+
+
+def masked_loss(dit, zs, ts, g):
+    total = 0.0
+    for k in range(zs.shape[0]):
+        v = dit(zs[k], ts[k])
+        positive = v[v > 0]                 # its length depends on the values
+        total = total + positive.sum() / positive.shape[0]
+    return total
+
+
+def test_value_dependent_shape_is_refused_with_the_line():
+    field = AffineJacobianField(3, seed=3)
+    zs, ts, gs = _inputs(3)
+    with pytest.raises(JaggUnsupportedError, match=r"test_fx_shapes.py:\d+: the loss asks for a shape") as info:
+        jagg_compile(masked_loss, window=3, capture="fx")(field, zs, ts, gs)
+    assert "capture='dynamo'" in str(info.value)
+
+
+def value_branch_loss(dit, zs, ts, g):
+    total = 0.0
+    for k in range(zs.shape[0]):
+        v = dit(zs[k], ts[k])
+        if v.mean() > 0:                    # control flow on a value: FX cannot trace it
+            total = total + v.sum()
+    return total
+
+
+def test_control_flow_on_values_is_still_refused():
+    field = AffineJacobianField(3, seed=3)
+    zs, ts, gs = _inputs(3)
+    with pytest.raises(JaggUnsupportedError, match="Control flow on tensor values"):
+        jagg_compile(value_branch_loss, window=3, capture="fx")(field, zs, ts, gs)
+
+
+def dtype_following_loss(dit, zs, ts, g):
+    """Casts the states to the DiT's parameter dtype, read while tracing."""
+    dtype = next(dit.parameters()).dtype
+    total = 0.0
+    for k in range(zs.shape[0]):
+        v = dit(zs[k].to(dtype), ts[k].to(dtype))
+        total = total + (v.double() * g[k]).sum()
+    return total
+
+
+def test_new_shapes_dtypes_and_model_dtype_retrace():
+    field = AffineJacobianField(3, seed=5)
+    compiled = jagg_compile(dtype_following_loss, window=3, capture="fx")
+    zs, ts, gs = _inputs(3)
+    compiled(field, zs, ts, gs)
+    compiled(field, zs, ts, gs)
+    assert compiled.traces == 1
+    compiled(field, *_inputs(4))                          # new step count
+    assert compiled.traces == 2
+    field.float()                                         # same inputs, the model cast: the graph's casts change
+    out = compiled(field, zs, ts, gs)
+    assert compiled.traces == 3
+    torch.testing.assert_close(out, dtype_following_loss(field, zs, ts, gs))
+
+
+def test_example_values_run_each_op_signature_once(monkeypatch):
+    """12 steps of the Flow-GRPO loss: the ops of one step run on fake tensors once; later
+    steps reuse the recorded metadata (``x[:, j]`` differs per step by ``j`` and runs again)."""
+    runs: list = []
+    original = fake_cache.cached_fake_call
+
+    def counting(owner, run, args, kwargs, **kw):
+        def counted(*a, **k):
+            runs.append(owner)
+            return run(*a, **k)
+        return original(owner, counted, args, kwargs, **kw)
+
+    from jaggc.frontends import example_values
+    monkeypatch.setattr(example_values, "cached_fake_call", counting)
+    counts = {}
+    for steps in (4, 12):
+        ex = example_losses.build_example("flow_grpo_sd3", num_steps=steps, batch=2, seed=0)
+        runs.clear()
+        jagg_compile(ex.loss_fn, window=4, capture="fx")(ex.model, ex.batch)
+        counts[steps] = len(runs)
+    dit_runs = runs.count(ex.model)
+    assert dit_runs == 1                                  # one fake DiT forward for 12 calls
+    # 8 more steps add only their per-step indexing (2 `x[:, j]` per step reach a shape question)
+    assert counts[12] - counts[4] == 2 * 8, counts
+
+
+def accumulate_in_place_loss(dit, zs, ts, g):
+    total = torch.zeros((), dtype=zs.dtype)
+    for k in range(zs.shape[0]):
+        v = dit(zs[k], ts[k])
+        total.add_((v * g[k]).sum())        # the result is unused: the effect lives in `total`
+    return total * 1.0
+
+
+def test_in_place_accumulation_survives_cleanup_or_is_refused():
+    """``cleanup`` once dropped in-place method calls whose result was unused (fx calls every
+    call_method pure): the Dynamo-compiled loss above returned 0. Under FX the accumulator is a
+    constant of the trace, so the write is refused."""
+    field = AffineJacobianField(3, seed=3)
+    zs, ts, gs = _inputs(4)
+    eager = accumulate_in_place_loss(field, zs, ts, gs)
+    compiled = jagg_compile(accumulate_in_place_loss, window=2, capture="dynamo")
+    torch.testing.assert_close(compiled(field, zs, ts, gs), eager, rtol=0, atol=0)
+    assert eager != 0
+    with pytest.raises(JaggUnsupportedError, match=r"test_fx_shapes.py:\d+: the loss writes in place \(add_\)"):
+        jagg_compile(accumulate_in_place_loss, window=2, capture="fx")(field, zs, ts, gs)
