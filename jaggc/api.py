@@ -19,6 +19,7 @@ from .backends import BACKENDS, compile_glue
 from .errors import JaggGraphError, JaggInputError, JaggUnsupportedError
 from .frontends.dynamo import canonicalize_dynamo_calls, opaque_modules
 from .frontends.fx import capture_fx
+from .frontends.fx_guards import constant_reads
 from .frontends.intercept import InterceptedLoss
 from .graph_ops import TrajectoryPlan, observed_times
 from .report import Report, WindowRow
@@ -76,6 +77,7 @@ class JaggCompiled:
         self._path: str | None = None if capture == "auto" else capture
         self._dynamo_fn = None
         self._fx_cache: dict[Any, tuple[fx.GraphModule, Report]] = {}
+        self._fx_reads = None
         self._fallback_reasons: list[str] = []
 
     @property
@@ -229,7 +231,10 @@ class JaggCompiled:
 
     # --- fx -----------------------------------------------------------------------------------
     def _run_fx(self, args, kwargs):
-        key = _structure_key(args, kwargs)
+        if self._fx_reads is None:
+            self._fx_reads = constant_reads(self.fn)
+        # the trace baked in the constants it read: a changed one selects (or makes) another graph
+        key = (_structure_key(args, kwargs), tuple(read.value() for read in self._fx_reads))
         entry = self._fx_cache.get(key)
         if entry is None:
             candidates = self._candidates(args, kwargs)

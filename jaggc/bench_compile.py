@@ -1,9 +1,10 @@
 """First-call overhead and recompiles of ``@jagg_compile`` (part of ``jaggc bench``).
 
-The first call of a compiled loss captures it with Dynamo (each opaque DiT call is run once on
-fake tensors to learn its output), runs jaggc's passes, then runs the rewritten graph. Its
-overhead is measured as first forward minus a second forward of the same loss; the passes'
-share is timed on their own. Both are measured on the tiny model of the benchmarked family for
+The first call of a compiled loss captures it (Dynamo, the default, or the FX capture: both run
+the DiT once per call signature on fake tensors to learn its output), runs jaggc's passes, then
+runs the rewritten graph. Its overhead is measured as first forward minus a second forward of the
+same loss, for each capture in ``BenchConfig.compile_captures``; the passes' share is timed on
+their own. Both are measured on the tiny model of the benchmarked family for
 losses of ``BenchConfig.compile_steps`` steps: the capture cost grows with the number of DiT calls
 and the DiT's op count, not with its parameter count (the 10M model's own first call is in the
 main results as ``first_call``).
@@ -33,31 +34,46 @@ _TIME_CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 
 
 def compile_probes(config) -> dict:
-    """``compile_overhead_s`` (primary clock), per-clock details, ``recompiles``."""
-    from .bench import compiled_loss
-
+    """``compile_overhead_s`` (Dynamo, primary clock), ``compile_overhead_fx_s`` (the FX capture),
+    per-clock details, ``recompiles``."""
     primary = config.clocks[0] if config.clocks[0] in _TIME_CLOCKS else "cpu"
-    overhead, details, recompiles = {}, {}, None
+    overhead = {capture: {} for capture in config.compile_captures}
+    details, recompiles = {}, None
     for i, num_steps in enumerate(config.compile_steps):
-        if config.progress:
-            config.progress(f"  first-call overhead, {num_steps}-step loss ...")
         problem = build_problem(config.family, "tiny", num_steps=num_steps, batch=config.batch, seed=config.seed)
-        compiled = compiled_loss(problem, min(4, num_steps))   # a window may not exceed the steps
-        passes_time = _time_passes(compiled)
-        first = _timed(lambda: compiled(problem.model, problem.batch))
-        second = _timed(lambda: compiled(problem.model, problem.batch))
-        overhead[str(num_steps)] = first[primary] - second[primary]
-        details[str(num_steps)] = dict(
-            first_call={c: first[c] for c in _TIME_CLOCKS}, second_call={c: second[c] for c in _TIME_CLOCKS},
-            passes=dict(passes_time), per_dit_call_s=(first[primary] - second[primary]) / num_steps,
-            glue_trace=_glue_trace_time(problem))
-        if i == 0 and config.recompile_iterations:
-            recompiles = _recompiles(compiled, problem, config.recompile_iterations)
-    result = dict(compile_overhead_s=overhead, compile_overhead_model=f"{config.family}-tiny",
-                  compile_overhead_clock=primary, compile_details=details)
+        details[str(num_steps)] = {}
+        for capture in config.compile_captures:
+            if config.progress:
+                config.progress(f"  first-call overhead, {num_steps}-step loss, capture={capture} ...")
+            probe = _first_call(problem, num_steps, capture, primary)
+            overhead[capture][str(num_steps)] = probe.pop("overhead")
+            details[str(num_steps)][capture] = probe
+            if i == 0 and capture == "dynamo" and config.recompile_iterations:
+                recompiles = _recompiles(probe.pop("compiled"), problem, config.recompile_iterations)
+            probe.pop("compiled", None)
+        if "dynamo" in config.compile_captures:
+            details[str(num_steps)]["glue_trace"] = _glue_trace_time(problem)
+    result = dict(compile_overhead_s=overhead.get("dynamo", {}), compile_overhead_fx_s=overhead.get("fx", {}),
+                  compile_overhead_model=f"{config.family}-tiny", compile_overhead_clock=primary,
+                  compile_details=details)
     if recompiles is not None:
         result.update(recompiles=recompiles["traces"], recompile_detail=recompiles)
     return result
+
+
+def _first_call(problem, num_steps: int, capture: str, primary: str) -> dict:
+    """First call minus second call of the compiled loss, and the passes' share of it."""
+    from .bench import compiled_loss
+
+    compiled = compiled_loss(problem, min(4, num_steps), capture=capture)   # a window may not exceed the steps
+    passes_time = _time_passes(compiled)
+    first = _timed(lambda: compiled(problem.model, problem.batch))
+    second = _timed(lambda: compiled(problem.model, problem.batch))
+    if compiled.report.path != capture:
+        raise RuntimeError(f"the {num_steps}-step probe ran path {compiled.report.path!r}, not {capture!r}")
+    return dict(overhead=first[primary] - second[primary], compiled=compiled,
+                first_call={c: first[c] for c in _TIME_CLOCKS}, second_call={c: second[c] for c in _TIME_CLOCKS},
+                passes=dict(passes_time), per_dit_call_s=(first[primary] - second[primary]) / num_steps)
 
 
 def _timed(fn: Callable) -> dict[str, float]:
@@ -85,7 +101,9 @@ def _glue_trace_time(problem) -> dict[str, float]:
         output = problem.dit_calls(problem.batch)[0](problem.model)
     output = tree_map(lambda t: t.detach().requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
                       output)
-    fn = torch.compile(own_code(problem.loss_fn), backend="eager", fullgraph=True)
+    # dynamic=False as jagg_compile does: a probe after a shorter one would otherwise trace with
+    # symbolic shapes (Dynamo's automatic dynamic shapes key on the source location) and cost 3x
+    fn = torch.compile(own_code(problem.loss_fn), backend="eager", fullgraph=True, dynamic=False)
     stand_in = _StandIn(output)
     first = _timed(lambda: fn(stand_in, problem.batch))
     second = _timed(lambda: fn(stand_in, problem.batch))

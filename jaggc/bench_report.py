@@ -204,19 +204,22 @@ def format_table(results: dict) -> str:
                          f"(theory {results[f'theory_{prefix}_step_speedup'][w]:.2f}), backward "
                          f"{_num(results[f'{prefix}_backward_speedup'][w])}x "
                          f"(theory {results[f'theory_{prefix}_backward_speedup'][w]:.2f})")
-    overhead = results.get("compile_overhead_s", {})
-    if overhead:
-        clock = results["compile_overhead_clock"]
-        details = results.get("compile_details", {})
+    clock = results.get("compile_overhead_clock")
+    details = results.get("compile_details", {})
+    for capture, key in (("dynamo", "compile_overhead_s"), ("fx", "compile_overhead_fx_s")):
+        overhead = results.get(key, {})
+        if not overhead:
+            continue
 
-        def parts(n):
+        def parts(n, capture=capture):
             d = details.get(n, {})
-            if "glue_trace" not in d:
-                return ""
-            return f" (passes {d['passes'][clock]:.1f} s, Dynamo on the loss alone {d['glue_trace'][clock]:.1f} s)"
+            text = f"passes {d[capture]['passes'][clock]:.1f} s" if capture in d else ""
+            if capture == "dynamo" and "glue_trace" in d:
+                text += f", Dynamo on the loss alone {d['glue_trace'][clock]:.1f} s"
+            return f" ({text})" if text else ""
 
-        lines.append(f"first-call overhead (trace + passes, {results['compile_overhead_model']}, {clock} s): "
-                     + ", ".join(f"{n} steps {s:.1f} s{parts(n)}" for n, s in overhead.items()))
+        lines.append(f"first-call overhead, capture={capture} (trace + passes, {results['compile_overhead_model']}, "
+                     f"{clock} s): " + ", ".join(f"{n} steps {s:.1f} s{parts(n)}" for n, s in overhead.items()))
     main = {w: s for w, s in results.get("compile_overhead_main_s", {}).items() if s is not None}
     if main:
         lines.append(f"first-call overhead of the benchmarked loss ({results['model']}, {results['num_steps']} steps, "

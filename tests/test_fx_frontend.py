@@ -1,4 +1,5 @@
-"""The FX frontend on real GRPO losses: shape, dtype and device questions answered while tracing.
+"""The FX frontend on real GRPO losses: shape, dtype and device questions answered while tracing,
+and what its cache key guards.
 
 What is checked:
   * every built-in example loss written as Flow-GRPO / DanceGRPO write it (step count from
@@ -15,10 +16,15 @@ What is checked:
     line; control flow on a value is still refused;
   * new input shapes, dtypes and a model cast to another dtype re-trace;
   * example values are computed lazily and cached per op signature: a 12-step loss runs each
-    distinct op of a step once on fake tensors, not once per step.
+    distinct op of a step once on fake tensors, not once per step;
+  * an in-place accumulation survives ``cleanup`` (Dynamo) or is refused (FX, where the
+    accumulator is a constant of the trace);
+  * a changed module-level constant read by a helper, or a changed closure constant, re-traces.
 """
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
@@ -148,7 +154,7 @@ def masked_loss(dit, zs, ts, g):
 def test_value_dependent_shape_is_refused_with_the_line():
     field = AffineJacobianField(3, seed=3)
     zs, ts, gs = _inputs(3)
-    with pytest.raises(JaggUnsupportedError, match=r"test_fx_shapes.py:\d+: the loss asks for a shape") as info:
+    with pytest.raises(JaggUnsupportedError, match=r"test_fx_frontend.py:\d+: the loss asks for a shape") as info:
         jagg_compile(masked_loss, window=3, capture="fx")(field, zs, ts, gs)
     assert "capture='dynamo'" in str(info.value)
 
@@ -238,5 +244,41 @@ def test_in_place_accumulation_survives_cleanup_or_is_refused():
     compiled = jagg_compile(accumulate_in_place_loss, window=2, capture="dynamo")
     torch.testing.assert_close(compiled(field, zs, ts, gs), eager, rtol=0, atol=0)
     assert eager != 0
-    with pytest.raises(JaggUnsupportedError, match=r"test_fx_shapes.py:\d+: the loss writes in place \(add_\)"):
+    with pytest.raises(JaggUnsupportedError, match=r"test_fx_frontend.py:\d+: the loss writes in place \(add_\)"):
         jagg_compile(accumulate_in_place_loss, window=2, capture="fx")(field, zs, ts, gs)
+
+
+SCALE = 2.0
+
+
+def scaled(v):
+    return SCALE * v
+
+
+def make_closure_loss(power: int):
+    def closure_loss(dit, zs, ts, g):
+        total = 0.0
+        for k in range(zs.shape[0]):
+            total = total + (scaled(dit(zs[k], ts[k]) * g[k]) ** power).sum()
+        return total
+    return closure_loss
+
+
+def test_changed_global_or_closure_constant_retraces(monkeypatch):
+    """The trace bakes in SCALE (read by a helper the loss calls) and the closure's ``power``:
+    changing either must not reuse the old graph."""
+    field = AffineJacobianField(3, seed=6)
+    zs, ts, gs = _inputs(3)
+    loss = make_closure_loss(2)
+    compiled = jagg_compile(loss, window=3, capture="fx")
+    compiled(field, zs, ts, gs)
+    assert {r.where for r in compiled._fx_reads} >= {f"{__name__}.SCALE", "make_closure_loss.<locals>.closure_loss.<closure power>"}
+    monkeypatch.setattr(sys.modules[__name__], "SCALE", 3.0)
+    out = compiled(field, zs, ts, gs)
+    assert compiled.traces == 2
+    torch.testing.assert_close(out, loss(field, zs, ts, gs))
+    power = loss.__code__.co_freevars.index("power")
+    loss.__closure__[power].cell_contents = 3              # the closure's power, changed in place
+    out = compiled(field, zs, ts, gs)
+    assert compiled.traces == 3
+    torch.testing.assert_close(out, loss(field, zs, ts, gs))
