@@ -291,3 +291,25 @@ def test_two_trained_module_arguments_need_dit():
     compiled = jagg_compile(two_module_loss, dit=a, window=2, capture="dynamo")
     compiled(a, b, zs, ts, gs).backward()
     assert compiled.report.backward_before == T + 1
+
+
+def skip_one_dependent_loss(dit, zs, ts, g):
+    """Step 2 takes step 0's output (step 1 is independent): the refusal names 0 -> 2."""
+    outs = []
+    total = 0.0
+    for k in range(zs.shape[0]):
+        x = zs[k] if k != 2 else zs[k] + 0.1 * outs[0]
+        v = dit(x, ts[k])
+        outs.append(v)
+        total = total + (v * g[k]).sum()
+    return total
+
+
+@pytest.mark.parametrize("capture", ["fx", "dynamo"])
+def test_dependence_across_an_independent_step_names_both_steps(capture):
+    field = AffineJacobianField(3, seed=1)
+    zs = torch.randn(4, 2, 3, dtype=torch.float64)
+    ts = torch.linspace(1.0, 0.2, 4, dtype=torch.float64)[:, None].expand(4, 2).contiguous()
+    g = torch.randn(4, 2, 3, dtype=torch.float64)
+    with pytest.raises(JaggGraphError, match=r"step 2 \(node .*depends on the output of step 0"):
+        jagg_compile(skip_one_dependent_loss, window=4, capture=capture)(field, zs, ts, g)
