@@ -509,3 +509,20 @@ def test_another_module_of_the_same_class_is_not_served_the_first_ones_graph():
     want_loss.backward()
     assert torch.equal(loss_b.detach(), want_loss.detach())
     assert rel_err(got, grads(b)) < 1e-12
+
+
+@pytest.mark.parametrize("capture", ["dynamo", "fx"])
+def test_a_dropped_model_is_freed(capture):
+    """jaggc's tables of opaque call slots are weak-keyed by the module; their functions once
+    held the module strongly, so every model ever called through a compiled loss stayed alive."""
+    import gc
+    import weakref
+
+    field = AffineJacobianField(3, seed=5)
+    alive = weakref.ref(field)
+    compiled = jagg_compile(fx_friendly_loss, window=3, capture=capture)
+    compiled(field, *_fx_friendly_inputs(6), 6).backward()
+    del compiled, field
+    torch._dynamo.reset()          # Dynamo's code cache holds the compiled graph (and the module) until then
+    gc.collect()
+    assert alive() is None

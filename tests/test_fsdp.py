@@ -148,7 +148,7 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         for mode in ("joint", "per_window"):
             compiled = jagg_compile(compiled_linear_loss, window=4, backward=mode)
             # capture first with a forward only, after the backward passes above: Dynamo's trace
-            # must not disturb FSDP's state (frontends.dynamo._real_run_as_fake)
+            # must not disturb FSDP's state (frontends.dynamo.real_run_as_fake)
             compiled(model, batch)
             record("compiled_" + mode, lambda: compiled(model, batch).backward())
             res["compiled_" + mode + "_path"] = compiled.report.path

@@ -16,6 +16,7 @@ same function and never recompile for it; outside a jaggc call the module is unt
 from __future__ import annotations
 
 import contextlib
+import inspect
 import re
 import weakref
 from typing import Iterable
@@ -90,18 +91,30 @@ def _opaque_functions(module: nn.Module):
     """
     fns = _OPAQUE.get(module)
     if fns is None:
-        original_call = module.__dict__.get("_compiled_call_impl") or module._call_impl
-        original_forward = module.forward
+        # everything here refers to the module weakly: these functions live in module-level
+        # tables (weak-keyed by the module), and a strong reference from a table's value would
+        # keep every module ever called through a compiled loss alive
+        module_ref = weakref.ref(module)
+        own_call = _weak_callable(module.__dict__.get("_compiled_call_impl"))   # module.compile()
+        own_forward = _weak_callable(module.__dict__.get("forward"))            # e.g. accelerate's wrapper
+
+        def original_call(m: nn.Module):
+            return (own_call and own_call()) or m._call_impl
+
+        def original_forward(m: nn.Module):
+            return (own_forward and own_forward()) or type(m).forward.__get__(m)
 
         def jaggc_opaque_dit_call(*args, **kwargs):
-            args, kwargs = _for_fake_run(module, *decode_none(args, kwargs))
-            if _distributed(module) and _has_fake(args, kwargs):
-                return _real_run_as_fake(original_call, args, kwargs)
-            return cached_fake_call(module, original_call, args, kwargs)
+            m = module_ref()
+            args, kwargs = _for_fake_run(m, *decode_none(args, kwargs))
+            if is_distributed(m) and _has_fake(args, kwargs):
+                return real_run_as_fake(original_call(m), args, kwargs)
+            return cached_fake_call(m, original_call(m), args, kwargs)
 
         def jaggc_opaque_dit_forward(*args, **kwargs):
-            args, kwargs = _for_fake_run(module, *decode_none(args, kwargs))
-            return cached_fake_call(module, original_forward, args, kwargs)
+            m = module_ref()
+            args, kwargs = _for_fake_run(m, *decode_none(args, kwargs))
+            return cached_fake_call(m, original_forward(m), args, kwargs)
 
         opaque_call = _compat.nonstrict_trace(jaggc_opaque_dit_call)
         opaque_forward = _compat.nonstrict_trace(jaggc_opaque_dit_forward)
@@ -124,6 +137,19 @@ def _opaque_functions(module: nn.Module):
     return fns
 
 
+def _weak_callable(fn):
+    """A weak reference to ``fn`` (a bound method's ``WeakMethod``), or None for None; a callable
+    that cannot be weakly referenced is held strongly."""
+    if fn is None:
+        return None
+    if inspect.ismethod(fn):
+        return weakref.WeakMethod(fn)
+    try:
+        return weakref.ref(fn)
+    except TypeError:
+        return lambda: fn
+
+
 def _has_fake(args, kwargs) -> bool:
     return any(isinstance(x, FakeTensor) for x in tree_flatten((args, kwargs))[0])
 
@@ -131,12 +157,12 @@ def _has_fake(args, kwargs) -> bool:
 _DISTRIBUTED = ("DistributedDataParallel", "FullyShardedDataParallel")
 
 
-def _distributed(module: nn.Module) -> bool:
+def is_distributed(module: nn.Module) -> bool:
     """DDP, FSDP1, or a module FSDP2's ``fully_shard`` turned into an ``FSDPModule``."""
     return any(c.__name__ in _DISTRIBUTED + ("FSDPModule",) for c in type(module).__mro__)
 
 
-def _real_run_as_fake(call, args: tuple, kwargs: dict):
+def real_run_as_fake(call, args: tuple, kwargs: dict):
     """The fake-tensor run of a distributed wrapper, done for real.
 
     FSDP's (and DDP's) forward hooks keep state across calls and run collectives. Run on Dynamo's

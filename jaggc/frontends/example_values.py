@@ -10,8 +10,9 @@ parameters' metadata and the constant arguments, and all of them are in the FX c
 ``masked_select``) cannot be run on fake tensors; asking for its shape is refused.
 
 Values are computed lazily: a loss asks about a handful of nodes (the DiT output's ``ndim``, a
-placeholder's ``shape[1]``), and only those and their ancestors run, each DiT call signature once
-(``fake_cache``), so tracing a 50-step loss costs about what plain FX costs.
+placeholder's ``shape[1]``), and only those and their ancestors run. Each op runs once per signature
+of its inputs' metadata (``fake_cache``): a 50-step Flow-GRPO loss runs one step's ops and one
+DiT forward on fake tensors, not fifty.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from .. import _compat
 from .._compat import tree_map
 from ..errors import JaggUnsupportedError
 from ..graph_ops import dit_call, is_in_place
+from .dynamo import is_distributed, real_run_as_fake
 from .fake_cache import TensorMeta, cached_fake_call
 
 
@@ -173,8 +175,6 @@ def _call_method(name: str):
 def _fake_dit_run(module: nn.Module) -> Callable:
     """How the DiT's output metadata is learned: its own call on fake inputs, except that a
     DDP/FSDP wrapper (whose hooks talk to the other ranks and keep state) runs for real on zeros."""
-    from .dynamo import _distributed, _real_run_as_fake
-
-    if _distributed(module):
-        return lambda *args, **kwargs: _real_run_as_fake(module, args, kwargs)
+    if is_distributed(module):
+        return lambda *args, **kwargs: real_run_as_fake(module, args, kwargs)
     return module

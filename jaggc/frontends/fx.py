@@ -19,7 +19,6 @@ import ast
 import contextlib
 import inspect
 import linecache
-import re
 import textwrap
 import traceback
 import warnings
@@ -32,6 +31,7 @@ from .._compat import tree_flatten, tree_unflatten
 from ..errors import JaggUnsupportedError
 from ..graph_ops import dit_call, is_in_place
 from . import example_values
+from .dynamo import user_source
 from .example_values import ExampleValues
 
 
@@ -127,9 +127,8 @@ class ShapedAttribute(ShapedProxy, fx.proxy.Attribute):
 
 
 def _source_prefix(node: fx.Node) -> str:
-    found = re.findall(r'File "([^"]+)", line (\d+)', node.stack_trace or "")
-    found = [(f, line) for f, line in found if not any(p in f.replace("\\", "/") for p in _INTERNAL_FILES)]
-    return f"{found[-1][0]}:{found[-1][1]}: " if found else ""
+    where = user_source(node)
+    return f"{where}: " if where else ""
 
 
 class DiTLeafTracer(fx.Tracer):
@@ -226,7 +225,7 @@ def _user_stack() -> str:
 
 def _user_line() -> str:
     """The user's frame in traceback format (what ``user_source`` and fx's codegen read), built
-    by hand: ``traceback.format_stack`` costs a third of a 50-step trace when run for every node."""
+    by hand: ``traceback.format_stack`` for every node was a third of a 50-step trace (cProfile)."""
     frame = _user_frame()
     if frame is None:
         return ""
@@ -274,9 +273,7 @@ class _RefuseFunctionApply:
 
     def __enter__(self):
         # the raw classmethod object: restoring the bound method would break every Function
-        self.original = torch.autograd.Function.__dict__["apply"]
-
-        original = self.original
+        self.original = original = torch.autograd.Function.__dict__["apply"]
 
         def refuse(cls, *args, **kwargs):
             if example_values.running():   # inside the DiT or an op run for an example value
