@@ -99,11 +99,13 @@ def flux_step(model_output, latents, eta, sigma, sigma_next, prev_sample):
     return log_prob.mean(dim=tuple(range(1, log_prob.ndim)))
 
 
-def ppo_clip(log_prob, old_log_prob, advantages):
+def ppo_clip(log_prob, old_log_prob, advantages, clip_range=None):
+    """Flow-GRPO's clipped-ratio loss; ``clip_range`` defaults to ``CLIP_RANGE`` (read per call)."""
+    clip_range = CLIP_RANGE if clip_range is None else clip_range
     advantages = torch.clamp(advantages, -ADV_CLIP_MAX, ADV_CLIP_MAX)
     ratio = torch.exp(log_prob - old_log_prob)
     unclipped_loss = -advantages * ratio
-    clipped_loss = -advantages * torch.clamp(ratio, 1.0 - CLIP_RANGE, 1.0 + CLIP_RANGE)
+    clipped_loss = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
     return torch.mean(torch.maximum(unclipped_loss, clipped_loss))
 
 

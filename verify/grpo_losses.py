@@ -19,12 +19,12 @@ import torch
 from torch import nn
 
 from .. import grpo
+from ..example_losses import ADV_CLIP_MAX, ppo_clip
 from ..runtime import DitCall, count_dit_passes, jagg_calls
 from .harness import DT, _gen, rel_err, shift_sigmas
 
 NOISE_LEVEL = 0.7            # Flow-GRPO's SDE noise level a (also CPS's)
 ETA = 0.3                    # DanceGRPO's eta
-ADV_CLIP_MAX = 5.0
 CLIP_RANGES = (1e-4, 0.1, 0.2)  # Flow-GRPO SD3 / DanceGRPO, the JAGG author's runs, a wide one
 _LOG_SQRT_2PI = math.log(math.sqrt(2 * math.pi))
 CAPTURES = ("fx", "dynamo")
@@ -33,14 +33,6 @@ CAPTURES = ("fx", "dynamo")
 # ----------------------------------------------------------------------------- the losses (user code)
 # Written as the trainers write them, with the two changes FX needs: the step count is a Python
 # int argument and reductions name their dims (states are (B, D)). Dynamo captures them as well.
-
-def _ppo_clip(log_prob, old_log_prob, advantages, clip_range):
-    advantages = torch.clamp(advantages, -ADV_CLIP_MAX, ADV_CLIP_MAX)
-    ratio = torch.exp(log_prob - old_log_prob)
-    unclipped_loss = -advantages * ratio
-    clipped_loss = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    return torch.mean(torch.maximum(unclipped_loss, clipped_loss))
-
 
 def flow_grpo_sde_loss(transformer, batch, num_steps: int):
     """Flow-GRPO: ``sde_step_with_logprob`` (sde_type='sde') log-prob + PPO clip, mean over steps."""
@@ -59,7 +51,7 @@ def flow_grpo_sde_loss(transformer, batch, num_steps: int):
         log_prob = (-((batch["next_latents"][:, j] - prev_sample_mean) ** 2) / (2 * std**2)
                     - torch.log(std) - _LOG_SQRT_2PI)
         log_prob = log_prob.mean(dim=1)
-        total = total + _ppo_clip(log_prob, batch["log_probs"][:, j], batch["advantages"][:, j],
+        total = total + ppo_clip(log_prob, batch["log_probs"][:, j], batch["advantages"][:, j],
                                   batch["clip_range"])
     return total / num_steps
 
@@ -82,7 +74,7 @@ def dance_flux_loss(transformer, batch, num_steps: int):
         log_prob = (-((batch["next_latents"][:, j] - prev_sample_mean) ** 2) / (2 * std_dev_t**2)
                     - torch.log(std_dev_t) - _LOG_SQRT_2PI)
         log_prob = log_prob.mean(dim=1)
-        total = total + _ppo_clip(log_prob, batch["log_probs"][:, j], batch["advantages"][:, j],
+        total = total + ppo_clip(log_prob, batch["log_probs"][:, j], batch["advantages"][:, j],
                                   batch["clip_range"])
     return total / num_steps
 
@@ -101,7 +93,7 @@ def cps_loss(transformer, batch, num_steps: int):
         prev_sample_mean = (pred_original_sample * (1 - sigma_prev)
                             + noise_estimate * torch.sqrt(sigma_prev**2 - std_dev_t**2))
         log_prob = -((batch["next_latents"][:, j] - prev_sample_mean) ** 2).mean(dim=1)
-        total = total + _ppo_clip(log_prob, batch["log_probs"][:, j], batch["advantages"][:, j],
+        total = total + ppo_clip(log_prob, batch["log_probs"][:, j], batch["advantages"][:, j],
                                   batch["clip_range"])
     return total / num_steps
 
