@@ -134,3 +134,18 @@ def test_sample_grid_has_one_row_per_class(tmp_path):
 
     save_grid(torch.rand(NUM_CLASSES * 3, 1, 8, 8) * 2 - 1, 3, tmp_path / "grid.png")
     assert Image.open(tmp_path / "grid.png").size == (3 * 40, NUM_CLASSES * 40)
+
+
+@pytest.mark.parametrize("base", ["digits", "shapes"])
+def test_classifier_command_ships_weights_that_load(tmp_path, base, capsys):
+    """``python -m jaggc.<base>.classifier``: one epoch of the reward classifier, shipped as fp16,
+    loads back and reports the accuracy of what ships."""
+    import importlib
+
+    module = importlib.import_module(f"jaggc.{base}.classifier")
+    module.main(["--kinds", "reward", "--epochs", "1", "--out-dir", str(tmp_path)])
+    path = tmp_path / "classifier_reward.pt"
+    model = module.load_classifier("reward", path)
+    assert not model.training
+    # the reported accuracy is that of the weights as shipped
+    assert f"{module.accuracy(model, 'test'):.4f} (shipped fp16) -> {path}" in capsys.readouterr().out

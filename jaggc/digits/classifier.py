@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -122,21 +123,29 @@ def load_classifier(kind: str = "reward", path: str | Path | None = None) -> nn.
     return model.float().eval()
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def train_and_ship(argv: list[str] | None, description: str, *, default_epochs: int, out_dir: Path,
+                   train: Callable[..., nn.Module], accuracy: Callable[[nn.Module, str], float],
+                   load: Callable[[str, Path], nn.Module]) -> None:
+    """The command line of a base's classifiers (digits and shapes): train each kind, ship it as
+    fp16 and report the test accuracy of what ships (fp16 weights loaded back to fp32)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--kinds", nargs="+", default=list(CLASSIFIER_KINDS), choices=CLASSIFIER_KINDS)
-    parser.add_argument("--epochs", type=int, default=40)
-    parser.add_argument("--out-dir", type=Path, default=WEIGHTS_DIR)
+    parser.add_argument("--epochs", type=int, default=default_epochs)
+    parser.add_argument("--out-dir", type=Path, default=out_dir)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # shared CPU; also keeps float reductions reproducible
     for kind in args.kinds:
-        model = train_classifier(kind, epochs=args.epochs)
+        model = train(kind, epochs=args.epochs)
         acc = accuracy(model, "test")
         path = args.out_dir / f"classifier_{kind}.pt"
         save_fp16_state(model, path, kind=kind, test_accuracy=acc)
-        # Report the accuracy of what actually ships (fp16-rounded weights loaded back to fp32).
-        shipped = accuracy(load_classifier(kind, path), "test")
+        shipped = accuracy(load(kind, path), "test")
         print(f"{kind}: test accuracy {acc:.4f} (fp32), {shipped:.4f} (shipped fp16) -> {path}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    train_and_ship(argv, __doc__.splitlines()[0], default_epochs=40, out_dir=WEIGHTS_DIR, train=train_classifier,
+                   accuracy=accuracy, load=load_classifier)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import copy
 import math
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -101,25 +102,37 @@ def train_base(*, steps: int = 3000, batch_size: int = 64, lr: float = 1e-3, see
     return ema
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=BASE_WEIGHTS)
-    parser.add_argument("--steps", type=int, default=3000)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--ema-decay", type=float, default=0.999)
-    parser.add_argument("--sigma-scheme", choices=["logit-normal", "uniform"], default="logit-normal")
+DEFAULTS = dict(steps=3000, batch_size=64, lr=1e-3, seed=0, ema_decay=0.999, sigma_scheme="logit-normal")
+
+
+def base_training_parser(description: str, defaults: dict, out: Path) -> argparse.ArgumentParser:
+    """The command line of a base's training run (digits and shapes)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", type=Path, default=out)
+    parser.add_argument("--steps", type=int, default=defaults["steps"])
+    parser.add_argument("--batch-size", type=int, default=defaults["batch_size"])
+    parser.add_argument("--lr", type=float, default=defaults["lr"])
+    parser.add_argument("--seed", type=int, default=defaults["seed"])
+    parser.add_argument("--ema-decay", type=float, default=defaults["ema_decay"])
+    parser.add_argument("--sigma-scheme", choices=["logit-normal", "uniform"], default=defaults["sigma_scheme"])
     parser.add_argument("--eval-every", type=int, default=0, help="print EMA sample accuracy every N steps")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def run_base_training(args: argparse.Namespace, train: Callable[..., torch.nn.Module], config: dict) -> None:
+    """Train with ``args`` on one thread (bit-reproducible) and ship the EMA weights as fp16."""
     torch.set_num_threads(1)  # shared CPU; one thread also makes the run bit-reproducible
     start = time.time()
-    ema = train_base(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                     ema_decay=args.ema_decay, scheme=args.sigma_scheme, eval_every=args.eval_every)
-    save_fp16_state(ema, args.out, config=DIGITS_CONFIG,
-                    train_args=dict(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                                    ema_decay=args.ema_decay, sigma_scheme=args.sigma_scheme))
+    hyper = dict(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                 ema_decay=args.ema_decay)
+    ema = train(**hyper, scheme=args.sigma_scheme, eval_every=args.eval_every)
+    save_fp16_state(ema, args.out, config=config, train_args=dict(hyper, sigma_scheme=args.sigma_scheme))
     print(f"trained {args.steps} steps in {time.time() - start:.0f}s -> {args.out}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = base_training_parser(__doc__.splitlines()[0], DEFAULTS, BASE_WEIGHTS).parse_args(argv)
+    run_base_training(args, train_base, DIGITS_CONFIG)
 
 
 if __name__ == "__main__":

@@ -8,14 +8,13 @@ shifts and pixel noise) at 6 classes on the shapes train split.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from jaggc.digits.classifier import CLASSIFIER_KINDS, _SPECS, _check_kind, train_classifier
-from jaggc.digits.model import load_fp16_state, load_parameters, save_fp16_state
+from jaggc.digits.classifier import _SPECS, _check_kind, train_and_ship, train_classifier
+from jaggc.digits.model import load_fp16_state, load_parameters
 
 from .data import NUM_CLASSES, load_shapes_split
 from .model import WEIGHTS_DIR
@@ -62,19 +61,8 @@ def classifier_reward(images: torch.Tensor, labels: torch.Tensor, *, which: str 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kinds", nargs="+", default=list(CLASSIFIER_KINDS), choices=CLASSIFIER_KINDS)
-    parser.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS)
-    parser.add_argument("--out-dir", type=Path, default=WEIGHTS_DIR)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    for kind in args.kinds:
-        model = train_shapes_classifier(kind, epochs=args.epochs)
-        acc = accuracy(model, "test")
-        path = args.out_dir / f"classifier_{kind}.pt"
-        save_fp16_state(model, path, kind=kind, test_accuracy=acc)
-        shipped = accuracy(load_classifier(kind, path), "test")
-        print(f"{kind}: test accuracy {acc:.4f} (fp32), {shipped:.4f} (shipped fp16) -> {path}")
+    train_and_ship(argv, __doc__.splitlines()[0], default_epochs=DEFAULT_EPOCHS, out_dir=WEIGHTS_DIR,
+                   train=train_shapes_classifier, accuracy=accuracy, load=load_classifier)
 
 
 if __name__ == "__main__":

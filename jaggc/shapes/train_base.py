@@ -10,14 +10,7 @@ exist, prints the held-out classifier's accuracy on ODE samples of the result.
 
 from __future__ import annotations
 
-import argparse
-import time
-from pathlib import Path
-
-import torch
-
-from jaggc.digits.model import save_fp16_state
-from jaggc.digits.train_base import train_base
+from jaggc.digits.train_base import base_training_parser, run_base_training, train_base
 
 from .data import load_shapes_split
 from .model import BASE_WEIGHTS, SHAPES_CONFIG, build_dit, class_conditioning
@@ -44,26 +37,11 @@ def train_shapes_base(*, steps: int = DEFAULTS["steps"], batch_size: int = DEFAU
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=BASE_WEIGHTS)
-    parser.add_argument("--steps", type=int, default=DEFAULTS["steps"])
-    parser.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"])
-    parser.add_argument("--lr", type=float, default=DEFAULTS["lr"])
-    parser.add_argument("--seed", type=int, default=DEFAULTS["seed"])
-    parser.add_argument("--ema-decay", type=float, default=DEFAULTS["ema_decay"])
-    parser.add_argument("--sigma-scheme", choices=["logit-normal", "uniform"], default=DEFAULTS["sigma_scheme"])
-    parser.add_argument("--eval-every", type=int, default=0, help="print EMA sample accuracy every N steps")
+    parser = base_training_parser(__doc__.splitlines()[0], DEFAULTS, BASE_WEIGHTS)
     parser.add_argument("--check-per-class", type=int, default=50,
                         help="ODE samples per class for the final accuracy check (0: skip it)")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)  # shared CPU; one thread also makes the run bit-reproducible
-    start = time.time()
-    ema = train_shapes_base(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                            ema_decay=args.ema_decay, scheme=args.sigma_scheme, eval_every=args.eval_every)
-    save_fp16_state(ema, args.out, config=SHAPES_CONFIG,
-                    train_args=dict(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                                    ema_decay=args.ema_decay, sigma_scheme=args.sigma_scheme))
-    print(f"trained {args.steps} steps in {time.time() - start:.0f}s -> {args.out}")
+    run_base_training(args, train_shapes_base, SHAPES_CONFIG)
     if not args.check_per_class:
         return
     try:
