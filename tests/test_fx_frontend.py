@@ -19,7 +19,9 @@ What is checked:
     distinct op of a step once on fake tensors, not once per step;
   * an in-place accumulation survives ``cleanup`` (Dynamo) or is refused (FX, where the
     accumulator is a constant of the trace);
-  * a changed module-level constant read by a helper, or a changed closure constant, re-traces.
+  * a changed module-level constant read by a helper, or a changed closure constant, re-traces;
+  * an op traced under a grad or autocast mode other than the caller's (a no-grad block inside a
+    helper, an autocast block) is refused: FX would run it in the caller's mode.
 """
 
 from __future__ import annotations
@@ -282,3 +284,38 @@ def test_changed_global_or_closure_constant_retraces(monkeypatch):
     out = compiled(field, zs, ts, gs)
     assert compiled.traces == 3
     torch.testing.assert_close(out, loss(field, zs, ts, gs))
+
+
+def _reference_velocity(dit, x, t):
+    with torch.no_grad():                     # inside a helper: the loss's own source has no `with`
+        return dit(x, t)
+
+
+def helper_no_grad_loss(dit, zs, ts, g):
+    total = 0.0
+    for k in range(zs.shape[0]):
+        v = dit(zs[k], ts[k])
+        total = total + ((v - _reference_velocity(dit, zs[k], ts[k])) * g[k]).sum() + (v * g[k]).sum()
+    return total
+
+
+def autocast_loss(dit, zs, ts, g):
+    total = 0.0
+    for k in range(zs.shape[0]):
+        v = dit(zs[k], ts[k])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            total = total + (v.float() @ g[k].float().T).sum()
+    return total
+
+
+@pytest.mark.parametrize("loss", [helper_no_grad_loss, autocast_loss])
+def test_grad_and_autocast_modes_fx_cannot_record_are_refused(loss):
+    """FX records ops, not modes: a no-grad block in a helper (out of reach of the source check)
+    or an autocast block would run in the caller's mode in the compiled loss."""
+    field = AffineJacobianField(3, seed=3)
+    zs, ts, gs = _inputs(3)
+    with pytest.raises(JaggUnsupportedError, match=r"test_fx_frontend.py:\d+: this op is traced under another grad or autocast mode"):
+        jagg_compile(loss, window=3, capture="fx")(field, zs, ts, gs)
+    # Dynamo records the modes: the same loss compiles and matches eager
+    eager = loss(field, zs, ts, gs)
+    torch.testing.assert_close(jagg_compile(loss, window=2, capture="dynamo")(field, zs, ts, gs), eager)

@@ -9,8 +9,10 @@ on globals and closures (``fx_guards.py`` puts the constants the loss reads into
 Arguments are bound to the function's signature: tensors (also inside dicts, lists and tuples)
 become placeholders, everything else (Python ints for the step count, modules, configs) is
 baked in as a constant, so a change in a constant re-traces (the cache key includes them).
-FX silently drops ``torch.no_grad()`` blocks and inlines ``autograd.Function.apply`` without its
-backward, so both are refused while tracing, as is calling the DiT through ``.forward``.
+FX silently drops ``torch.no_grad()`` / ``torch.autocast`` blocks (it records ops, not modes) and
+inlines ``autograd.Function.apply`` without its backward, so both are refused while tracing (an op
+traced under a mode other than the caller's, also inside a helper function), as is calling the DiT
+through ``.forward``.
 """
 
 from __future__ import annotations
@@ -126,6 +128,12 @@ class ShapedAttribute(ShapedProxy, fx.proxy.Attribute):
     """``out.sample`` of a DiT output: a lazily created getattr node that also has a shape."""
 
 
+def _execution_modes() -> tuple:
+    """The modes an op runs under that fx does not record: grad, inference, autocast."""
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+            tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")))
+
+
 def _source_prefix(node: fx.Node) -> str:
     where = user_source(node)
     return f"{where}: " if where else ""
@@ -144,6 +152,7 @@ class DiTLeafTracer(fx.Tracer):
         self.installed: dict[str, nn.Module] = {}
         self.examples = ExampleValues(self._root_value, _source_prefix)
         self._inputs = list(reversed(inputs))
+        self.modes = _execution_modes()
 
     def _root_value(self, target: str):
         if target in self.installed:
@@ -160,6 +169,12 @@ class DiTLeafTracer(fx.Tracer):
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
         # the user's line only (error messages name one line), not fx's record_stack_traces
         node.stack_trace = _user_line()
+        if kind != "placeholder" and _execution_modes() != self.modes:
+            raise JaggUnsupportedError(
+                f"{_source_prefix(node)}this op is traced under another grad or autocast mode than the loss "
+                f"was called with (a `with torch.no_grad():`, `torch.autocast(...)` or `@torch.no_grad()` in the "
+                f"loss or a function it calls); torch.fx records the op but not the mode, so the compiled loss "
+                f"would run it in the caller's mode. Use capture='dynamo'")
         self.examples.add(node)
         if kind == "placeholder":
             self.examples.set_input(node, self._inputs.pop())
