@@ -19,7 +19,7 @@ from .backends import BACKENDS, compile_glue
 from .errors import JaggGraphError, JaggInputError, JaggUnsupportedError
 from .frontends.dynamo import canonicalize_dynamo_calls, opaque_modules
 from .frontends.fx import capture_fx
-from .frontends.fx_guards import constant_reads
+from .frontends.fx_guards import constant_reads, is_constant, object_fingerprint
 from .frontends.intercept import InterceptedLoss
 from .graph_ops import TrajectoryPlan, observed_times
 from .report import Report, WindowRow
@@ -234,7 +234,7 @@ class JaggCompiled:
         if self._fx_reads is None:
             self._fx_reads = constant_reads(self.fn)
         # the trace baked in the constants it read: a changed one selects (or makes) another graph
-        key = (_structure_key(args, kwargs), tuple(read.value() for read in self._fx_reads))
+        key = (_structure_key(self.fn, args, kwargs), tuple(read.value() for read in self._fx_reads))
         entry = self._fx_cache.get(key)
         if entry is None:
             candidates = self._candidates(args, kwargs)
@@ -325,23 +325,31 @@ def _refresh_times(report: Report | None) -> None:
             row.timesteps = list(plan.observed_times)
 
 
-def _structure_key(args, kwargs):
-    leaves, spec = _compat.tree_flatten((args, kwargs))
+def _structure_key(fn: Callable, args, kwargs):
+    """What the FX trace depends on in the arguments: tensor metadata, module identity and
+    parameter dtypes/devices, constants by value, objects by everything they hold."""
     parts = []
-    for x in leaves:
-        if isinstance(x, torch.Tensor):
-            parts.append(("T", tuple(x.shape), x.dtype, x.device.type, x.requires_grad))
-        elif isinstance(x, nn.Module):
-            # the FX trace answered the loss's dtype/device questions about the DiT's output (and
-            # `next(dit.parameters()).dtype`) for these parameters: model.half() must retrace
-            parts.append(("M", id(x), tuple(sorted({(str(p.dtype), str(p.device)) for p in x.parameters()}))))
-        else:
-            try:
-                hash(x)
-                parts.append(("C", x))
-            except TypeError:
-                parts.append(("C", id(x)))
-    return (str(spec), tuple(parts))
+    try:
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+        bound.apply_defaults()          # the trace bakes defaults in as well
+        named = bound.arguments.items()
+    except TypeError:
+        named = [(str(i), a) for i, a in enumerate(args)] + list(kwargs.items())
+    for name, value in named:
+        leaves, spec = _compat.tree_flatten(value)
+        parts.append((name, str(spec)))
+        for x in leaves:
+            if isinstance(x, torch.Tensor):
+                parts.append(("T", tuple(x.shape), x.dtype, x.device.type, x.requires_grad))
+            elif isinstance(x, nn.Module):
+                # the FX trace answered the loss's dtype/device questions about the DiT's output (and
+                # `next(dit.parameters()).dtype`) for these parameters: model.half() must retrace
+                parts.append(("M", id(x), tuple(sorted({(str(p.dtype), str(p.device)) for p in x.parameters()}))))
+            elif is_constant(x):
+                parts.append(("C", type(x).__name__, x))
+            else:
+                parts.append(("O", object_fingerprint(x, name)))
+    return tuple(parts)
 
 
 def _first_lines(e: BaseException, n: int = 12) -> str:

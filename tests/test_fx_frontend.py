@@ -19,13 +19,16 @@ What is checked:
     distinct op of a step once on fake tensors, not once per step;
   * an in-place accumulation survives ``cleanup`` (Dynamo) or is refused (FX, where the
     accumulator is a constant of the trace);
-  * a changed module-level constant read by a helper, or a changed closure constant, re-traces;
+  * a changed module-level constant read by a helper, a changed closure constant, and a changed
+    attribute of a config object (an argument, or held by a closure) re-trace; an argument object
+    too large to key by content is refused;
   * an op traced under a grad or autocast mode other than the caller's (a no-grad block inside a
     helper, an autocast block) is refused: FX would run it in the caller's mode.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
@@ -319,3 +322,55 @@ def test_grad_and_autocast_modes_fx_cannot_record_are_refused(loss):
     # Dynamo records the modes: the same loss compiles and matches eager
     eager = loss(field, zs, ts, gs)
     torch.testing.assert_close(jagg_compile(loss, window=2, capture="dynamo")(field, zs, ts, gs), eager)
+
+
+@dataclasses.dataclass
+class LossConfig:
+    clip: float
+    weights: dict
+
+
+def config_loss(dit, zs, ts, g, cfg: LossConfig):
+    total = 0.0
+    for k in range(zs.shape[0]):
+        v = dit(zs[k], ts[k])
+        total = total + cfg.weights["policy"] * torch.clamp((v * g[k]).sum(dim=1), -cfg.clip, cfg.clip).sum()
+    return total
+
+
+def test_changed_config_attribute_retraces_and_a_huge_object_is_refused():
+    """``cfg.clip`` is read while tracing and baked into the graph: the key holds what ``cfg``
+    holds, so changing it (in place, same object) re-traces instead of reusing a stale graph."""
+    field = AffineJacobianField(3, seed=6)
+    zs, ts, gs = _inputs(3)
+    cfg = LossConfig(clip=0.5, weights={"policy": 1.0})
+    compiled = jagg_compile(config_loss, window=3, capture="fx")
+    compiled(field, zs, ts, gs, cfg)
+    compiled(field, zs, ts, gs, cfg)
+    assert compiled.traces == 1
+    for change in (lambda: setattr(cfg, "clip", 0.01), lambda: cfg.weights.update(policy=3.0)):
+        change()
+        out = compiled(field, zs, ts, gs, cfg)
+        torch.testing.assert_close(out, config_loss(field, zs, ts, gs, cfg))
+    assert compiled.traces == 3
+    huge = LossConfig(clip=0.5, weights={"policy": 1.0, **{f"w{i}": float(i) for i in range(600)}})
+    with pytest.raises(JaggUnsupportedError, match=r"argument 'cfg' \(LossConfig\) holds more than 512 values"):
+        compiled(field, zs, ts, gs, huge)
+
+
+def make_config_closure(cfg: LossConfig):
+    def loss(dit, zs, ts, g):
+        return config_loss(dit, zs, ts, g, cfg)
+    return loss
+
+
+def test_config_held_by_a_closure_is_guarded():
+    field = AffineJacobianField(3, seed=6)
+    zs, ts, gs = _inputs(3)
+    cfg = LossConfig(clip=0.5, weights={"policy": 1.0})
+    loss = make_config_closure(cfg)
+    compiled = jagg_compile(loss, window=3, capture="fx")
+    compiled(field, zs, ts, gs)
+    cfg.clip = 0.01
+    torch.testing.assert_close(compiled(field, zs, ts, gs), loss(field, zs, ts, gs))
+    assert compiled.traces == 2
