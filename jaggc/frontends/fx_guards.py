@@ -35,11 +35,15 @@ _CONSTANT_TYPES = (bool, int, float, complex, str, type(None), torch.dtype, torc
 _LIBRARIES = ("torch", "diffusers", "transformers", "peft", "accelerate", "numpy", "jaggc.runtime",
               "jaggc.frontends", "jaggc.graph_ops", "_pytest", "pluggy")
 _MISSING = object()
+MAX_OBJECT_VALUES = 512
+# keyed by identity: their contents are code, not values a trace reads
+_IDENTITY_TYPES = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType)
 
 
-def _is_constant(value: Any) -> bool:
+def is_constant(value: Any) -> bool:
+    """A value a trace bakes in as a literal: a number, string, dtype, device or tuple of them."""
     if isinstance(value, tuple):
-        return all(_is_constant(v) for v in value)
+        return all(is_constant(v) for v in value)
     return isinstance(value, _CONSTANT_TYPES)
 
 
@@ -64,13 +68,13 @@ class ConstantRead:
                 v = _MISSING
         else:
             v = self.namespace.get(self.name, _MISSING)
-        if self.holds_object and v is not _MISSING and not _is_constant(v):
+        if self.holds_object and v is not _MISSING and not is_constant(v):
             try:
                 return ("object", object_fingerprint(v, self.where))
             except JaggUnsupportedError:
                 return ("object", type(v).__name__, id(v))    # too big to key by content: by identity
         # type first: 1, 1.0 and True are equal but trace differently
-        return (type(v).__name__, v if _is_constant(v) else id(v))
+        return (type(v).__name__, v if is_constant(v) else id(v))
 
 
 def _codes(code: types.CodeType):
@@ -94,14 +98,14 @@ def constant_reads(fn: Callable) -> list[ConstantRead]:
         module = f.__module__ or "?"
         for name in sorted(names):
             value = f.__globals__.get(name, _MISSING)
-            if _is_constant(value):
+            if is_constant(value):
                 reads.setdefault((id(f.__globals__), name), ConstantRead(f"{module}.{name}", f.__globals__, name))
             elif _is_user_function(value):
                 pending.append(value)
             elif isinstance(value, types.ModuleType) and not value.__name__.startswith(_LIBRARIES):
                 for attr in sorted(names):
                     inner = value.__dict__.get(attr, _MISSING)
-                    if _is_constant(inner):
+                    if is_constant(inner):
                         reads.setdefault((id(value.__dict__), attr),
                                          ConstantRead(f"{value.__name__}.{attr}", value.__dict__, attr))
                     elif _is_user_function(inner):
@@ -115,16 +119,8 @@ def constant_reads(fn: Callable) -> list[ConstantRead]:
                 pending.append(value)
             elif not isinstance(value, (nn.Module, torch.Tensor) + _IDENTITY_TYPES):
                 reads.setdefault((id(cell), None), ConstantRead(f"{f.__qualname__}.<closure {name}>", cell,
-                                                                holds_object=not _is_constant(value)))
+                                                                holds_object=not is_constant(value)))
     return list(reads.values())
-
-
-MAX_OBJECT_VALUES = 512
-_IDENTITY_TYPES = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType)
-
-
-def is_constant(value: Any) -> bool:
-    return _is_constant(value)
 
 
 def _children(value: Any):
@@ -149,7 +145,7 @@ def object_fingerprint(value: Any, name: str) -> tuple:
     stack, seen = [(name, value)], set()
     while stack:
         path, v = stack.pop()
-        if _is_constant(v):
+        if is_constant(v):
             out.append((path, type(v).__name__, v))
         elif isinstance(v, torch.Tensor):
             out.append((path, "tensor", id(v), tuple(v.shape), v.dtype, v.device))
