@@ -81,38 +81,6 @@ class ShapedProxy(fx.Proxy):
     def _example(self):
         return self.tracer.examples.of(self.node)
 
-    @property
-    def shape(self):
-        return self._example().shape
-
-    @property
-    def ndim(self):
-        return self._example().ndim
-
-    @property
-    def dtype(self):
-        return self._example().dtype
-
-    @property
-    def device(self):
-        return self._example().device
-
-    @property
-    def is_cuda(self):
-        return self._example().is_cuda
-
-    def size(self, dim=None):
-        return self._example().size() if dim is None else self._example().size(dim)
-
-    def dim(self):
-        return self._example().dim()
-
-    def numel(self):
-        return self._example().numel()
-
-    def is_floating_point(self):
-        return self._example().is_floating_point()
-
     def __len__(self):
         return len(self._example())
 
@@ -122,6 +90,18 @@ class ShapedProxy(fx.Proxy):
 
     def __getattr__(self, k):
         return ShapedAttribute(self, k)
+
+
+def _answered_from_example(name: str, method: bool):
+    if method:
+        return lambda self, *args, **kwargs: getattr(self._example(), name)(*args, **kwargs)
+    return property(lambda self: getattr(self._example(), name))
+
+
+for _name in ("shape", "ndim", "dtype", "device", "is_cuda"):
+    setattr(ShapedProxy, _name, _answered_from_example(_name, method=False))
+for _name in ("size", "dim", "numel", "is_floating_point"):
+    setattr(ShapedProxy, _name, _answered_from_example(_name, method=True))
 
 
 class ShapedAttribute(ShapedProxy, fx.proxy.Attribute):
