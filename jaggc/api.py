@@ -233,8 +233,10 @@ class JaggCompiled:
     def _run_fx(self, args, kwargs):
         if self._fx_reads is None:
             self._fx_reads = constant_reads(self.fn)
+        bound = inspect.signature(self.fn).bind(*args, **kwargs)
+        bound.apply_defaults()          # the trace bakes defaults in as well
         # the trace baked in the constants it read: a changed one selects (or makes) another graph
-        key = (_structure_key(self.fn, args, kwargs), tuple(read.value() for read in self._fx_reads))
+        key = (_structure_key(bound.arguments), tuple(read.value() for read in self._fx_reads))
         entry = self._fx_cache.get(key)
         if entry is None:
             candidates = self._candidates(args, kwargs)
@@ -242,8 +244,6 @@ class JaggCompiled:
             gm, report = self._rewrite(gm, "fx")
             entry = self._fx_cache[key] = (gm, report)
         gm, self._report = entry
-        bound = inspect.signature(self.fn).bind(*args, **kwargs)
-        bound.apply_defaults()
         return gm(*bound.arguments.values())
 
     # --- intercept (no tracing) -----------------------------------------------------------------
@@ -325,17 +325,11 @@ def _refresh_times(report: Report | None) -> None:
             row.timesteps = list(plan.observed_times)
 
 
-def _structure_key(fn: Callable, args, kwargs):
-    """What the FX trace depends on in the arguments: tensor metadata, module identity and
-    parameter dtypes/devices, constants by value, objects by everything they hold."""
+def _structure_key(arguments: dict):
+    """What the FX trace depends on in the (bound) arguments: tensor metadata, module identity
+    and parameter dtypes/devices, constants by value, objects by everything they hold."""
     parts = []
-    try:
-        bound = inspect.signature(fn).bind(*args, **kwargs)
-        bound.apply_defaults()          # the trace bakes defaults in as well
-        named = bound.arguments.items()
-    except TypeError:
-        named = [(str(i), a) for i, a in enumerate(args)] + list(kwargs.items())
-    for name, value in named:
+    for name, value in arguments.items():
         leaves, spec = _compat.tree_flatten(value)
         parts.append((name, str(spec)))
         for x in leaves:
