@@ -19,7 +19,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from .data import NUM_CLASSES, load_digits_split
-from .model import WEIGHTS_DIR, load_fp16_state, load_parameters, save_fp16_state
+from .model import WEIGHTS_DIR, load_shipped, save_fp16_state
 
 CLASSIFIER_KINDS = ("reward", "eval")
 CLASSIFIER_REGEN_COMMAND = "python -m jaggc.digits.classifier"
@@ -117,10 +117,8 @@ def accuracy(model: nn.Module, split: str = "test") -> float:
 def load_classifier(kind: str = "reward", path: str | Path | None = None) -> nn.Module:
     """The shipped ``reward`` or ``eval`` classifier: eval mode, float32, logits (B, 10)."""
     _check_kind(kind)
-    ckpt = load_fp16_state(Path(path) if path is not None else classifier_path(kind), CLASSIFIER_REGEN_COMMAND)
-    model = _SPECS[kind][0]()
-    load_parameters(model, ckpt["state_dict"])
-    return model.float().eval()
+    return load_shipped(_SPECS[kind][0](), Path(path) if path is not None else classifier_path(kind),
+                        CLASSIFIER_REGEN_COMMAND)
 
 
 def train_and_ship(argv: list[str] | None, description: str, *, default_epochs: int, out_dir: Path,

@@ -101,17 +101,24 @@ def load_fp16_state(path: Path, regen_command: str, *, weights_dir: Path | None 
     return ckpt
 
 
-def load_base(path: str | Path | None = None):
-    """The pretrained digits DiT: eval mode, float32; parameters keep requires_grad (fine-tunable)."""
-    ckpt = load_fp16_state(Path(path) if path is not None else BASE_WEIGHTS, BASE_REGEN_COMMAND)
-    if ckpt.get("config") != DIGITS_CONFIG:
+def load_shipped(module: torch.nn.Module, path: Path, regen_command: str, *, weights_dir: Path | None = None,
+                 config: dict | None = None, config_name: str = "") -> torch.nn.Module:
+    """``module`` with the shipped fp16 weights at ``path``: float32, eval mode, parameters keep
+    requires_grad. With ``config``, a checkpoint trained with another config is refused."""
+    ckpt = load_fp16_state(path, regen_command, weights_dir=weights_dir)
+    if config is not None and ckpt.get("config") != config:
         # The class prompt table is derived from the config, so a stale checkpoint would be
         # conditioned on the wrong embeddings: refuse rather than load something subtly broken.
         raise ValueError(f"base weights were trained with config {ckpt.get('config')} but "
-                         f"DIGITS_CONFIG is {DIGITS_CONFIG}; regenerate with `{BASE_REGEN_COMMAND}`")
-    dit = build_dit(seed=0)
-    load_parameters(dit, ckpt["state_dict"])
-    return dit.float().eval()
+                         f"{config_name} is {config}; regenerate with `{regen_command}`")
+    load_parameters(module, ckpt["state_dict"])
+    return module.float().eval()
+
+
+def load_base(path: str | Path | None = None):
+    """The pretrained digits DiT: eval mode, float32; parameters keep requires_grad (fine-tunable)."""
+    return load_shipped(build_dit(seed=0), Path(path) if path is not None else BASE_WEIGHTS, BASE_REGEN_COMMAND,
+                        config=DIGITS_CONFIG, config_name="DIGITS_CONFIG")
 
 
 __all__ = ["BASE_REGEN_COMMAND", "BASE_WEIGHTS", "DIGITS_CONFIG", "IMAGE_SHAPE", "MissingWeightsError",

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from jaggc.digits.classifier import _SPECS, _check_kind, train_and_ship, train_classifier
-from jaggc.digits.model import load_fp16_state, load_parameters
+from jaggc.digits.model import load_shipped
 
 from .data import NUM_CLASSES, load_shapes_split
 from .model import WEIGHTS_DIR
@@ -40,11 +40,8 @@ def accuracy(model: nn.Module, split: str = "test") -> float:
 def load_classifier(kind: str = "reward", path: str | Path | None = None) -> nn.Module:
     """The shipped shapes ``reward`` or ``eval`` classifier: eval mode, float32, logits (B, 6)."""
     _check_kind(kind)
-    ckpt = load_fp16_state(Path(path) if path is not None else classifier_path(kind), CLASSIFIER_REGEN_COMMAND,
-                           weights_dir=WEIGHTS_DIR)
-    model = _SPECS[kind][0](NUM_CLASSES)
-    load_parameters(model, ckpt["state_dict"])
-    return model.float().eval()
+    return load_shipped(_SPECS[kind][0](NUM_CLASSES), Path(path) if path is not None else classifier_path(kind),
+                        CLASSIFIER_REGEN_COMMAND, weights_dir=WEIGHTS_DIR)
 
 
 _CACHE: dict[str, nn.Module] = {}

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from jaggc.digits.model import conditioning_of, load_fp16_state, load_parameters, prompt_table
+from jaggc.digits.model import conditioning_of, load_shipped, prompt_table
 
 from .data import IMAGE_SHAPE, NUM_CLASSES
 
@@ -104,14 +104,8 @@ def class_conditioning(labels: torch.Tensor, *, dtype: torch.dtype = torch.float
 
 def load_base(path: str | Path | None = None) -> FluxImageDiT:
     """The pretrained shapes DiT: eval mode, float32; parameters keep requires_grad."""
-    ckpt = load_fp16_state(Path(path) if path is not None else BASE_WEIGHTS, BASE_REGEN_COMMAND,
-                           weights_dir=WEIGHTS_DIR)
-    if ckpt.get("config") != SHAPES_CONFIG:
-        raise ValueError(f"base weights were trained with config {ckpt.get('config')} but "
-                         f"SHAPES_CONFIG is {SHAPES_CONFIG}; regenerate with `{BASE_REGEN_COMMAND}`")
-    dit = build_dit(seed=0)
-    load_parameters(dit, ckpt["state_dict"])
-    return dit.float().eval()
+    return load_shipped(build_dit(seed=0), Path(path) if path is not None else BASE_WEIGHTS, BASE_REGEN_COMMAND,
+                        weights_dir=WEIGHTS_DIR, config=SHAPES_CONFIG, config_name="SHAPES_CONFIG")
 
 
 __all__ = ["BASE_REGEN_COMMAND", "BASE_WEIGHTS", "FluxImageDiT", "IMAGE_SHAPE", "NUM_CLASSES", "PROMPT_LEN",
