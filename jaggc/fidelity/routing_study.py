@@ -127,20 +127,17 @@ def run_routing_study(*, base: str = "digits", rollouts: int = 16, num_steps: in
     cfg = TrainerConfig(strategy="exact", seed=seed, num_steps=num_steps, window=window)
     dit = copy.deepcopy(dit0)
     trainer = GRPOTrainer(dit, cfg, **tkw)
+    bad = [c for c in conditions if c not in ("on", "off1")]
+    if bad:
+        raise ValueError(f"condition {bad[0]!r}: use on / off1")
     frozen = FrozenStart(trainer, warmup)
     per_cond: dict[str, list[list[dict]]] = {c: [] for c in conditions}
     start = time.perf_counter()
     for r in range(rollouts):
         it = 1000 + r
         mbs = frozen.minibatches(it)
-        for cond in conditions:
-            if cond == "on":
-                mb = mbs[0]
-            elif cond == "off1":
-                trainer._optimize(mbs[0])
-                mb = mbs[1 % len(mbs)]
-            else:
-                raise ValueError(f"condition {cond!r}: use on / off1")
+        for i, cond in enumerate(conditions):
+            mb = frozen.advance(cond, mbs, done=conditions[:i])
             rec = E.record(grpo_loss, dit, mb)
             per_cond[cond].append(window_fidelity(rec, dit, window=window, weights=weights))
         frozen.restore()

@@ -55,6 +55,25 @@ class FrozenStart:
         batch["train_steps"] = tuple(range(self.trainer.config.num_steps - 1))
         return self.trainer.minibatches(batch, iteration)
 
+    def advance(self, condition: str, mbs: list[dict], done) -> dict:
+        """Take ``condition``'s optimizer steps on rollout minibatches ``mbs`` (after the conditions
+        in ``done``, measured earlier on the same rollout) and return the minibatch it is measured
+        on: "on" mbs[0] at θ0; "off1" one step on mbs[0], then mbs[1]; "off4" four steps (the first
+        is off1's if off1 ran), then mbs[1]."""
+        optimize = self.trainer._optimize
+        if condition == "on":
+            return mbs[0]
+        if condition == "off1":
+            optimize(mbs[0])
+        elif condition == "off4":
+            if "off1" not in done:
+                optimize(mbs[0])
+            for j in (1, 0, 1):
+                optimize(mbs[j % len(mbs)])
+        else:
+            raise ValueError(condition)
+        return mbs[1 % len(mbs)]
+
     def restore(self) -> None:
         self.trainer.dit.load_state_dict(self.theta0)
         self.trainer.optimizer.load_state_dict(copy.deepcopy(self.opt0))
@@ -176,22 +195,8 @@ def run_study(*, rollouts: int = 32, conditions=("on", "off1"), settings=None, d
     for r in range(rollouts):
         it = 1000 + r
         mbs = frozen.minibatches(it)
-        measured = {}
-        for cond in conditions:
-            if cond == "on":
-                mb = mbs[0]
-            elif cond == "off1":
-                trainer._optimize(mbs[0])
-                mb = mbs[1 % len(mbs)]
-            elif cond == "off4":
-                if "off1" not in measured:
-                    trainer._optimize(mbs[0])
-                for j in (1, 0, 1):
-                    trainer._optimize(mbs[j % len(mbs)])
-                mb = mbs[1 % len(mbs)]
-            else:
-                raise ValueError(cond)
-            measured[cond] = True
+        for i, cond in enumerate(conditions):
+            mb = frozen.advance(cond, mbs, done=conditions[:i])
             rec = E.flow_grpo_extras(E.record(grpo_loss, dit, mb), mb)
             ex = E.exact(rec, dit).grad
             half = r % 2
