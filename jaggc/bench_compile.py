@@ -102,7 +102,7 @@ def _glue_trace_time(problem) -> dict[str, float]:
     output = tree_map(lambda t: t.detach().requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
                       output)
     # dynamic=False as jagg_compile does: a probe after a shorter one would otherwise trace with
-    # symbolic shapes (Dynamo's automatic dynamic shapes key on the source location) and cost 3x
+    # symbolic shapes (Dynamo's automatic dynamic shapes key on the source location), a slower trace
     fn = torch.compile(own_code(problem.loss_fn), backend="eager", fullgraph=True, dynamic=False)
     stand_in = _StandIn(output)
     first = _timed(lambda: fn(stand_in, problem.batch))

@@ -2,7 +2,7 @@
 
 Every snapshot is the graph's generated code after that pass, so users can read and diff what
 each pass did (``Report.stages``, ``Report.diff``). Generating code is most of the passes' time on
-a long loss (0.2 s per snapshot of a 50-step graph), so it is generated only where the graph
+a long loss, so it is generated only where the graph
 changed: the capture snapshot is the code the frontend compiled, an analysis pass (one that only
 stores facts in ``node.meta``) reuses the previous snapshot (that it left the node list alone is
 checked), and only the last transform's code is compiled (the graph that runs).

@@ -220,7 +220,7 @@ def _user_stack() -> str:
 
 def _user_line() -> str:
     """The user's frame in traceback format (what ``user_source`` and fx's codegen read), built
-    by hand: ``traceback.format_stack`` for every node was a third of a 50-step trace (cProfile)."""
+    by hand: ``traceback.format_stack`` of the whole stack for every node dominated the trace."""
     frame = _user_frame()
     if frame is None:
         return ""
