@@ -1,13 +1,15 @@
 """jaggc: JAGG (Jacobian-Aggregated Group Gradient) for GRPO on flow-matching DiTs."""
 
-from .errors import JaggError, JaggGraphError, JaggInputError, JaggTypeError, JaggUnsupportedError
+from .errors import (JaggCaptureError, JaggError, JaggGraphError, JaggInputError, JaggInternalError, JaggTypeError,
+                     JaggUnsupportedError)
 from .runtime import (Basis, DitCall, RolloutCache, WindowOptions, atomic_step, count_dit_passes, jagg_calls,
                       run_exact, run_window)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Basis", "DitCall", "JaggError", "JaggGraphError", "JaggInputError", "JaggTypeError",
+    "Basis", "DitCall", "JaggCaptureError", "JaggError", "JaggGraphError", "JaggInputError", "JaggInternalError",
+    "JaggTypeError",
     "JaggUnsupportedError", "RolloutCache", "WindowOptions", "atomic_step", "count_dit_passes", "jagg_calls", "run_exact", "run_window",
 ]
 from .api import JaggCompiled, explain, jagg_compile

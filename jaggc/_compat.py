@@ -132,3 +132,62 @@ def fx_patches_reverted():
     """While torch.fx traces, ``nn.Module.__call__`` (and autowrapped functions) are patched to
     record nodes; code run to compute an example value must see the real ones."""
     return torch.fx._symbolic_trace._maybe_revert_all_patches()
+
+
+# --- nn.Module internals -------------------------------------------------------------------
+
+def module_hook_keys(module) -> tuple:
+    """The handles of a module's own forward and forward-pre hooks (its private hook dicts),
+    leaving out jaggc's own observers (marked ``_jaggc_observer``: pass counters, the rollout
+    cache's recorder), which see a call without changing it."""
+    hooks, pre = module._forward_hooks, module._forward_pre_hooks
+    if not hooks and not pre:
+        return ()
+    keep = lambda d: tuple(k for k, fn in d.items() if not getattr(fn, "_jaggc_observer", False))  # noqa: E731
+    keys = (keep(hooks), keep(pre))
+    return keys if keys != ((), ()) else ()
+
+
+# --- grad mode as a graph node ---------------------------------------------------------------
+# Dynamo records ``with torch.no_grad()`` as calls of this function; the FX frontend and the
+# grad-mode pass emit the same nodes so that one rule reads both.
+
+SET_GRAD_ENABLED = torch._C._set_grad_enabled
+
+
+def copy_input_codegen(src, dst) -> None:
+    """Give fx.Graph ``dst`` the argument handling of ``src`` (FX's pytree codegen for
+    ``concrete_args`` with containers), so both take the same call arguments; ``dst`` returns its
+    output as it is."""
+
+    from torch.fx.graph import _PyTreeCodeGen
+
+    codegen = src._codegen
+    if isinstance(codegen, _PyTreeCodeGen) and codegen.pytree_info is not None:
+        codegen = _PyTreeCodeGen(codegen.pytree_info._replace(out_spec=None))
+    dst.set_codegen(codegen)
+
+
+def fake_mode_suspended():
+    """Run real tensor code while a FakeTensorMode is active (the FX frontend's value reads)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
+def recompile_reason(exc: BaseException) -> str:
+    """The guard whose failure caused the last recompile (``L['perm'][0] == 3``), from Dynamo's
+    message or its recorded guard failures; "" if unknown."""
+    import re
+
+    text = str(exc)
+    match = re.search(r"last reason:\s*(.+)", text)
+    if match:
+        return match.group(1).strip()
+    try:
+        from torch._dynamo.utils import guard_failures
+
+        reasons = [r for failures in guard_failures.values() for r in failures]
+        return str(reasons[-1]).strip() if reasons else ""
+    except Exception:  # noqa: BLE001 - a message helper must never fail
+        return ""

@@ -22,16 +22,15 @@ from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
 from .errors import JaggUnsupportedError
-from .graph_ops import dit_call, flatten_output, jagg_window
+from .graph_ops import is_runtime_target
 
 BACKENDS = ("aot_eager", "inductor")
-_RUNTIME_TARGETS = (dit_call, jagg_window, flatten_output)
 
 
 def is_runtime_node(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False
-    if node.target in _RUNTIME_TARGETS:
+    if is_runtime_target(node):
         return True
     # the (nested) readers of a runtime node's tuple output belong with it: glue gets tensors only
     return (node.target is operator.getitem and isinstance(node.args[0], fx.Node)

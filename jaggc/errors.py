@@ -3,6 +3,17 @@
 Every refusal names what is wrong (the step, node or input) and how to fix it. Callers can catch
 ``JaggError`` for all of them; the subclasses also derive from the builtin exception a generic
 caller would expect (``ValueError`` for bad values, ``TypeError`` for bad types).
+
+Two kinds of "unsupported" are kept apart, because ``capture="auto"`` treats them differently:
+
+- ``JaggCaptureError``: one capture path (FX, Dynamo) could not record the loss faithfully; another
+  path may. ``auto`` tries the next path and says so.
+- ``JaggGraphError`` and every other ``JaggUnsupportedError``: a final refusal. The loss breaks a
+  precondition of the rewrite whatever captured it (a DiT input computed from an earlier DiT
+  output, no DiT call); no other path is tried.
+
+``JaggInternalError`` is a jaggc bug (a pass broke an invariant), never a statement about the
+user's code; it is not a ``JaggUnsupportedError`` so no fallback hides it.
 """
 
 from __future__ import annotations
@@ -21,11 +32,25 @@ class JaggTypeError(JaggError, TypeError):
 
 
 class JaggUnsupportedError(JaggError):
-    """Code or a configuration that jaggc cannot prove safe to rewrite."""
+    """Code or a configuration that jaggc cannot prove safe to rewrite (a final refusal)."""
 
 
 class JaggGraphError(JaggUnsupportedError):
-    """A captured graph that violates a precondition of the JAGG rewrite."""
+    """A captured graph that violates a precondition of the JAGG rewrite (a final refusal)."""
+
+
+class JaggCaptureError(JaggUnsupportedError):
+    """One capture path cannot record the loss faithfully; another path may (``capture="auto"``
+    tries it). ``path`` names the path that failed, ``where`` the user's ``file:line`` if known."""
+
+    def __init__(self, message: str, *, path: str = "", where: str = ""):
+        super().__init__(message)
+        self.path = path
+        self.where = where
+
+
+class JaggInternalError(JaggError, RuntimeError):
+    """A jaggc invariant failed: a bug in jaggc, to be reported, not worked around."""
 
 
 def where(step: int | None = None, input_name: str | None = None) -> str:

@@ -4,11 +4,16 @@ Every captured DiT call becomes ``dit_call(dit, args, kwargs)`` (the canonical f
 frontends produce), and every rewritten window one ``jagg_window(dit, calls, ...)`` node whose
 output tuple is read by one ``getitem`` per step. They are ``torch.fx.wrap``ped so that an FX
 retrace keeps them opaque, and module-level so that generated code can name them.
+
+``RUNTIME_TARGETS`` is the one table of these targets: the backend splitter keeps them out of
+compiled glue and cleanup keeps them even when unused (they run the DiT's hooks or change its
+state; torch's ``has_side_effect`` marks them, so ``node.is_impure()`` says so too).
 """
 
 from __future__ import annotations
 
 import operator
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +22,7 @@ import torch.fx
 from ._compat import tree_flatten
 from .runtime.calls import DitCall, per_sample_time, resolve_time_arg
 from .runtime.deferred import BackwardGroup
+from .runtime.module_state import ModuleState, applied, set_state
 from .runtime.routing import Routing, RoutingDecision, run_routed
 from .runtime.window import WindowOptions, run_exact, run_window
 
@@ -37,13 +43,33 @@ def is_in_place(node: torch.fx.Node) -> bool:
     return name.endswith("_") and not name.endswith("__")
 
 
+def user_source(node: fx.Node) -> str:
+    """``file:line`` of the user code that made ``node`` (from its stack trace), skipping jaggc's
+    own frontend frames (the opaque-call slots sit between the user's call and the DiT); "" if
+    unknown."""
+    found = re.findall(r'File "([^"]+)", line (\d+)', node.meta.get("stack_trace") or "")
+    found = [(f, line) for f, line in found if "/jaggc/frontends/" not in f.replace("\\", "/")]
+    return f"{found[-1][0]}:{found[-1][1]}" if found else ""
+
+
 @torch.fx.wrap
-def dit_call(dit, args: tuple, kwargs: dict, step: int | None = None, options: WindowOptions | None = None) -> Any:
-    """One DiT call that was not rewritten (exact, or a no-grad reference call)."""
+def dit_call(dit, args: tuple, kwargs: dict, step: int | None = None, options: WindowOptions | None = None,
+             state: ModuleState | None = None) -> Any:
+    """One DiT call that was not rewritten (exact, or a no-grad reference call). ``state``: the
+    module state the call was traced under, when it differs from the graph's (a reference call
+    inside ``disable_adapter()``); the module is put in it for the call and restored after."""
     call = DitCall(tuple(args), dict(kwargs))
-    if step is None:
-        return call(dit)
-    return run_exact(dit, [call], steps=[step], options=options or WindowOptions())[0]
+    with applied(dit, state):
+        if step is None:
+            return call(dit)
+        return run_exact(dit, [call], steps=[step], options=options or WindowOptions())[0]
+
+
+@torch.fx.wrap
+def set_module_state(dit, state: ModuleState) -> None:
+    """Put the DiT in a traced module state (the loss called ``dit.train()`` or changed adapters
+    before its trained calls, or left the module changed at its end)."""
+    set_state(dit, state)
 
 
 @dataclass
@@ -121,3 +147,12 @@ def observed_times(calls, time_arg) -> list[float]:
 def flatten_output(output: Any) -> tuple:
     """The flat output leaves a Dynamo graph expects from an opaque call."""
     return tuple(tree_flatten(output)[0])
+
+
+RUNTIME_TARGETS = frozenset({dit_call, jagg_window, jagg_trajectory, flatten_output, set_module_state})
+for _target in (dit_call, jagg_window, jagg_trajectory, set_module_state):
+    torch.fx.node.has_side_effect(_target)
+
+
+def is_runtime_target(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target in RUNTIME_TARGETS

@@ -49,20 +49,28 @@ class StepPolicy:
 # input checks
 
 
+def _is_tensor(x) -> bool:
+    """A tensor, or a traced stand-in for one (torch.fx's Proxy, while a frontend captures a loss
+    built on these helpers: the checks below must not break the capture)."""
+    return isinstance(x, (torch.Tensor, torch.fx.Proxy))
+
+
 def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     # fp32 like the trainers (bf16 overflows in the mean); fp64 is kept so tests can be exact.
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def _check_state(v: torch.Tensor, z: torch.Tensor, prev_sample: torch.Tensor | None) -> None:
-    if not isinstance(v, torch.Tensor) or v.ndim < 2:
+    if not _is_tensor(v):
+        raise JaggInputError(f"input 'v' must be a tensor, got {type(v).__name__}")
+    if v.ndim < 2:
         raise JaggInputError(
-            f"input 'v' must be a tensor of shape (B, ...) with at least one non-batch dim, got "
-            f"{getattr(v, 'shape', type(v))}; add a trailing dim (v[:, None]) for scalar states")
-    if not isinstance(z, torch.Tensor) or z.shape != v.shape:
+            f"input 'v' must have shape (B, ...) with at least one non-batch dim, got shape "
+            f"{tuple(v.shape)}; add a trailing dim (v[:, None]) for scalar states")
+    if not _is_tensor(z) or z.shape != v.shape:
         raise JaggInputError(f"input 'z' must have the shape of 'v' {tuple(v.shape)}, got "
                              f"{getattr(z, 'shape', type(z))}")
-    if prev_sample is not None and (not isinstance(prev_sample, torch.Tensor)
+    if prev_sample is not None and (not _is_tensor(prev_sample)
                                     or prev_sample.shape != v.shape):
         raise JaggInputError(f"input 'prev_sample' must have the shape of 'v' {tuple(v.shape)}, "
                              f"got {getattr(prev_sample, 'shape', type(prev_sample))}")
@@ -71,7 +79,7 @@ def _check_state(v: torch.Tensor, z: torch.Tensor, prev_sample: torch.Tensor | N
 def _as_sigma(x, name: str, batch: int | None, dtype: torch.dtype, device) -> torch.Tensor:
     """A float, 0-d or (B,) noise level as a tensor (shape kept; broadcasting is done later)."""
     # straight to the compute dtype: a Python float must not pass through fp32 on the way to fp64
-    t = torch.as_tensor(x, dtype=dtype, device=device).detach()
+    t = (x.to(dtype=dtype, device=device) if _is_tensor(x) else torch.as_tensor(x, dtype=dtype, device=device)).detach()
     if t.ndim > 1 or (t.ndim == 1 and batch is not None and t.numel() not in (1, batch)):
         raise JaggInputError(f"input {name!r} must be a float, a 0-d tensor or shape ({batch},), "
                              f"got shape {tuple(t.shape)}")
@@ -156,9 +164,9 @@ def step_coefficients(kind: str, sigma, sigma_next, *, dtype: torch.dtype = torc
     Options as in the step functions: noise_level/sigma_max (flow_grpo_sde), eta (dance_flux),
     noise_level (cps). Shapes follow sigma (0-d or (B,)).
     """
-    if isinstance(sigma, torch.Tensor) and sigma.dtype == torch.float64:
+    if _is_tensor(sigma) and sigma.dtype == torch.float64:
         dtype = torch.float64
-    device = sigma.device if isinstance(sigma, torch.Tensor) else None
+    device = sigma.device if _is_tensor(sigma) else None
     if kind == "flow_grpo_sde":
         s, sn = _sigmas(sigma, sigma_next, None, dtype, device, positive_sigma=True)
         a, b, std, _ = _sde_coefficients(s, sn, kw.pop("noise_level", 0.7),
@@ -269,11 +277,11 @@ _STEPS = {"flow_grpo_sde": flow_grpo_sde_step, "dance_flux": dance_flux_step, "c
 
 
 def _check_ppo(log_prob, old_log_prob, advantages, clip_range, adv_clip_max):
-    if not isinstance(log_prob, torch.Tensor) or log_prob.ndim != 1:
+    if not _is_tensor(log_prob) or log_prob.ndim != 1:
         raise JaggInputError(f"input 'log_prob' must be a (B,) tensor, got "
                              f"{getattr(log_prob, 'shape', type(log_prob))}")
     for name, t in (("old_log_prob", old_log_prob), ("advantages", advantages)):
-        if not isinstance(t, torch.Tensor) or t.shape != log_prob.shape:
+        if not _is_tensor(t) or t.shape != log_prob.shape:
             raise JaggInputError(f"input {name!r} must be a tensor of the shape of 'log_prob' "
                                  f"{tuple(log_prob.shape)}, got {getattr(t, 'shape', type(t))}")
     if not (isinstance(clip_range, (int, float)) and 0 <= clip_range < 1):

@@ -39,6 +39,8 @@ class Report:
     traces: int = 0
     notes: list[str] = field(default_factory=list)
     reference_calls: int = 0
+    capture_failures: list[str] = field(default_factory=list)   # capture="auto": why earlier paths failed
+    guarded_reads: int = 0    # FX: tensor values read as Python numbers, re-checked every call
 
     # --- stages -----------------------------------------------------------------------------
     def stage(self, name: str) -> str:
@@ -85,10 +87,13 @@ class Report:
             "path": self.path, "traces": self.traces, "windows": len(self.windows),
             "backward_before": self.backward_before, "backward_after": self.backward_after,
             "reference_calls": self.reference_calls, "notes": list(self.notes),
+            "capture_failures": list(self.capture_failures), "guarded_reads": self.guarded_reads,
         }
 
     def __str__(self) -> str:
-        lines = [f"jaggc report: capture path = {self.path}, traces = {self.traces}"]
+        lines = [f"jaggc report: capture path = {self.path}, traces = {self.traces}"
+                 + (f", guarded value reads = {self.guarded_reads}" if self.guarded_reads else "")]
+        lines += [f"not captured by {reason}" for reason in self.capture_failures]
         lines += [f"note: {n}" for n in self.notes]
         if self.windows:
             lines.append(self.table())

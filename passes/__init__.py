@@ -6,6 +6,7 @@ from .check_frontend import check_frontend
 from .cleanup import cleanup
 from .context import CallSite, CompileConfig, PassContext, Window
 from .find_dit_calls import find_dit_calls
+from .grad_modes import place_grad_modes
 from .independence import check_independence
 from .pipeline import DEFAULT_PASSES, Stage, run_passes
 from .rewrite import rewrite_windows
@@ -15,5 +16,5 @@ from .windows import assign_windows
 __all__ = [
     "CallSite", "CompileConfig", "DEFAULT_PASSES", "PassContext", "Stage", "Window", "assign_windows",
     "check_frontend", "check_independence", "cleanup", "compute_weights", "find_dit_calls",
-    "rewrite_windows", "run_passes",
+    "place_grad_modes", "rewrite_windows", "run_passes",
 ]

@@ -11,16 +11,16 @@ from __future__ import annotations
 
 from torch import fx
 
-from jaggc.graph_ops import dit_call, is_in_place, jagg_window
+from jaggc.graph_ops import is_in_place
 
 from .context import PassContext
 
 
 def _is_impure(node: fx.Node) -> bool:
     # fx calls every call_method pure (``v.unsqueeze_(0)`` with its result unused would vanish)
-    # and a leaf module pure unless it says otherwise
-    return (node.is_impure() or node.op == "call_module" or is_in_place(node)
-            or (node.op == "call_function" and node.target in (dit_call, jagg_window)))
+    # and a leaf module pure unless it says otherwise; jaggc's runtime targets are registered
+    # with torch's has_side_effect (graph_ops.RUNTIME_TARGETS), so is_impure covers them
+    return node.is_impure() or node.op == "call_module" or is_in_place(node)
 
 
 def cleanup(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

@@ -58,6 +58,7 @@ class PassContext:
     windows: list[Window] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     watched: list[str] = field(default_factory=list)   # the modules the frontend kept opaque, for messages
+    entry_grad: bool = True    # the grad mode the graph is entered in (the caller's, at capture)
 
     def dit_calls(self, gm: fx.GraphModule) -> list[fx.Node]:
         return [n for n in gm.graph.nodes if "jagg_call" in n.meta]

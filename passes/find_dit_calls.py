@@ -9,17 +9,17 @@ from __future__ import annotations
 
 from collections import Counter
 
-import torch
 from torch import fx
 
 from jaggc._compat import tree_flatten, tree_unflatten
 from jaggc.errors import JaggGraphError
-from jaggc.frontends.dynamo import unwrap, user_source
-from jaggc.graph_ops import dit_call
+from jaggc.graph_ops import dit_call, user_source
 from jaggc.runtime.calls import DitCall
 from jaggc.runtime.checks import check_placement
+from jaggc.runtime.module_state import unwrap
 
 from .context import CallSite, PassContext
+from .grad_modes import is_grad_switch
 
 
 def source_of(node: fx.Node) -> str:
@@ -27,24 +27,25 @@ def source_of(node: fx.Node) -> str:
     return user_source(node)
 
 
-def tag_grad_mode(gm: fx.GraphModule) -> None:
-    enabled = True
+def tag_grad_mode(gm: fx.GraphModule, entry: bool = True) -> None:
+    enabled = entry
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+        if is_grad_switch(node):
             enabled = bool(node.args[0])
         node.meta["jagg_grad"] = enabled
 
 
 def find_dit_calls(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    tag_grad_mode(gm)
+    tag_grad_mode(gm, ctx.entry_grad)
     calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is dit_call]
     if not calls:
         seen = sorted({type(m).__name__ for name, m in gm.named_children()})
         watched = ", ".join(ctx.watched) or "none"
         raise JaggGraphError(
             f"no DiT call found in the loss: it never calls the module(s) jaggc watched ({watched}); "
-            f"other modules called as graph units: {seen or 'none'}. Call the DiT as a module, "
-            f"`dit(...)`, and pass it as an argument or with jagg_compile(dit=model)")
+            f"other modules called as graph units: {seen or 'none'}. If the batch holds no trained step (an "
+            f"empty trajectory), there is nothing to train: check its step count. Otherwise call the DiT as a "
+            f"module, `dit(...)`, and pass it as an argument or with jagg_compile(dit=model)")
 
     def module_of(node):
         return unwrap(gm.get_submodule(node.args[0].target))

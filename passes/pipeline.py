@@ -15,12 +15,13 @@ from typing import Callable
 
 from torch import fx
 
-from jaggc.errors import JaggError, JaggGraphError
+from jaggc.errors import JaggError, JaggInternalError
 
 from .check_frontend import check_frontend
 from .cleanup import cleanup
 from .context import PassContext
 from .find_dit_calls import find_dit_calls
+from .grad_modes import place_grad_modes
 from .independence import check_independence
 from .rewrite import rewrite_windows
 from .weights import compute_weights
@@ -30,7 +31,7 @@ Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
 DEFAULT_PASSES: tuple[Pass, ...] = (
     check_frontend, find_dit_calls, check_independence, assign_windows, compute_weights,
-    rewrite_windows, cleanup,
+    rewrite_windows, cleanup, place_grad_modes,
 )
 
 
@@ -73,13 +74,13 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, passes=DEFAULT_PASSES) -> t
                 if len(before) != len(after) or any(
                         a[0] is not b[0] or a[1:3] != b[1:3] or a[3] is not b[3] or a[4] is not b[4]
                         for a, b in zip(before, after)):
-                    raise JaggGraphError(f"analysis pass {p.__name__} changed the graph; only transforms may")
+                    raise JaggInternalError(f"analysis pass {p.__name__} changed the graph; only transforms may")
                 stages.append(Stage(p.__name__, stages[-1].code))
                 continue
         except JaggError:
             raise
         except Exception as e:  # a pass bug must not look like a user error, nor pass silently
-            raise JaggGraphError(f"pass {p.__name__} failed after {[s.name for s in stages]}: "
+            raise JaggInternalError(f"pass {p.__name__} failed after {[s.name for s in stages]}: "
                                  f"{type(e).__name__}: {e}") from e
         last = i == len(passes) - 1
         stages.append(Stage(p.__name__, graph_code(gm, compile=last)))

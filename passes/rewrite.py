@@ -49,6 +49,7 @@ def rewrite_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         with graph.inserting_after(plan):
             window_node = graph.call_function(jagg_window, (last.args[0], calls, plan))
         window_node.meta["jagg_window"] = w.index
+        window_node.meta["jagg_grad"] = True     # a window's calls are trained, grad-enabled calls
         w.node = window_node
         anchor = window_node
         for pos, old in enumerate(w.nodes):
@@ -57,6 +58,7 @@ def rewrite_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             anchor = out
             out.meta["jagg_call"] = old.meta["jagg_call"]
             out.meta["jagg_window"] = w.index
+            out.meta["jagg_grad"] = True
             old.replace_all_uses_with(out)
         for old in w.nodes:
             graph.erase_node(old)
@@ -118,6 +120,7 @@ def _rewrite_routed(gm: fx.GraphModule, ctx: PassContext) -> None:
         plan_node = graph.get_attr("jagg_trajectory_plan")
     with graph.inserting_after(plan_node):
         node = graph.call_function(jagg_trajectory, (last.args[0], calls, plan_node))
+    node.meta["jagg_grad"] = True
     anchor = node
     for pos, old in enumerate(nodes):
         with graph.inserting_after(anchor):
@@ -125,6 +128,7 @@ def _rewrite_routed(gm: fx.GraphModule, ctx: PassContext) -> None:
         anchor = out
         out.meta["jagg_call"] = old.meta["jagg_call"]
         out.meta["jagg_window"] = old.meta["jagg_call"].window
+        out.meta["jagg_grad"] = True
         old.replace_all_uses_with(out)
     for old in nodes:
         graph.erase_node(old)

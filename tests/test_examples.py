@@ -24,4 +24,4 @@ def test_lora_grpo_trainer_runs_and_saves_backwards():
     for jagg, exact, cos in rows:
         assert int(jagg) * 4 == int(exact)          # 8 steps, W=4: 2 joint backwards per loss instead of 8
         assert float(cos) > 0.9
-    assert "capture path: dynamo" in out.stdout
+    assert "capture path: fx" in out.stdout

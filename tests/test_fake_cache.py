@@ -35,7 +35,7 @@ def test_capture_runs_one_fake_forward_per_signature():
     ex = example_losses.build_example("flow_grpo_sd3", num_steps=6, batch=2, seed=0)
     seen, handle = _count_fake_forwards(ex.model)
     try:
-        compiled = jagg_compile(ex.loss_fn, window=2)
+        compiled = jagg_compile(ex.loss_fn, window=2, capture="dynamo")
         zero_grads(ex.model)
         compiled(ex.model, ex.batch).backward()
     finally:
@@ -104,7 +104,7 @@ def test_tuple_output_calls_are_traced_as_one_custom_op(name, fast):
 
     ex = example_losses.build_example(name, num_steps=4, batch=2, seed=0)
     sites = len(opaque_op._SITES)
-    compiled = jagg_compile(ex.loss_fn, window=2)
+    compiled = jagg_compile(ex.loss_fn, window=2, capture="dynamo")
     zero_grads(ex.model)
     compiled(ex.model, ex.batch).backward()
     assert (len(opaque_op._SITES) > sites) == fast

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import re
 import weakref
 from typing import Iterable
 
@@ -28,35 +27,15 @@ from torch._subclasses.fake_tensor import FakeTensor
 from .. import _compat
 from .._compat import tree_flatten
 from ..errors import JaggGraphError
-from ..graph_ops import dit_call, flatten_output
+from ..graph_ops import dit_call, flatten_output, user_source
 from ..runtime.calls import DitCall
 from ..runtime.checks import conform_placement
+from ..runtime.module_state import module_chain
 from . import opaque_op
 from .fake_cache import cached_fake_call
 
 _OPAQUE: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
 _MISSING = object()
-
-
-def module_chain(module: nn.Module) -> list[nn.Module]:
-    """The module and every wrapper-held module under it (DDP/FSDP .module, peft, compile)."""
-    chain = [module]
-    while True:
-        m = chain[-1]
-        inner = None
-        if hasattr(m, "_orig_mod") and isinstance(m._orig_mod, nn.Module):  # torch.compile
-            inner = m._orig_mod
-        elif hasattr(m, "get_base_model") and callable(m.get_base_model):  # peft PeftModel
-            inner = m.get_base_model()
-        elif type(m).__name__ in ("DistributedDataParallel", "FullyShardedDataParallel", "DataParallel"):
-            inner = m.module
-        if inner is None or inner is m or inner in chain:
-            return chain
-        chain.append(inner)
-
-
-def unwrap(module: nn.Module) -> nn.Module:
-    return module_chain(module)[-1]
 
 
 # nonstrict_trace accepts only graphable leaves (tensors, numbers, str, ...), and None is a leaf
@@ -240,15 +219,6 @@ def opaque_modules(modules: Iterable[nn.Module]):
                 m.__dict__.pop(slot, None)
             else:
                 m.__dict__[slot] = old
-
-
-def user_source(node: fx.Node) -> str:
-    """``file:line`` of the user code that made ``node`` (from its stack trace), skipping jaggc's
-    own frontend frames (the opaque-call slots sit between the user's call and the DiT); "" if
-    unknown."""
-    found = re.findall(r'File "([^"]+)", line (\d+)', node.meta.get("stack_trace") or "")
-    found = [(f, line) for f, line in found if "/jaggc/frontends/" not in f.replace("\\", "/")]
-    return f"{found[-1][0]}:{found[-1][1]}" if found else ""
 
 
 def check_called_as_module(node: fx.Node, module: nn.Module, fn) -> None:

@@ -18,6 +18,7 @@ DiT forward on fake tensors, not fifty.
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Any, Callable
 
 import torch
@@ -26,7 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .. import _compat
 from .._compat import tree_map
-from ..errors import JaggUnsupportedError
+from ..errors import JaggCaptureError, JaggError, JaggInternalError
 from ..graph_ops import dit_call, is_in_place
 from .dynamo import is_distributed, real_run_as_fake
 from .fake_cache import TensorMeta, cached_fake_call
@@ -42,7 +43,7 @@ def running() -> bool:
 
 
 @contextlib.contextmanager
-def _running():
+def running_real_code():
     _RUNNING[0] += 1
     try:
         yield
@@ -58,13 +59,23 @@ class ExampleValues:
     running an op on fake tensors costs more than tracing it) or a plain Python value.
     """
 
-    def __init__(self, root_value: Callable[[str], Any], describe: Callable[[fx.Node], str]):
+    def __init__(self, root_value: Callable[[str], Any], describe: Callable[[fx.Node], str],
+                 concrete: Callable[[fx.Node], Any] | None = None,
+                 guard_value: Callable[[fx.Node], None] | None = None):
         # allow_non_fake_inputs: the DiT's real parameters meet fake activations in its fake run
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.values: dict[fx.Node, Any] = {}
         self.order: dict[fx.Node, int] = {}
         self.root_value = root_value      # get_attr target -> the real object
         self.describe = describe          # node -> "file:line: " of the user code that made it
+        # node -> its real value, for an op fake tensors cannot run: one whose output shape
+        # depends on values (``nonzero``: the caller guards the shape, value_reads.py), or a
+        # Python number made from a tensor (``math.sqrt(delta_t)``, which fx records as a node)
+        self.concrete = concrete
+        # such a number stands in for a traced value: harmless in arithmetic, but if a shape could
+        # depend on it (``torch.arange(n)``, ``x[:n]``) ``guard_value`` records it as a read
+        self.guard_value = guard_value
+        self.standins: set[fx.Node] = set()
         self._real_code: contextlib.ExitStack | None = None
 
     def add(self, node: fx.Node) -> None:
@@ -87,9 +98,21 @@ class ExampleValues:
             stack.extend(n.all_input_nodes)
         with contextlib.ExitStack() as self._real_code:
             for n in sorted(pending, key=self.order.__getitem__):
-                self.values[n] = self._compute(n)
+                self.values[n] = self._compute_tracking_standins(n)
         self._real_code = None
         return self.values[node]
+
+    def _compute_tracking_standins(self, node: fx.Node) -> Any:
+        standin_inputs = [a for a in node.all_input_nodes if a in self.standins]
+        if standin_inputs and not _shape_independent_of_scalars(node) and self.guard_value is not None:
+            for a in standin_inputs:
+                self.guard_value(a)
+                self.standins.discard(a)
+            standin_inputs = []
+        value = self._compute(node)
+        if standin_inputs and not isinstance(value, (torch.Tensor, TensorMeta)):
+            self.standins.add(node)      # a number computed from a stand-in is one too
+        return value
 
     def run_in_place_op(self, node: fx.Node) -> None:
         """An in-place op (``v.unsqueeze_(0)``) changes its input's metadata from here on: every
@@ -107,7 +130,7 @@ class ExampleValues:
         stack = self._real_code
         if not getattr(stack, "entered", False):
             stack.enter_context(self.mode)
-            stack.enter_context(_running())
+            stack.enter_context(running_real_code())
             stack.entered = True
         if unpatched and not getattr(stack, "unpatched", False):
             stack.enter_context(_compat.fx_patches_reverted())
@@ -125,7 +148,7 @@ class ExampleValues:
 
     def _compute(self, node: fx.Node) -> Any:
         if node.op == "placeholder":
-            raise JaggUnsupportedError(f"internal: placeholder {node.name} has no example value")
+            raise JaggInternalError(f"placeholder {node.name} has no example value")
         if node.op == "get_attr":
             value = self.root_value(node.target)
             return self.mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
@@ -142,7 +165,7 @@ class ExampleValues:
             elif node.op == "call_method":
                 owner, fn = ("method", node.target), _call_method(node.target)
             else:
-                raise JaggUnsupportedError(f"internal: no example value for {node.op} node {node.name}")
+                raise JaggInternalError(f"no example value for {node.op} node {node.name}")
             if is_in_place(node):
                 # an in-place op changes its input's metadata (unsqueeze_): run it on the stored
                 # fake input itself, never from the cache
@@ -151,13 +174,45 @@ class ExampleValues:
                 args, kwargs = fx.node.map_arg((node.args, node.kwargs), self.values.__getitem__)
                 return self._really(fn)(*args, **kwargs)
             return cached_fake_call(owner, self._really(fn), args, kwargs, mode=self.mode, as_metadata=True)
-        except JaggUnsupportedError:
+        except JaggError:
             raise
         except Exception as e:  # data-dependent output shapes, ops without a fake kernel, ...
-            raise JaggUnsupportedError(
+            if self.concrete is not None and _is_data_dependent(e):
+                real = self.concrete(node)
+                if isinstance(real, torch.Tensor):
+                    return self.mode.from_tensor(real)
+                self.standins.add(node)
+                return real
+            raise JaggCaptureError(
                 f"{self.describe(node)}the loss asks for a shape, dtype or device that depends on "
                 f"{node.format_node()}, which cannot be computed from the inputs' shapes "
-                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Use capture='dynamo'") from e
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", path="fx",
+                where=self.describe(node).rstrip(": ")) from e
+
+
+# ops whose output shape does not depend on the value of a Python-number argument
+_SCALAR_SAFE_FUNCTIONS = frozenset({
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod, operator.pow,
+    operator.neg, operator.pos, operator.abs, torch.add, torch.sub, torch.mul, torch.div, torch.pow, torch.where,
+    torch.clamp, torch.exp, torch.log, torch.sqrt, torch.maximum, torch.minimum, torch.full_like})
+_SCALAR_SAFE_METHODS = frozenset({
+    "add", "sub", "mul", "div", "pow", "neg", "rsub", "clamp", "clamp_min", "clamp_max", "exp", "log", "sqrt",
+    "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
+    "__pow__", "__rpow__", "__neg__", "to", "float", "double"})
+
+
+def _shape_independent_of_scalars(node: fx.Node) -> bool:
+    """True if the output shape of ``node`` cannot depend on the value of a number it takes."""
+    if node.op == "call_method":
+        return node.target in _SCALAR_SAFE_METHODS
+    if node.op != "call_function":
+        return False
+    return node.target in _SCALAR_SAFE_FUNCTIONS or getattr(node.target, "__module__", None) == "math"
+
+
+def _is_data_dependent(e: Exception) -> bool:
+    """A fake-tensor failure because the output shape depends on input values (``nonzero``)."""
+    return type(e).__name__ in ("DynamicOutputShapeException", "DataDependentOutputException")
 
 
 def _is_builtin_op(fn) -> bool:

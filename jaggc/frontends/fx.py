@@ -1,40 +1,49 @@
 """torch.fx capture with the DiT as a leaf: Python loops unroll, each DiT call is one node.
 
-Unlike plain torch.fx, questions about a traced value's shape, dtype or device (``x.ndim``,
-``range(batch["timesteps"].shape[1])``) get concrete answers (``example_values.py``), so a real
-Flow-GRPO loss traces; the cache key holds every input's shape, dtype and device. This is the
-fast capture: a 50-step loss traces in about a fifth of Dynamo's time, without Dynamo's guards
-on globals and closures (``fx_guards.py`` puts the constants the loss reads into the cache key).
+Plain torch.fx cannot trace a trainer's loss; this tracer records what plain FX loses:
 
-Arguments are bound to the function's signature: tensors (also inside dicts, lists and tuples)
-become placeholders, everything else (Python ints for the step count, modules, configs) is
-baked in as a constant, so a change in a constant re-traces (the cache key includes them).
-FX silently drops ``torch.no_grad()`` / ``torch.autocast`` blocks (it records ops, not modes) and
-inlines ``autograd.Function.apply`` without its backward, so both are refused while tracing (an op
-traced under a mode other than the caller's, also inside a helper function), as is calling the DiT
-through ``.forward``.
+- **questions about a traced value's metadata** (``x.ndim``, ``range(batch["timesteps"].shape[1])``)
+  get concrete answers from fake-tensor example values (``example_values.py``); the cache key holds
+  every input's shape, dtype and device;
+- **questions about a traced value's value** (``math.sqrt(delta_t)``, ``float(sigma)``,
+  ``t.item()``, ``bool(torch.isfinite(t).all())``, Flow-GRPO's ``index_for_timestep``) get the real
+  answer from the call's inputs, baked in and re-checked on every later call by a guard
+  (``value_reads.py``); a value that depends on a DiT output is refused;
+- **grad mode**: a ``with torch.no_grad():`` block (a KL reference call, a diagnostic) is recorded
+  as ``_set_grad_enabled`` nodes, as Dynamo records it (plain FX drops it and changes gradients);
+- **module state**: a DiT call traced in another state than the loss was entered in (inside peft's
+  ``disable_adapter()``, after ``dit.train()``) is replayed in that state (``set_module_state``
+  nodes, and a ``state`` on the reference call); FX alone would run every call in whatever state
+  the module has, and the KL reference would be the policy itself;
+- arguments are bound to the function's signature: tensors (also inside dicts, lists and tuples)
+  become placeholders, everything else is baked in (the cache key holds it, ``fx_guards.py``).
+
+Still refused, as ``JaggCaptureError`` (another path may take the loss): an op traced under another
+autocast or inference mode than the caller's (FX records ops, not autocast regions), raw
+``autograd.Function.apply`` (FX loses its backward), in-place writes into trace constants, shapes
+that cannot be computed. Calling the DiT through ``.forward`` is a final refusal.
 """
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import inspect
 import linecache
-import textwrap
 import traceback
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import fx, nn
 
-from .._compat import tree_flatten, tree_unflatten
-from ..errors import JaggUnsupportedError
-from ..graph_ops import dit_call, is_in_place
+from .._compat import SET_GRAD_ENABLED, fake_mode_suspended, tree_flatten, tree_unflatten
+from ..errors import JaggCaptureError, JaggGraphError
+from ..graph_ops import dit_call, is_in_place, set_module_state, user_source
+from ..runtime.module_state import ModuleState, applicable, autocast_state, difference, module_state
 from . import example_values
-from .dynamo import user_source
 from .example_values import ExampleValues
+from .value_reads import Guard, ValueReads
 
 
 def _bind(fn: Callable, args: tuple, kwargs: dict) -> inspect.BoundArguments:
@@ -52,31 +61,9 @@ def concrete_args_for(fn: Callable, args: tuple, kwargs: dict) -> dict[str, Any]
     return concrete
 
 
-def refuse_no_grad_blocks(fn: Callable) -> None:
-    """FX drops ``with torch.no_grad()`` (the gradient would change silently): refuse it."""
-    try:
-        source = textwrap.dedent(inspect.getsource(fn))
-        filename, first_line = inspect.getsourcefile(fn), inspect.getsourcelines(fn)[1]
-    except (OSError, TypeError):
-        return
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.With):
-            for item in node.items:
-                text = ast.unparse(item.context_expr)
-                if any(k in text for k in ("no_grad", "inference_mode", "set_grad_enabled", "disable_adapter")):
-                    raise JaggUnsupportedError(
-                        f"{filename}:{first_line + node.lineno - 1}: `with {text}:` cannot be captured by the "
-                        f"FX frontend (torch.fx drops grad-mode blocks, which would change the gradient). "
-                        f"Use `.detach()` on the values instead, or capture='dynamo'"
-                    )
-
-
 class ShapedProxy(fx.Proxy):
-    """A Proxy that answers metadata questions (shape, dtype, ...) from its node's example value.
-
-    Everything else stays symbolic; a question about a value (``bool``, ``.item()``) still fails
-    the trace, as in plain FX.
-    """
+    """A Proxy that answers metadata questions from its node's example value, and value questions
+    (``float(x)``, ``x.item()``, ``bool(x)``) with a guarded read of the real value."""
 
     def _example(self):
         return self.tracer.examples.of(self.node)
@@ -89,13 +76,43 @@ class ShapedProxy(fx.Proxy):
         return iter([self[i] for i in range(len(self._example()))])
 
     def __getattr__(self, k):
+        if k.startswith("__") and k.endswith("__"):
+            # protocol probes (``__cuda_array_interface__``, ``__array__``): a traced tensor has none
+            raise AttributeError(k)
         return ShapedAttribute(self, k)
+
+    def __float__(self):
+        return self.tracer.reads.read(self.node, "float")
+
+    def __int__(self):
+        return self.tracer.reads.read(self.node, "int")
+
+    def __index__(self):
+        return self.tracer.reads.read(self.node, "index")
+
+    def __complex__(self):
+        return self.tracer.reads.read(self.node, "complex")
+
+    def item(self):
+        return self.tracer.reads.read(self.node, "item")
+
+    def tolist(self):
+        return self.tracer.reads.read(self.node, "tolist")
 
 
 def _answered_from_example(name: str, method: bool):
+    def example(self):
+        try:
+            return self._example()
+        except AttributeError as e:
+            # raised inside a property, an AttributeError would make Python fall back to
+            # __getattr__ and silently hand the loss a Proxy instead of the answer
+            raise JaggCaptureError(f"{_source_prefix(self.node)}computing the {name} of {self.node.name} failed: "
+                                   f"AttributeError: {e}", path="fx") from e
+
     if method:
-        return lambda self, *args, **kwargs: getattr(self._example(), name)(*args, **kwargs)
-    return property(lambda self: getattr(self._example(), name))
+        return lambda self, *args, **kwargs: getattr(example(self), name)(*args, **kwargs)
+    return property(lambda self: getattr(example(self), name))
 
 
 for _name in ("shape", "ndim", "dtype", "device", "is_cuda"):
@@ -108,10 +125,10 @@ class ShapedAttribute(ShapedProxy, fx.proxy.Attribute):
     """``out.sample`` of a DiT output: a lazily created getattr node that also has a shape."""
 
 
-def _execution_modes() -> tuple:
-    """The modes an op runs under that fx does not record: grad, inference, autocast."""
-    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
-            tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")))
+def _unrecorded_modes() -> tuple:
+    """The modes an op runs under that the trace cannot record: inference mode, autocast."""
+    return (torch.is_inference_mode_enabled(),
+            autocast_state())
 
 
 def _source_prefix(node: fx.Node) -> str:
@@ -122,17 +139,22 @@ def _source_prefix(node: fx.Node) -> str:
 class DiTLeafTracer(fx.Tracer):
     """Keeps the DiT (and any wrapper around it) opaque: each call becomes a ``dit_call`` node.
 
-    ``inputs`` are the flattened argument leaves in signature order (one placeholder each), whose
-    fake copies seed the example values the ``ShapedProxy`` questions are answered from.
+    ``inputs`` are the flattened argument leaves in signature order (one placeholder each): their
+    fake copies seed the example values, the real ones the value reads.
     """
 
     def __init__(self, dits: list[nn.Module], inputs: list):
         super().__init__()
         self.dits = {id(m): m for m in dits}
         self.installed: dict[str, nn.Module] = {}
-        self.examples = ExampleValues(self._root_value, _source_prefix)
+        self.reads: ValueReads | None = None
+        self.examples = ExampleValues(self._root_value, _source_prefix, self._concrete,
+                                      lambda node: self.reads.read(node, "value"))
+        self.reads = ValueReads(self._root_value, _source_prefix, self.examples.order)
         self._inputs = list(reversed(inputs))
-        self.modes = _execution_modes()
+        self.modes = _unrecorded_modes()
+        self.grad_mode = torch.is_grad_enabled()     # the mode the recorded nodes run under
+        self.entry_grad = self.grad_mode
 
     def _root_value(self, target: str):
         if target in self.installed:
@@ -142,34 +164,59 @@ class DiTLeafTracer(fx.Tracer):
             value = getattr(value, part)
         return value
 
+    def _concrete(self, node: fx.Node):
+        """The real value of a node fake tensors cannot run: a tensor of value-dependent shape
+        (``nonzero``: its shape becomes a guarded read) or a number (``math.sqrt(delta_t)``)."""
+        with fake_mode_suspended():
+            real = self.reads.real_value(node)
+            if isinstance(real, torch.Tensor):
+                self.reads.read(node, "shape")
+            return real
+
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return ShapedProxy(node, self)
 
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        return self.reads.read(obj.node, "bool")
+
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None) -> fx.Node:
+        if kind != "placeholder":
+            self._record_grad_mode()
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
         # the user's line only (error messages name one line), not fx's record_stack_traces
         node.stack_trace = _user_line()
-        if kind != "placeholder" and _execution_modes() != self.modes:
-            raise JaggUnsupportedError(
-                f"{_source_prefix(node)}this op is traced under another grad or autocast mode than the loss "
-                f"was called with (a `with torch.no_grad():`, `torch.autocast(...)` or `@torch.no_grad()` in the "
-                f"loss or a function it calls); torch.fx records the op but not the mode, so the compiled loss "
-                f"would run it in the caller's mode. Use capture='dynamo'")
+        if kind != "placeholder" and _unrecorded_modes() != self.modes:
+            raise JaggCaptureError(
+                f"{_source_prefix(node)}this op is traced under another autocast or inference mode than the "
+                f"loss was called with (a `torch.autocast(...)` or `torch.inference_mode()` block in the loss or "
+                f"a function it calls); torch.fx records ops, not autocast regions, so the compiled loss would "
+                f"run it in the caller's mode. Call the whole loss under autocast, or let Dynamo capture it "
+                f"(Dynamo records autocast blocks)", path="fx", where=_source_prefix(node).rstrip(": "))
         self.examples.add(node)
         if kind == "placeholder":
-            self.examples.set_input(node, self._inputs.pop())
+            value = self._inputs.pop()
+            self.examples.set_input(node, value)
+            self.reads.real_inputs[node] = value
         elif is_in_place(node):
             target = node.args[0] if node.args else None
             if isinstance(target, fx.Node) and target.op == "get_attr":
                 # `total = torch.zeros(()); total.add_(v)`: the tensor is a real constant of the
                 # trace, so its later uses read the unchanged constant (a loss of 0, silently)
-                raise JaggUnsupportedError(
+                raise JaggCaptureError(
                     f"{_source_prefix(node)}the loss writes in place ({node.target if isinstance(node.target, str) else node.target.__name__}) "
                     f"into a tensor it created from constants; torch.fx records the write but every later use "
-                    f"reads the unwritten constant. Accumulate out of place (`total = total + x`) or use "
-                    f"capture='dynamo'")
+                    f"reads the unwritten constant. Accumulate out of place (`total = total + x`)",
+                    path="fx", where=_source_prefix(node).rstrip(": "))
             self.examples.run_in_place_op(node)
         return node
+
+    def _record_grad_mode(self) -> None:
+        """A ``_set_grad_enabled`` node wherever the grad mode changed since the last node."""
+        mode = torch.is_grad_enabled()
+        if mode != self.grad_mode:
+            switch = super().create_node("call_function", SET_GRAD_ENABLED, (mode,), {})
+            switch.stack_trace = _user_line()
+            self.grad_mode = mode
 
     def _attr_name(self, m: nn.Module) -> str:
         for name, mod in self.installed.items():
@@ -195,6 +242,7 @@ class DiTLeafTracer(fx.Tracer):
             dit = self.create_proxy("get_attr", self._attr_name(m), (), {})
             proxy = self.create_proxy("call_function", dit_call, (dit, tuple(args), dict(kwargs)), {})
             proxy.node.stack_trace = _user_stack()  # fx would name this frame, not the user's call
+            proxy.node.meta["jagg_traced_state"] = (m, module_state(m), torch.is_grad_enabled())
             return proxy
         return self.create_proxy("call_module", self.path_of_module(m), args, kwargs)
 
@@ -245,7 +293,7 @@ def _refuse_direct_forward(dits: list[nn.Module]):
         def refuse(*args, **kwargs):
             if example_values.running():   # the DiT's own call, run for its output's shape
                 return original(*args, **kwargs)
-            raise JaggUnsupportedError(
+            raise JaggGraphError(
                 f"{_where()}the DiT is called through `.forward(...)`; call the module itself, `dit(...)`, so "
                 f"that its hooks (DDP/FSDP gradient sync, peft) run and jaggc can see the call")
         return refuse
@@ -273,10 +321,11 @@ class _RefuseFunctionApply:
         def refuse(cls, *args, **kwargs):
             if example_values.running():   # inside the DiT or an op run for an example value
                 return original.__get__(None, cls)(*args, **kwargs)
-            raise JaggUnsupportedError(
+            raise JaggCaptureError(
                 f"{_where()}the loss calls {cls.__name__}.apply; torch.fx would inline its forward and silently drop "
                 f"its custom backward. Wrap the call in a module-level function decorated with "
-                f"@torch.fx.wrap, or use capture='dynamo'")
+                f"@torch.fx.wrap, or use capture='dynamo' (Dynamo keeps the custom backward)",
+                path="fx", where=_where().rstrip(": "))
 
         torch.autograd.Function.apply = classmethod(refuse)
         return self
@@ -285,25 +334,111 @@ class _RefuseFunctionApply:
         torch.autograd.Function.apply = self.original
 
 
-def capture_fx(fn: Callable, args: tuple, kwargs: dict, dits: list[nn.Module]) -> fx.GraphModule:
+@dataclass
+class FxCapture:
+    """A traced loss: the graph, the guard over the values it read (None: it read none), and the
+    grad mode it was entered in."""
+
+    gm: fx.GraphModule
+    guard: Guard | None
+    entry_grad: bool
+
+
+def capture_fx(fn: Callable, args: tuple, kwargs: dict, dits: list[nn.Module]) -> FxCapture:
     """Trace ``fn(*args, **kwargs)`` into a GraphModule with ``dit_call`` nodes."""
-    refuse_no_grad_blocks(fn)
     concrete = concrete_args_for(fn, args, kwargs)
     inputs = [leaf for value in _bind(fn, args, kwargs).arguments.values() for leaf in tree_flatten(value)[0]]
     tracer = DiTLeafTracer(dits, inputs)
+    entry = {id(m): module_state(m) for m in dits}
     try:
         with _refuse_direct_forward(dits), _RefuseFunctionApply(), warnings.catch_warnings():
             # fx cannot add an assertion for a module-valued concrete argument; the cache key has its id
             warnings.filterwarnings("ignore", message="Was not able to add assertion")
             graph = tracer.trace(fn, concrete_args=concrete)
-    except JaggUnsupportedError:
+    except (JaggCaptureError, JaggGraphError):
         raise
-    except Exception as e:  # TraceError, TypeError from len()/range() on proxies, ...
-        raise JaggUnsupportedError(
-            f"the FX frontend cannot trace {getattr(fn, '__qualname__', fn)}: {type(e).__name__}: {e}. "
-            f"Control flow on tensor values (`if` on a tensor, `.item()`, `range(int(x))`) needs "
-            f"capture='dynamo'; shapes, dtypes and devices may be used freely") from e
+    except Exception as e:  # noqa: BLE001
+        # TraceError, an isinstance(x, torch.Tensor) check on a Proxy, or an error the loss raised
+        # on a traced stand-in: another path, running the loss on real tensors, decides (a real
+        # error raised by the loss surfaces there)
+        raise JaggCaptureError(
+            f"{_where_in_traceback(e)}the FX frontend cannot trace {getattr(fn, '__qualname__', fn)}: "
+            f"{type(e).__name__}: {e}", path="fx", where=_where_in_traceback(e).rstrip(": ")) from e
+    exits = {id(m): module_state(m) for m in dits}
     # the DiT and other called modules, and tensors the loss built from constants while tracing
     # (``torch.ones(x.shape[-1])`` once the shape is known), which fx stores as ``_tensor_constant``
     root = {n.target: tracer._root_value(n.target) for n in graph.nodes if n.op in ("get_attr", "call_module")}
-    return fx.GraphModule(root, graph, class_name="JaggLoss")
+    _place_module_states(graph, root, entry, exits)
+    guard = tracer.reads.guard(graph, root)
+    return FxCapture(fx.GraphModule(root, graph, class_name="JaggLoss"), guard, tracer.entry_grad)
+
+
+def _where_in_traceback(e: BaseException) -> str:
+    """``file:line: `` of the innermost user frame of an exception raised while tracing."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if not any(part in f.filename.replace("\\", "/") for part in _INTERNAL_FILES + ("/torch/",))]
+    return f"{frames[-1].filename}:{frames[-1].lineno}: " if frames else ""
+
+
+def _place_module_states(graph: fx.Graph, root: dict, entry: dict[int, ModuleState],
+                         exits: dict[int, ModuleState]) -> None:
+    """Replay the module-state changes the loss made while it was traced (module docstring).
+
+    The trained (grad-enabled) calls of a module must share one state, the graph's base state for
+    that module: a prologue sets it if the loss changed it before them (``dit.train()``). A call
+    traced in another state (a no-grad reference under ``disable_adapter()``) runs in its own
+    state; an epilogue leaves the module as the loss left it."""
+    by_module: dict[int, list[fx.Node]] = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is dit_call:
+            by_module.setdefault(id(node.meta["jagg_traced_state"][0]), []).append(node)
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    output = next(n for n in graph.nodes if n.op == "output")
+    count = 0
+
+    def state_attr(state: ModuleState, before: fx.Node) -> fx.Node:
+        nonlocal count
+        name = f"jagg_module_state_{count}"
+        count += 1
+        root[name] = state
+        with graph.inserting_before(before), warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)   # get_attr of a plain object
+            return graph.get_attr(name)
+
+    for calls in by_module.values():
+        module = calls[0].meta["jagg_traced_state"][0]
+        trained = [n for n in calls if n.meta["jagg_traced_state"][2]]
+        states = {n.meta["jagg_traced_state"][1] for n in trained}
+        if len(states) > 1:
+            a, b = trained[0], next(n for n in trained if n.meta["jagg_traced_state"][1] != trained[0].meta["jagg_traced_state"][1])
+            raise JaggCaptureError(
+                f"{user_source(b)}: this grad-enabled DiT call runs in another module state than the one at "
+                f"{user_source(a)} ({difference(a.meta['jagg_traced_state'][1], b.meta['jagg_traced_state'][1])}); "
+                f"a JAGG window pairs the Jacobians of its calls, which is only meaningful for one module state. "
+                f"Keep the trained calls in one state (reference calls may differ if run under torch.no_grad())",
+                path="fx", where=user_source(b))
+        base = states.pop() if states else entry[id(module)]
+        for node, state in [(first, base)] + [(n, n.meta["jagg_traced_state"][1]) for n in calls] + [(output, exits[id(module)])]:
+            frm = entry[id(module)] if node is first else base
+            if state != frm and not applicable(frm, state):
+                raise JaggCaptureError(
+                    f"{user_source(node) or 'the loss'}: the DiT is called in another state than the loss was "
+                    f"entered in ({difference(frm, state)}); a compiled graph can replay train/eval, requires_grad "
+                    f"and peft adapter switches, not changed hooks, merged adapters or autocast",
+                    path="fx", where=user_source(node))
+        dit_name = calls[0].args[0].target
+        if base != entry[id(module)]:
+            attr = state_attr(base, first)
+            with graph.inserting_after(attr):
+                dit_attr = graph.get_attr(dit_name)
+            with graph.inserting_after(dit_attr):
+                graph.call_function(set_module_state, (dit_attr, attr))
+        for node in calls:
+            state = node.meta["jagg_traced_state"][1]
+            if state != base:
+                node.kwargs = {**node.kwargs, "state": state_attr(state, node)}
+        if exits[id(module)] != base:
+            attr = state_attr(exits[id(module)], output)
+            with graph.inserting_before(output):
+                dit_attr = graph.get_attr(dit_name)
+                graph.call_function(set_module_state, (dit_attr, attr))

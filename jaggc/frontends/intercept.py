@@ -17,6 +17,11 @@ It costs one extra forward of every step compared with a captured graph (the kno
 twice: once without grad in the recording, once with grad) and runs the loss's Python twice. No-grad
 calls (KL reference forwards) go straight to the DiT in both runs. The DiT must be an argument of
 the loss (a closed-over module cannot be swapped for the proxy).
+
+Every recorded call keeps the DiT's module state (``module_state.py``): windows never mix calls of
+different states, each window runs in its calls' state, the recording cache keys rows by state (a
+reference call under ``disable_adapter()`` has the policy call's inputs, not its output), and the
+replay refuses a call whose state differs from the recording's.
 """
 
 from __future__ import annotations
@@ -29,12 +34,13 @@ import torch
 from torch import nn
 
 from .._compat import tree_flatten, tree_map
-from ..errors import JaggGraphError, JaggInputError, JaggUnsupportedError
+from ..errors import JaggCaptureError, JaggGraphError, JaggInputError
 from ..runtime.calls import DitCall
 from ..runtime.checks import check_placement
 from ..runtime.rollout_cache import RolloutCache
 from ..runtime.routing import Routing, run_routed
 from ..runtime.deferred import BackwardGroup
+from ..runtime.module_state import ModuleState, applied, difference, module_state
 from ..runtime.window import WindowOptions, deferred_grad_forwards, partition, run_exact, run_window
 
 
@@ -96,11 +102,13 @@ def _structure(call: DitCall):
     return str(spec), tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x) for x in flat)
 
 
-def window_groups(calls: Sequence[DitCall], window: int) -> list[list[int]]:
-    """Consecutive calls with one argument structure, cut into windows (a shorter tail is its own)."""
+def window_groups(calls: Sequence[DitCall], window: int, states: Sequence[ModuleState] | None = None) -> list[list[int]]:
+    """Consecutive calls with one argument structure and module state, cut into windows (a shorter
+    tail is its own)."""
     runs: list[list[int]] = []
+    same_state = (lambda a, b: True) if states is None else (lambda a, b: states[a] == states[b])
     for k, call in enumerate(calls):
-        if runs and _structure(calls[runs[-1][-1]]) == _structure(call):
+        if runs and _structure(calls[runs[-1][-1]]) == _structure(call) and same_state(runs[-1][-1], k):
             runs[-1].append(k)
         else:
             runs.append([k])
@@ -117,29 +125,37 @@ class InterceptedLoss:
         self.decision = None
         self.windows: list[list[int]] = []
         self.recorded: list[DitCall] = []
+        self.states: list[ModuleState] = []
 
     def __call__(self, dit: nn.Module, bound: inspect.BoundArguments):
-        recorded, cache = self._record(dit, bound)
+        recorded, states, cache = self._record(dit, bound)
         if not recorded:
             raise JaggGraphError(
                 f"the loss made no grad-enabled call of its DiT argument {self.dit_arg!r}; nothing to rewrite")
         if self.window > len(recorded):
             raise JaggInputError(f"window={self.window} is larger than the {len(recorded)} grad-enabled DiT calls "
                                  f"in the loss; use window <= {len(recorded)}")
-        self.windows = window_groups(recorded, self.window)
-        self.recorded = recorded
+        self.windows = window_groups(recorded, self.window, states)
+        self.recorded, self.states = recorded, states
         options = dataclasses.replace(self.options, rollout_cache=cache)
         if self.routing is not None and self.routing.active and not self.exact:
-            routed, self.decision = run_routed(dit, [[recorded[k] for k in idx] for idx in self.windows],
-                                               self.windows, options, self.routing)
+            if len(set(states)) > 1:
+                raise JaggCaptureError(
+                    f"routing scores all windows together, but the loss's trained DiT calls run in "
+                    f"{len(set(states))} module states ({difference(states[0], next(s for s in states if s != states[0]))}); "
+                    f"use jagg_frac=1 without routing, or keep the trained calls in one state", path="intercept")
+            with applied(dit, states[0]):
+                routed, self.decision = run_routed(dit, [[recorded[k] for k in idx] for idx in self.windows],
+                                                   self.windows, options, self.routing)
             return self._replay(dit, bound, recorded, [o for window_outs in routed for o in window_outs])
         exact = range(len(self.windows)) if self.exact else ()
         group = BackwardGroup(deferred_grad_forwards(self.windows, options, exact))
         outs: list[Any] = [None] * len(recorded)
         for w, idx in enumerate(self.windows):
             calls = [recorded[k] for k in idx]
-            window_outs = (run_exact(dit, calls, steps=idx, options=options) if self.exact
-                           else run_window(dit, calls, steps=idx, options=options, group=group))
+            with applied(dit, states[idx[0]]):
+                window_outs = (run_exact(dit, calls, steps=idx, options=options) if self.exact
+                               else run_window(dit, calls, steps=idx, options=options, group=group))
             for k, o in zip(idx, window_outs):
                 outs[k] = o
         return self._replay(dit, bound, recorded, outs)
@@ -150,6 +166,7 @@ class InterceptedLoss:
 
     def _record(self, dit, bound):
         recorded: list[DitCall] = []
+        states: list[ModuleState] = []
         cache = RolloutCache(dit, time_arg=self.options.time_arg, unbatched=self.options.unbatched)
 
         def on_call(call: DitCall):
@@ -164,12 +181,13 @@ class InterceptedLoss:
                 # would otherwise fail inside the DiT with a bare torch error
                 check_placement(dit, call, f"step {len(recorded)}")
             recorded.append(call)
+            states.append(module_state(dit))
             with torch.no_grad():
                 return _as_leaf(dit(*call.args, **call.kwargs))
 
         with cache.record():
             self._run(bound, DitProxy(dit, on_call))
-        return recorded, cache
+        return recorded, states, cache
 
     def _replay(self, dit, bound, recorded, outs):
         position = [0]
@@ -177,16 +195,23 @@ class InterceptedLoss:
         def on_call(call: DitCall):
             k = position[0]
             if k >= len(recorded) or not _same_inputs(call, recorded[k]):
-                raise JaggUnsupportedError(
+                raise JaggCaptureError(
                     f"step {k}: the loss called the DiT with different inputs on its second run than on its "
                     f"first. The intercept fallback runs the loss twice and needs it to be deterministic "
-                    f"(no sampling inside the loss); sample outside and pass the values in")
+                    f"(no sampling inside the loss); sample outside and pass the values in", path="intercept")
+            state = module_state(dit)
+            if state != self.states[k]:
+                raise JaggCaptureError(
+                    f"step {k}: the DiT is in another state on the loss's second run than on its first "
+                    f"({difference(self.states[k], state)}); the intercept fallback runs the loss twice and "
+                    f"needs the same module state at every call. Reset the state at the top of the loss "
+                    f"(dit.train()) or outside it", path="intercept")
             position[0] += 1
             return outs[k]
 
         result = self._run(bound, DitProxy(dit, on_call))
         if position[0] != len(recorded):
-            raise JaggUnsupportedError(
+            raise JaggCaptureError(
                 f"the loss made {position[0]} DiT calls on its second run and {len(recorded)} on its first; "
-                f"the intercept fallback needs the same calls every run")
+                f"the intercept fallback needs the same calls every run", path="intercept")
         return result

@@ -62,6 +62,7 @@ def count_dit_passes(dit: nn.Module):
         for leaf in grad_leaves:
             leaf.register_hook(on_grad)
 
+    on_forward._jaggc_observer = True   # module_state ignores it: it changes no output
     handle = dit.register_forward_hook(on_forward, with_kwargs=True)
     try:
         yield counts

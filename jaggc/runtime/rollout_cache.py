@@ -13,6 +13,10 @@ those of the recording: each parameter's in-place version counter (bumped by opt
 any in-place write) and identity are compared, and a mismatch drops the cache, so the runtime falls
 back to real forwards. Lookups copy the inputs to host memory to hash them (one device sync per
 interior call): still far cheaper than a DiT forward, but not free.
+
+A row is also keyed by the DiT's module state (``module_state.py``: peft adapters enabled and
+active, train/eval, autocast): a reference call recorded under ``disable_adapter()`` never
+answers a lookup made with the adapter on, though its inputs are the same.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from torch import nn
 
 from .._compat import tree_flatten, tree_unflatten
 from .calls import DitCall, batch_size, per_sample_time, resolve_time_arg, set_time
+from .module_state import module_state
 
 
 def parameter_versions(dit: nn.Module) -> tuple:
@@ -51,7 +56,7 @@ class RolloutCache:
     time_arg: str | int | None = None
     unbatched: tuple[str, ...] = ("img_ids", "txt_ids")
     stats: RolloutCacheStats = field(default_factory=RolloutCacheStats)
-    _rows: dict = field(default_factory=dict, repr=False)   # digest -> (output leaves of one row, spec)
+    _rows: dict = field(default_factory=dict, repr=False)   # (state, digest) -> (output leaves of one row, spec)
     _versions: tuple | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
@@ -68,6 +73,7 @@ class RolloutCache:
                 return
             self._store(DitCall(tuple(args), dict(kwargs)), output)
 
+        on_forward._jaggc_observer = True   # module_state ignores it: it changes no output
         handle = self.dit.register_forward_hook(on_forward, with_kwargs=True)
         try:
             yield self
@@ -94,8 +100,9 @@ class RolloutCache:
             self.stats.misses += 1
             return None
         rows = []
+        state = module_state(self.dit, hooks=False).output_key()
         for key in self._row_keys(call):
-            entry = self._rows.get(key)
+            entry = self._rows.get((state, key))
             if entry is None:
                 self.stats.misses += 1
                 return None
@@ -110,10 +117,11 @@ class RolloutCache:
     def _store(self, call: DitCall, output: Any) -> None:
         batch = batch_size(call)
         leaves, spec = tree_flatten(output)
+        state = module_state(self.dit, hooks=False).output_key()
         for b, key in enumerate(self._row_keys(call)):
             row = [leaf[b].detach().clone() if isinstance(leaf, torch.Tensor) and leaf.ndim >= 1
                    and leaf.shape[0] == batch else leaf for leaf in leaves]
-            self._rows[key] = (row, spec)
+            self._rows[(state, key)] = (row, spec)
 
     def _row_keys(self, call: DitCall) -> list[bytes]:
         """One digest per sample over all of that sample's inputs (module docstring)."""

@@ -1,0 +1,167 @@
+"""The state of a DiT that changes its output for the same inputs and parameter values.
+
+Two DiT calls with equal inputs give different outputs when the module is in another state:
+a peft adapter disabled (Flow-GRPO's KL reference runs under ``disable_adapter()``), another
+adapter active or merged, ``train()``/``eval()`` (dropout), other forward hooks, or another
+autocast dtype. Anything that reuses or pairs DiT outputs across calls (a JAGG window, the rollout
+cache, the intercept fallback's recording, a compiled graph replaying a traced call) must compare
+this state, not only the inputs.
+
+``module_state(m)`` takes a hashable snapshot; ``applied(m, state)`` puts a module into a recorded
+state for the duration of a call (what a compiled graph does for a reference call traced under
+``disable_adapter()``) and restores it after; ``difference(a, b)`` says in words how two states
+differ, for error messages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .._compat import module_hook_keys
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def module_chain(module: nn.Module) -> list[nn.Module]:
+    """The module and every wrapper-held module under it (DDP/FSDP .module, peft, compile)."""
+    chain = [module]
+    while True:
+        m = chain[-1]
+        inner = None
+        if hasattr(m, "_orig_mod") and isinstance(m._orig_mod, nn.Module):  # torch.compile
+            inner = m._orig_mod
+        elif hasattr(m, "get_base_model") and callable(m.get_base_model):  # peft PeftModel
+            inner = m.get_base_model()
+        elif type(m).__name__ in ("DistributedDataParallel", "FullyShardedDataParallel", "DataParallel"):
+            inner = m.module
+        if inner is None or inner is m or inner in chain:
+            return chain
+        chain.append(inner)
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    return module_chain(module)[-1]
+
+
+def _is_tuner_layer(m: nn.Module) -> bool:
+    # peft's BaseTunerLayer, by duck type: peft stays an optional dependency
+    return hasattr(m, "_disable_adapters") and hasattr(m, "_active_adapter")
+
+
+def _active(m: nn.Module) -> tuple[str, ...]:
+    active = m._active_adapter
+    return (active,) if isinstance(active, str) else tuple(active)
+
+
+@dataclass(frozen=True)
+class ModuleState:
+    """A snapshot of what, besides inputs and parameter values, decides a module's output.
+
+    ``training`` holds one flag per submodule and ``requires_grad`` one per parameter, in
+    ``modules()`` / ``parameters()`` order; ``adapters`` one (disabled, active, merged) triple per
+    peft tuner layer; ``hooks`` the registered forward (pre-)hook handles of every submodule that
+    has any; ``autocast`` the (device, enabled, dtype) autocast state of the call."""
+
+    training: tuple[bool, ...]
+    requires_grad: tuple[bool, ...]
+    adapters: tuple[tuple, ...]
+    hooks: tuple[tuple, ...]
+    autocast: tuple[tuple, ...]
+
+    def output_key(self) -> tuple:
+        """What decides the output's *values* (requires_grad and hooks installed by tools, such as a
+        rollout cache's own recording hook, do not): the key for reusing recorded outputs."""
+        return (self.training, self.adapters, self.autocast)
+
+
+def autocast_state() -> tuple:
+    """(device, dtype) of each device with autocast on; a disabled block's dtype changes nothing."""
+    return tuple((d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d))
+
+
+def module_state(module: nn.Module, *, hooks: bool = True) -> ModuleState:
+    """The state of ``module`` and its submodules now (``hooks=False`` leaves hooks out: a rollout
+    cache records through a hook of its own)."""
+    modules = list(module.modules())
+    return ModuleState(
+        training=tuple(m.training for m in modules),
+        requires_grad=tuple(p.requires_grad for p in module.parameters()),
+        adapters=tuple((i, bool(m._disable_adapters), _active(m), tuple(getattr(m, "merged_adapters", ())))
+                       for i, m in enumerate(modules) if _is_tuner_layer(m)),
+        hooks=tuple((i, keys) for i, m in enumerate(modules) if (keys := module_hook_keys(m))) if hooks else (),
+        autocast=autocast_state(),
+    )
+
+
+def difference(a: ModuleState, b: ModuleState) -> str:
+    """What differs between two states, in words ("adapters disabled in 8 layers", ...)."""
+    parts = []
+    if a.adapters != b.adapters:
+        old, new = dict((i, rest) for i, *rest in a.adapters), dict((i, rest) for i, *rest in b.adapters)
+        disabled = sum(1 for i in new if i in old and new[i][0] != old[i][0])
+        active = sum(1 for i in new if i in old and new[i][1] != old[i][1])
+        merged = sum(1 for i in new if i in old and new[i][2] != old[i][2])
+        parts += [f"{what} in {n} peft layer(s)" for what, n in
+                  (("adapters enabled/disabled", disabled), ("another active adapter", active),
+                   ("adapters merged/unmerged", merged)) if n]
+    if a.training != b.training:
+        n = sum(x != y for x, y in zip(a.training, b.training))
+        parts.append(f"train/eval mode of {n} submodule(s) (training={b.training[0]} at the top)")
+    if a.requires_grad != b.requires_grad:
+        parts.append(f"requires_grad of {sum(x != y for x, y in zip(a.requires_grad, b.requires_grad))} parameter(s)")
+    if a.hooks != b.hooks:
+        parts.append("registered forward hooks")
+    if a.autocast != b.autocast:
+        parts.append("the autocast state (" + (", ".join(f"{d}: {dt}" for d, dt in b.autocast) or "off") + ")")
+    return "; ".join(parts) or "nothing"
+
+
+def applicable(a: ModuleState, b: ModuleState) -> bool:
+    """True if ``applied`` can turn state ``a`` into ``b`` (flags only: hooks, merged weights and
+    autocast cannot be set on a module)."""
+    merged = [x[3] for x in a.adapters] == [x[3] for x in b.adapters]
+    return (merged and a.hooks == b.hooks and a.autocast == b.autocast
+            and len(a.training) == len(b.training) and len(a.requires_grad) == len(b.requires_grad)
+            and [x[0] for x in a.adapters] == [x[0] for x in b.adapters])
+
+
+def set_state(module: nn.Module, state: ModuleState) -> None:
+    """Set the training, requires_grad and adapter flags of ``module`` to ``state``'s (the module
+    must have the structure it had when the state was taken: ``applicable``)."""
+    modules = list(module.modules())
+    params = list(module.parameters())
+    if len(modules) != len(state.training) or len(params) != len(state.requires_grad):
+        raise ValueError(f"{type(module).__name__} changed structure since its state was recorded "
+                         f"({len(modules)} modules / {len(params)} parameters, recorded "
+                         f"{len(state.training)} / {len(state.requires_grad)})")
+    for m, flag in zip(modules, state.training):
+        # the attribute, not .train(): train() recurses, and every module gets its own flag here
+        m.training = flag
+    for p, flag in zip(params, state.requires_grad):
+        if p.requires_grad != flag:
+            p.requires_grad_(flag)
+    for i, disabled, active, _ in state.adapters:
+        layer = modules[i]
+        layer._disable_adapters = disabled
+        layer._active_adapter = list(active) if isinstance(layer._active_adapter, list) else active[0]
+
+
+@contextlib.contextmanager
+def applied(module: nn.Module, state: ModuleState | None):
+    """Run the body with ``module`` in ``state`` (None: as it is), then put it back."""
+    if state is None:
+        yield
+        return
+    before = module_state(module)
+    if before == state:
+        yield
+        return
+    set_state(module, state)
+    try:
+        yield
+    finally:
+        set_state(module, before)
