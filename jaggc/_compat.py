@@ -30,6 +30,11 @@ def nonstrict_trace(fn):
     return torch._dynamo.nonstrict_trace(fn)
 
 
+def compiler_disable(fn):
+    """A function Dynamo does not trace into (a full-graph capture that reaches it fails)."""
+    return torch.compiler.disable(fn)
+
+
 def assume_constant_result(fn):
     """Dynamo calls ``fn`` while tracing and records its result as a constant (no guard)."""
     return torch._dynamo.assume_constant_result(fn)

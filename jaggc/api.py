@@ -17,7 +17,7 @@ from torch import fx, nn
 from . import _compat
 from .backends import BACKENDS, compile_glue
 from .errors import JaggCaptureError, JaggGraphError, JaggInputError, JaggUnsupportedError
-from .frontends.dynamo import canonicalize_dynamo_calls, opaque_modules
+from .frontends.dynamo import STATE_CHANGE_MARK, canonicalize_dynamo_calls, opaque_modules
 from .frontends.fx import capture_fx
 from .frontends.fx_cache import FxEntry, FxGraphCache
 from .frontends.fx_guards import constant_reads, is_constant, object_fingerprint
@@ -204,6 +204,12 @@ class JaggCompiled:
             if user_error is not None:
                 raise user_error from e
             where = _compat.dynamo_user_location(e)
+            if STATE_CHANGE_MARK in str(e):
+                raise JaggCaptureError(
+                    f"{where + ': ' if where else ''}{self.__qualname__} changes the DiT's state (train/eval, "
+                    f"adapters, requires_grad or hooks); Dynamo would replay the change after its graph, so every "
+                    f"DiT call in the graph would run in the state the loss was entered in. The FX capture "
+                    f"replays such changes (capture='fx')", path="dynamo", where=where) from e
             raise JaggCaptureError(
                 f"{where + ': ' if where else ''}Dynamo could not capture {self.__qualname__} in one graph "
                 f"(a graph break would hide DiT calls from the rewrite). Move data-dependent Python "

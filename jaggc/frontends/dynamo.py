@@ -198,9 +198,41 @@ def module_of_opaque(fn) -> nn.Module | None:
 _SLOTS = ("_compiled_call_impl", "forward")
 
 
+# Methods that change a module's state (module_state.py). Dynamo records such a change as a side
+# effect it replays after the graph, so every DiT call in the graph would run in the state the
+# loss was entered in: a reference call after ``dit.eval()`` would silently be the train-mode call.
+# While Dynamo traces, these methods are ``torch.compiler.disable``d stand-ins, which a full-graph
+# capture refuses; the FX frontend replays such changes instead.
+_STATE_METHODS = ("train", "eval", "requires_grad_", "set_adapter", "disable_adapter", "enable_adapters",
+                  "disable_adapters", "enable_adapter_layers", "disable_adapter_layers", "merge_adapter",
+                  "unmerge_adapter", "register_forward_hook", "register_forward_pre_hook")
+STATE_CHANGE_MARK = "jaggc_module_state_change"
+_STATE_REFUSERS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def _state_refusers(module: nn.Module) -> dict:
+    found = _STATE_REFUSERS.get(module)
+    if found is None:
+        module_ref = weakref.ref(module)
+        found = {}
+        for name in _STATE_METHODS:
+            if callable(getattr(type(module), name, None)):
+                found[name] = _compat.compiler_disable(_state_change(module_ref, name))
+        _STATE_REFUSERS[module] = found
+    return found
+
+
+def _state_change(module_ref, name: str):
+    def jaggc_module_state_change(*args, **kwargs):     # named for the refusal message
+        m = module_ref()
+        return getattr(type(m), name)(m, *args, **kwargs)
+    return jaggc_module_state_change
+
+
 @contextlib.contextmanager
 def opaque_modules(modules: Iterable[nn.Module]):
-    """Install the opaque call slots on ``modules`` (and their wrapped modules) for the duration."""
+    """Install the opaque call slots and the state-change refusers on ``modules`` (and their
+    wrapped modules) for the duration."""
     saved = []
     seen = set()
     for top in modules:
@@ -208,7 +240,8 @@ def opaque_modules(modules: Iterable[nn.Module]):
             if id(m) in seen:
                 continue
             seen.add(id(m))
-            for slot, fn in zip(_SLOTS, _opaque_functions(m)[2:]):
+            slots = list(zip(_SLOTS, _opaque_functions(m)[2:])) + list(_state_refusers(m).items())
+            for slot, fn in slots:
                 saved.append((m, slot, m.__dict__.get(slot, _MISSING)))
                 m.__dict__[slot] = fn
     try:

@@ -1,0 +1,124 @@
+"""Losses in the trainers' own shapes (``jaggc.trainer_shapes``) on the default ``capture="auto"``.
+
+For Flow-GRPO (scheduler step lookup, CFG, KL under peft's ``disable_adapter()``), DanceGRPO
+(``flux_step`` with ``math.sqrt`` of a schedule tensor, ``train()`` in the step, a random subset of
+steps per sample), the JAGG author's Qwen-Image loss and a loss built from ``jaggc.grpo``:
+
+  * a graph path is taken (not the intercept fallback), with no fallback warning;
+  * the loss value equals the undecorated loss's;
+  * at W=2 the gradient equals the exact one; at W=4 it equals a reference JAGG computed by hand
+    (``helpers.reference_jagg``: upstream gradients from autograd, knots through the eager graph);
+  * DanceGRPO: 50 subsets through one compiled loss, one trace for all of them;
+  * the author's two-backward implementation with t-weights equals the reference JAGG, and with
+    index weights equals ``@jagg_compile(weights="index")``;
+  * the KL loss's result is the same through every capture path, intercept included (it used to
+    serve the adapter-off reference output as the policy's velocity).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from helpers import loss_and_grad, reference_jagg, rel_err
+from jaggc import jagg_compile, trainer_shapes
+
+pytestmark = pytest.mark.usefixtures("one_thread", "fresh_dynamo")
+
+TOL = 1e-4      # fp32: batched knot forwards differ from per-step ones by roundoff
+
+
+@pytest.fixture(scope="module")
+def shapes():
+    built = {}
+
+    def get(name):
+        if name not in built:
+            built[name] = trainer_shapes.SHAPES[name]()
+        return built[name]
+    return get
+
+
+def _scale(loss_fn, args):
+    """A loss value tolerance: these losses are sums of +-A*ratio terms that nearly cancel."""
+    return 1e-5 * max(1.0, float(abs(loss_fn(*args).detach())))
+
+
+@pytest.mark.parametrize("name", list(trainer_shapes.SHAPES))
+def test_graph_path_exact_at_w2_and_reference_jagg_at_w4(shapes, name):
+    shape = shapes(name)
+    exact_loss, exact_grad = loss_and_grad(shape.loss_fn, shape.args, shape.model)
+    assert exact_grad.norm() > 0
+    for window in (2, 4):
+        compiled = jagg_compile(shape.loss_fn, dit=shape.model, window=window)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)      # no fallback warning
+            loss, grad = loss_and_grad(compiled, shape.args, shape.model)
+        assert compiled.report.path == "fx", compiled.report
+        assert abs(float(loss - exact_loss)) <= _scale(shape.loss_fn, shape.args)
+        if window == 2:
+            assert rel_err(grad, exact_grad) < TOL
+        else:
+            assert any(w.mode == "jagg" for w in compiled.report.windows)
+            ref_loss, ref_grad = reference_jagg(shape.loss_fn, shape.args, shape.model, window)
+            assert rel_err(grad, ref_grad) < TOL, rel_err(grad, ref_grad)
+            # and JAGG is an approximation here, not the exact gradient by accident
+            assert rel_err(grad, exact_grad) > 10 * TOL
+
+
+def test_kl_reference_under_disable_adapter_is_right_on_every_path(shapes):
+    """The silently wrong case: the intercept path used to hand the policy the adapter-off output."""
+    shape = shapes("flow_grpo_sd3")
+    assert shape.args[-1].beta > 0
+    ref_loss, ref_grad = reference_jagg(shape.loss_fn, shape.args, shape.model, 4)
+    for capture in ("fx", "intercept"):
+        compiled = jagg_compile(shape.loss_fn, dit=shape.model, window=4, capture=capture)
+        loss, grad = loss_and_grad(compiled, shape.args, shape.model)
+        assert compiled.report.path == capture
+        assert compiled.report.reference_calls == (8 if capture == "fx" else 0)
+        assert abs(float(loss - ref_loss)) <= _scale(shape.loss_fn, shape.args), capture
+        assert rel_err(grad, ref_grad) < TOL, (capture, rel_err(grad, ref_grad))
+
+
+def test_dance_grpo_fifty_subsets_one_compiled_loss(shapes):
+    shape = shapes("dance_grpo_flux")
+    transformer, sample, _, sigmas, args = shape.args
+    compiled = jagg_compile(shape.loss_fn, dit=transformer, window=3)
+    g = torch.Generator().manual_seed(11)
+    subsets = set()
+    for i in range(50):
+        perm = trainer_shapes.random_subset(shape.extra["num_steps"], shape.extra["fraction"], g)
+        subsets.add(tuple(perm.tolist()))
+        call = (transformer, sample, perm, sigmas, args)
+        out = compiled(*call)
+        torch.testing.assert_close(out, shape.loss_fn(*call), rtol=1e-5, atol=1e-6)
+        if i < 3:      # gradients too, on a few of them
+            _, grad = loss_and_grad(compiled, call, transformer)
+            assert rel_err(grad, reference_jagg(shape.loss_fn, call, transformer, 3)[1]) < TOL
+    assert len(subsets) >= 30
+    # one trace serves every subset: flux_step's math.sqrt/math.log are graph nodes, not constants
+    # (a second trace comes from the first call's transformer.train(): the module entered in eval)
+    assert compiled.traces <= 2 and compiled.report.path == "fx"
+
+
+def test_author_two_backward_is_the_reference_jagg(shapes):
+    shape = shapes("jagg_author_qwen")
+    model = shape.model
+    ref_loss, ref_grad = reference_jagg(shape.loss_fn, shape.args, model, 4)
+    for weights in ("t", "index"):
+        for p in model.parameters():
+            p.grad = None
+        loss = trainer_shapes.author_two_backward(*shape.args, window=4, weights=weights)
+        author = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in model.parameters()])
+        assert abs(loss - float(ref_loss)) < 1e-5
+        if weights == "t":
+            assert rel_err(author, ref_grad) < TOL
+        else:
+            _, jaggc_index = loss_and_grad(jagg_compile(shape.loss_fn, dit=model, window=4, weights="index"),
+                                           shape.args, model)
+            assert rel_err(jaggc_index, author) < TOL
+            assert rel_err(author, ref_grad) > 10 * TOL   # index and t weights differ on this grid
+    for p in model.parameters():
+        p.grad = None
