@@ -181,18 +181,21 @@ def fake_mode_suspended():
 
 
 def recompile_reason(exc: BaseException) -> str:
-    """The guard whose failure caused the last recompile (``L['perm'][0] == 3``), from Dynamo's
-    message or its recorded guard failures; "" if unknown."""
+    """The guard whose failure caused the last recompile, from Dynamo's message or its recorded
+    guard failures, without Dynamo's frame prefix and source comment: ``steps[3] == 3``; "" if
+    unknown."""
     import re
 
     text = str(exc)
     match = re.search(r"last reason:\s*(.+)", text)
-    if match:
-        return match.group(1).strip()
-    try:
-        from torch._dynamo.utils import guard_failures
+    reason = match.group(1) if match else ""
+    if not reason:
+        try:
+            from torch._dynamo.utils import guard_failures
 
-        reasons = [r for failures in guard_failures.values() for r in failures]
-        return str(reasons[-1]).strip() if reasons else ""
-    except Exception:  # noqa: BLE001 - a message helper must never fail
-        return ""
+            reasons = [r for failures in guard_failures.values() for r in failures]
+            reason = str(reasons[-1]) if reasons else ""
+        except Exception:  # noqa: BLE001 - a message helper must never fail
+            return ""
+    reason = reason.splitlines()[0].split("#")[0].strip() if reason else ""
+    return re.sub(r"^\d+/\d+:\s*", "", reason)

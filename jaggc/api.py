@@ -217,10 +217,11 @@ class JaggCompiled:
                 f"(torch.where), or pass on_unsupported='exact' to run it uncompiled. "
                 f"Dynamo says: {_first_lines(e)}", path="dynamo", where=where) from e
         except _compat.recompile_limit_types() as e:
-            changing = _compat.recompile_reason(e)
+            guard = _compat.recompile_reason(e)
+            changing = f"`{guard.split('==')[0].strip()}` (last failed guard: {guard})" if guard else "a guarded input"
             raise JaggCaptureError(
                 f"Dynamo's recompile limit for {self.__qualname__} was hit: each new value of "
-                f"{changing or 'a guarded input'} compiled another graph of its code. "
+                f"{changing} compiled another graph of its code. "
                 f"{_RECOMPILE_FIX} Dynamo says: {_first_lines(e, 3)}", path="dynamo") from e
 
     def _user_exception(self, err: BaseException, candidates, args, kwargs) -> JaggInputError | None:

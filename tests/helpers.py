@@ -50,14 +50,15 @@ def grad_of(model: nn.Module, runner: Callable[[], Sequence[torch.Tensor]],
 
 
 def reference_jagg(loss_fn: Callable, args: tuple, dit: nn.Module, window: int, *, weights: str = "t",
-                   time_arg: str | int = "timestep") -> tuple[torch.Tensor, torch.Tensor]:
+                   time_arg: str | int = "timestep", time_of: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, flat parameter gradient) of plain JAGG computed by hand, independently of jaggc.
 
     The loss runs eagerly; a forward hook on ``dit`` keeps every grad-enabled call's output and
     per-sample timestep. g_k = dL/dv_k comes from autograd; trained calls are cut into windows of
     ``window`` (a shorter tail is its own window); each window's two knots (first and last call)
     get G_a = sum (1 - a_k) g_k and G_b = sum a_k g_k, a_k by timestep (or step index), and the
-    gradient is J_a^T G_a + J_b^T G_b through the eager run's own graph of the knot outputs."""
+    gradient is J_a^T G_a + J_b^T G_b through the eager run's own graph of the knot outputs.
+    ``time_of(t)`` turns a call's timestep argument into per-sample times (default: as given)."""
     outs, times = [], []
 
     def keep(module, a, kw, output):
@@ -65,7 +66,8 @@ def reference_jagg(loss_fn: Callable, args: tuple, dit: nn.Module, window: int, 
             v = output[0] if isinstance(output, (tuple, list)) else getattr(output, "sample", output)
             outs.append(v)
             t = kw[time_arg] if isinstance(time_arg, str) else a[time_arg]
-            times.append(torch.as_tensor(t, dtype=torch.float64).reshape(-1).expand(v.shape[0]))
+            t = time_of(t) if time_of is not None else torch.as_tensor(t).reshape(-1)
+            times.append(t.to(torch.float64).expand(v.shape[0]))
 
     handle = dit.register_forward_hook(keep, with_kwargs=True)
     try:

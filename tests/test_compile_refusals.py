@@ -331,3 +331,33 @@ def test_dependence_across_an_independent_step_names_both_steps(capture):
     g = torch.randn(4, 2, 3, dtype=torch.float64)
     with pytest.raises(JaggGraphError, match=r"step 2 \(node .*depends on the output of step 0"):
         jagg_compile(skip_one_dependent_loss, window=4, capture=capture)(field, zs, ts, g)
+
+
+def loss_over_steps(dit, zs, ts, g, steps):
+    total = 0.0
+    for k in steps:
+        total = total + (dit(zs[k], ts[k]) * g[k]).sum()
+    return total
+
+
+def test_recompile_limit_names_the_changing_value():
+    """Dynamo recompiles for every new list of step indices; its limit error names the list."""
+    import itertools
+
+    model = AffineJacobianField(3, seed=1)
+    zs, ts, gs = inputs(10)
+    compiled = jagg_compile(loss_over_steps, window=2, capture="dynamo")
+    with pytest.raises(JaggCaptureError, match=r"each new value of `steps\[\d\]` \(last failed guard: "
+                                               r"steps\[\d\] == \d\).*capture='fx'"):
+        for steps in itertools.islice(itertools.combinations(range(10), 4), 20):
+            compiled(model, zs, ts, gs, list(steps))
+
+
+def test_new_step_lists_under_auto_trace_once_each_and_never_fail():
+    model = AffineJacobianField(3, seed=1)
+    zs, ts, gs = inputs(10)
+    compiled = jagg_compile(loss_over_steps, window=2)
+    for i in range(12):
+        steps = sorted(torch.randperm(10, generator=torch.Generator().manual_seed(i))[:4].tolist())
+        torch.testing.assert_close(compiled(model, zs, ts, gs, steps), loss_over_steps(model, zs, ts, gs, steps))
+    assert compiled.report.path == "fx" and compiled.traces <= 12

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import torch
 
 from .._compat import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
-from ..errors import JaggInputError, JaggTypeError
+from ..errors import JaggInputError, JaggTypeError, where
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,11 @@ def set_time(call: DitCall, time_arg: str | int, value: Any) -> DitCall:
 
 
 def per_sample_time(call: DitCall, time_arg: str | int, step: int | None = None) -> torch.Tensor:
-    """The timestep of each sample as a (B,) tensor on the state's device (no host sync)."""
+    """The timestep of each sample as a (B,) tensor on the state's device (no host sync).
+
+    A per-token timestep (B, L) (Wan 2.2: the generated frames' tokens at the sample's t, the
+    conditioning frames' at 0) gives each sample its largest value; ``check_token_times`` refuses
+    rows that are not of that form."""
     b = batch_size(call)
     t = get_time(call, time_arg)
     x = primary_input(call)
@@ -123,16 +127,45 @@ def per_sample_time(call: DitCall, time_arg: str | int, step: int | None = None)
         return torch.full((b,), float(t), dtype=torch.float64, device=x.device)
     if not isinstance(t, torch.Tensor):
         raise JaggTypeError(
-            f"step {step}: the timestep is a {type(t).__name__}; pass a number or a tensor"
+            f"{where(step, 'timestep')}: the timestep is a {type(t).__name__}; pass a number or a tensor"
         )
     if t.ndim == 0 or t.numel() == 1:
         return t.reshape(()).expand(b)
     if t.ndim == 1 and t.shape[0] == b:
         return t
+    if t.ndim == 2 and t.shape[0] == b:
+        return t.amax(1)
     raise JaggInputError(
-        f"step {step}: the timestep has shape {tuple(t.shape)}; jaggc needs a scalar or one value per "
-        f"sample (shape ({b},))"
+        f"{where(step, 'timestep')}: the timestep has shape {tuple(t.shape)}; jaggc needs a scalar, one value "
+        f"per sample (shape ({b},)) or one per token (shape ({b}, tokens))"
     )
+
+
+def check_token_times(call: DitCall, time_arg: str | int, step: int | None = None) -> None:
+    """A per-token timestep must be, per sample, one value outside tokens at 0 (conditioning
+    frames): JAGG weights each sample by one time. One host sync; only for (B, L) timesteps."""
+    t = get_time(call, time_arg)
+    if not (isinstance(t, torch.Tensor) and t.ndim == 2 and t.shape[0] == batch_size(call)):
+        return
+    top = t.amax(1, keepdim=True)
+    bad = ~((t == top) | (t == 0)).all(1)
+    if bool(bad.any()):
+        sample = int(torch.nonzero(bad)[0])
+        values = sorted({float(v) for v in t[sample].unique()})
+        raise JaggInputError(
+            f"{where(step, 'timestep')}: the per-token timestep of sample {sample} takes the values {values[:6]}; "
+            f"JAGG interpolates each sample's Jacobian in one time, so per-token timesteps must be one value "
+            f"per sample, with 0 only on conditioning tokens (Wan 2.2 TI2V). Train such steps exactly "
+            f"(jagg_frac=0) or pass one timestep per sample")
+
+
+def batched_time(call: DitCall, time_arg: str | int, step: int | None = None) -> DitCall:
+    """The call with a scalar timestep expanded to one per sample (so calls can be concatenated);
+    per-sample and per-token timesteps are batched as they are."""
+    t = get_time(call, time_arg)
+    if isinstance(t, torch.Tensor) and t.ndim >= 1 and t.shape[0] == batch_size(call) and t.numel() > 1:
+        return call
+    return set_time(call, time_arg, per_sample_time(call, time_arg, step))
 
 
 def input_name(path) -> str:
@@ -163,7 +196,7 @@ def check_compatible(calls: Sequence[DitCall], time_arg: str | int, *, steps: Se
     steps = list(steps) if steps is not None else list(range(len(calls)))
     b = batch_size(calls[0])
     # the timestep is batched even when a step passes a scalar, so normalise it first
-    calls = [set_time(c, time_arg, per_sample_time(c, time_arg, s)) for c, s in zip(calls, steps)]
+    calls = [batched_time(c, time_arg, s) for c, s in zip(calls, steps)]
     flat0, spec0 = tree_flatten_with_path((calls[0].args, calls[0].kwargs))
     flats = [flat0]
     for c, s in zip(calls[1:], steps[1:]):

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from .._compat import tree_flatten, tree_unflatten
-from .calls import DitCall, batch_size, per_sample_time, resolve_time_arg, set_time
+from .calls import DitCall, batch_size, batched_time, get_time, resolve_time_arg, set_time
 from .module_state import module_state
 
 
@@ -128,7 +128,8 @@ class RolloutCache:
         batch = batch_size(call)
         time_arg = resolve_time_arg(call, self.time_arg)
         # a scalar timestep and its per-sample expansion are the same call
-        call = set_time(call, time_arg, per_sample_time(call, time_arg).to(torch.float64))
+        call = batched_time(call, time_arg)
+        call = set_time(call, time_arg, get_time(call, time_arg).to(torch.float64))
         flat, spec = tree_flatten((call.args, call.kwargs))
         shared = hashlib.blake2b(repr(spec).encode(), digest_size=16)
         batched = []

@@ -20,8 +20,8 @@ from torch import nn
 from .._compat import tree_flatten, tree_unflatten
 from ..errors import JaggInputError
 from .aggregate import aggregate_knots
-from .calls import (DitCall, batch_size, check_compatible, concat_calls, per_sample_time, resolve_time_arg,
-                    split_output)
+from .calls import (DitCall, batch_size, check_compatible, check_token_times, concat_calls, per_sample_time,
+                    resolve_time_arg, split_output)
 from .checks import check_calls, check_times
 from .deferred import BackwardGroup, DeferredWindow
 from .weights import Basis, resolve_basis
@@ -127,6 +127,8 @@ def _checked_times(dit, calls, steps, options) -> tuple[str | int, int, torch.Te
         check_compatible(calls, time_arg, steps=steps, unbatched=options.unbatched)
     times = torch.stack([per_sample_time(c, time_arg, s) for c, s in zip(calls, steps)])
     if options.check_inputs:
+        for c, s in zip(calls, steps):
+            check_token_times(c, time_arg, s)
         check_times(times, steps)
     return time_arg, batch, times
 
