@@ -199,3 +199,10 @@ def recompile_reason(exc: BaseException) -> str:
             return ""
     reason = reason.splitlines()[0].split("#")[0].strip() if reason else ""
     return re.sub(r"^\d+/\d+:\s*", "", reason)
+
+
+def dispatch_mode_base():
+    """The base class of a Python dispatch mode (sees every aten op run on real tensors)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode

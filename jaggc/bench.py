@@ -92,7 +92,7 @@ class BenchConfig:
     activation_memory: bool = True
     rss: bool = False
     compile_steps: tuple[int, ...] = (10, 50, 100)   # first-call overhead probes (tiny model)
-    compile_captures: tuple[str, ...] = ("dynamo", "fx")
+    compile_captures: tuple[str, ...] = ("auto", "dynamo", "fx")
     recompile_iterations: int = 20
     budget_s: float | None = None                    # wall-clock budget for optional modes
     progress: Callable[[str], None] | None = None

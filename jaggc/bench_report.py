@@ -206,7 +206,8 @@ def format_table(results: dict) -> str:
                          f"(theory {results[f'theory_{prefix}_backward_speedup'][w]:.2f})")
     clock = results.get("compile_overhead_clock")
     details = results.get("compile_details", {})
-    for capture, key in (("dynamo", "compile_overhead_s"), ("fx", "compile_overhead_fx_s")):
+    for capture, key in (("auto", "compile_overhead_default_s"), ("dynamo", "compile_overhead_s"),
+                         ("fx", "compile_overhead_fx_s")):
         overhead = results.get(key, {})
         if not overhead:
             continue
@@ -218,7 +219,8 @@ def format_table(results: dict) -> str:
                 text += f", Dynamo on the loss alone {d['glue_trace'][clock]:.1f} s"
             return f" ({text})" if text else ""
 
-        lines.append(f"first-call overhead, capture={capture} (trace + passes, {results['compile_overhead_model']}, "
+        took = f" -> {'/'.join(results.get('compile_default_path', []))}" if capture == "auto" else ""
+        lines.append(f"first-call overhead, capture={capture}{took} (trace + passes, {results['compile_overhead_model']}, "
                      f"{clock} s): " + ", ".join(f"{n} steps {s:.1f} s{parts(n)}" for n, s in overhead.items()))
     main = {w: s for w, s in results.get("compile_overhead_main_s", {}).items() if s is not None}
     if main:

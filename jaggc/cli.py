@@ -223,6 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write the settings, subsample baselines and recommendation here")
     p.set_defaults(func=cmd_calibrate)
 
+    p = sub.add_parser("trainers", help="the trainers' own loss shapes (Flow-GRPO, DanceGRPO, the JAGG author) "
+                                        "through @jagg_compile: capture path, first call, gradients, speed")
+    from . import trainer_check
+    trainer_check.add_arguments(p)
+    p.set_defaults(func=trainer_check.main)
+
     sub.add_parser("verify", help="symbolic proof + property checks (jaggc verify --help)")
     return parser
 

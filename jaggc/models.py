@@ -31,6 +31,17 @@ FLUX_CONFIGS = {
 }
 
 
+QWEN_CONFIGS = {
+    # ~89k parameters: tests
+    "tiny": dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
+                 num_attention_heads=2, joint_attention_dim=16, axes_dims_rope=(4, 6, 6)),
+    # ~9.8M parameters (hidden 256, 4 layers): the trainer-shape speed comparison
+    "10m": dict(patch_size=2, in_channels=16, out_channels=4, num_layers=4, attention_head_dim=64,
+                num_attention_heads=4, joint_attention_dim=64, axes_dims_rope=(16, 24, 24)),
+}
+QWEN_LATENT_SIDE = {"tiny": 4, "10m": 8}     # packed latent tokens per side
+
+
 def sd3(size: str = "tiny", *, seed: int = 0, dtype=torch.float32):
     from diffusers import SD3Transformer2DModel
 
@@ -44,6 +55,14 @@ def flux(size: str = "tiny", *, seed: int = 0, dtype=torch.float32):
 
     torch.manual_seed(seed)
     model = FluxTransformer2DModel(**FLUX_CONFIGS[size])
+    return model if dtype == torch.float32 else model.to(dtype)
+
+
+def qwen_image(size: str = "tiny", *, seed: int = 0, dtype=torch.float32):
+    from diffusers import QwenImageTransformer2DModel
+
+    torch.manual_seed(seed)
+    model = QwenImageTransformer2DModel(**QWEN_CONFIGS[size])
     return model if dtype == torch.float32 else model.to(dtype)
 
 

@@ -430,22 +430,20 @@ def author_two_backward(transformer, sample, sigma_indices, sigma_schedule, args
     return loss_value
 
 
-def jagg_author_qwen(*, num_steps: int = 8, batch: int = 1, seed: int = 0) -> TrainerShape:
-    """A tiny Qwen-Image DiT (diffusers ``QwenImageTransformer2DModel``), packed 4x4 latents, a
-    linspace + shift-3 schedule, all steps trained (the author's windows tile them)."""
-    from diffusers import QwenImageTransformer2DModel
-
-    torch.manual_seed(seed)
-    transformer = QwenImageTransformer2DModel(**QWEN_TINY)
+def jagg_author_qwen(*, num_steps: int = 8, batch: int = 1, seed: int = 0, size: str = "tiny") -> TrainerShape:
+    """A small Qwen-Image DiT (diffusers ``QwenImageTransformer2DModel``, ``models.QWEN_CONFIGS``),
+    packed latents, a linspace + shift-3 schedule, all steps trained (the author's windows tile them)."""
+    transformer = models.qwen_image(size, seed=seed)
+    config = models.QWEN_CONFIGS[size]
     args = replace(GRPOConfig(), clip_range=0.1)     # the author's runs
-    h = w = 4
+    h = w = models.QWEN_LATENT_SIDE[size]
     g = torch.Generator().manual_seed(seed + 1)
-    text = torch.randn(batch, 5, QWEN_TINY["joint_attention_dim"], generator=g)
+    text = torch.randn(batch, 5, config["joint_attention_dim"], generator=g)
     mask = torch.ones(batch, 5, dtype=torch.long)
     img_shapes = [[(1, h, w)]]
     sigma_schedule = sd3_time_shift(3.0, torch.linspace(1, 0, num_steps + 1))
     torch.manual_seed(seed + 1)
-    z = torch.randn(batch, h * w, QWEN_TINY["in_channels"], generator=g)
+    z = torch.randn(batch, h * w, config["in_channels"], generator=g)
     lat, nxt, lps, ts = [], [], [], []
     transformer.eval()
     with torch.no_grad():
@@ -467,10 +465,6 @@ def jagg_author_qwen(*, num_steps: int = 8, batch: int = 1, seed: int = 0) -> Tr
                         (transformer, sample, list(range(num_steps)), sigma_schedule, args),
                         "the JAGG author's Qwen-Image trainer: flux_step on a sigma-schedule tensor with int step "
                         "indices, transformer.train() in the step, timestep / 1000, a text mask and img_shapes")
-
-
-QWEN_TINY = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
-                 num_attention_heads=2, joint_attention_dim=16, axes_dims_rope=(4, 6, 6))
 
 
 # =============================================================================================

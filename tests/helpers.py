@@ -7,6 +7,8 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from jaggc.verify.reference import reference_jagg  # noqa: F401 - the tests' oracle, shared with `jaggc trainers`
+
 
 def grads(model: nn.Module) -> torch.Tensor:
     """All parameter gradients of ``model`` as one flat vector (zeros where ``.grad`` is None)."""
@@ -47,60 +49,6 @@ def grad_of(model: nn.Module, runner: Callable[[], Sequence[torch.Tensor]],
     out = grads(model).clone()
     zero_grads(model)
     return out
-
-
-def reference_jagg(loss_fn: Callable, args: tuple, dit: nn.Module, window: int, *, weights: str = "t",
-                   time_arg: str | int = "timestep", time_of: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, flat parameter gradient) of plain JAGG computed by hand, independently of jaggc.
-
-    The loss runs eagerly; a forward hook on ``dit`` keeps every grad-enabled call's output and
-    per-sample timestep. g_k = dL/dv_k comes from autograd; trained calls are cut into windows of
-    ``window`` (a shorter tail is its own window); each window's two knots (first and last call)
-    get G_a = sum (1 - a_k) g_k and G_b = sum a_k g_k, a_k by timestep (or step index), and the
-    gradient is J_a^T G_a + J_b^T G_b through the eager run's own graph of the knot outputs.
-    ``time_of(t)`` turns a call's timestep argument into per-sample times (default: as given)."""
-    outs, times = [], []
-
-    def keep(module, a, kw, output):
-        if torch.is_grad_enabled():
-            v = output[0] if isinstance(output, (tuple, list)) else getattr(output, "sample", output)
-            outs.append(v)
-            t = kw[time_arg] if isinstance(time_arg, str) else a[time_arg]
-            t = time_of(t) if time_of is not None else torch.as_tensor(t).reshape(-1)
-            times.append(t.to(torch.float64).expand(v.shape[0]))
-
-    handle = dit.register_forward_hook(keep, with_kwargs=True)
-    try:
-        loss = loss_fn(*args)
-    finally:
-        handle.remove()
-    upstream = torch.autograd.grad(loss, outs, retain_graph=True, allow_unused=True)
-    upstream = [torch.zeros_like(v) if g is None else g for v, g in zip(outs, upstream)]
-    knots, composites = [], []
-    for start in range(0, len(outs), window):
-        idx = list(range(start, min(start + window, len(outs))))
-        if len(idx) == 1:
-            knots.append(outs[idx[0]])
-            composites.append(upstream[idx[0]])
-            continue
-        a, b = idx[0], idx[-1]
-        g_a, g_b = torch.zeros_like(upstream[a]), torch.zeros_like(upstream[b])
-        for pos, k in enumerate(idx):
-            if weights == "t":
-                alpha = ((times[k] - times[a]) / (times[b] - times[a])).to(upstream[k].dtype)
-                alpha = alpha.reshape(-1, *([1] * (upstream[k].ndim - 1)))
-            else:
-                alpha = pos / (len(idx) - 1)
-            g_a = g_a + (1 - alpha) * upstream[k]
-            g_b = g_b + alpha * upstream[k]
-        knots += [outs[a], outs[b]]
-        composites += [g_a, g_b]
-    params = [p for p in dit.parameters() if p.requires_grad]
-    parts = torch.autograd.grad(knots, params, grad_outputs=composites, allow_unused=True)
-    by_param = {id(p): g for p, g in zip(params, parts)}
-    flat = torch.cat([(by_param.get(id(p)) if by_param.get(id(p)) is not None else torch.zeros_like(p)).reshape(-1)
-                      for p in dit.parameters()])
-    return loss.detach(), flat
 
 
 def loss_and_grad(fn: Callable, args: tuple, model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:

@@ -155,8 +155,10 @@ def test_no_recompiles_over_repeated_calls(results):
 
 
 def test_compile_probe_counts_recompiles_over_training_iterations(results):
-    assert set(results["compile_overhead_s"]) == set(results["compile_overhead_fx_s"]) == {"3"}
-    for capture in ("dynamo", "fx"):
+    assert (set(results["compile_overhead_s"]) == set(results["compile_overhead_fx_s"])
+            == set(results["compile_overhead_default_s"]) == {"3"})
+    assert results["compile_default_path"] == ["fx"]      # capture="auto" takes FX first
+    for capture in ("auto", "dynamo", "fx"):
         detail = results["compile_details"]["3"][capture]
         assert detail["passes"]["cpu"] > 0 and detail["first_call"]["cpu"] > 0
     # the loss traced with a stand-in DiT is part of, and cheaper than, the whole first call

@@ -152,6 +152,9 @@ class ExampleValues:
         if node.op == "get_attr":
             value = self.root_value(node.target)
             return self.mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
+        if self.concrete is not None and _value_dependent_shape(node):
+            # a fake run would only fail (and failing costs more than the real op)
+            return self.mode.from_tensor(self.concrete(node))
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), self.values.__getitem__)
         try:
             if node.op == "call_function" and node.target is dit_call:
@@ -208,6 +211,17 @@ def _shape_independent_of_scalars(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False
     return node.target in _SCALAR_SAFE_FUNCTIONS or getattr(node.target, "__module__", None) == "math"
+
+
+_VALUE_DEPENDENT_SHAPE_OPS = frozenset({"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive"})
+
+
+def _value_dependent_shape(node: fx.Node) -> bool:
+    """Ops whose output shape depends on input values (Flow-GRPO's step lookup uses ``nonzero``)."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return name in _VALUE_DEPENDENT_SHAPE_OPS
 
 
 def _is_data_dependent(e: Exception) -> bool:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import linecache
 import traceback
 import warnings
@@ -37,6 +38,7 @@ from typing import Any, Callable
 import torch
 from torch import fx, nn
 
+from .. import _compat
 from .._compat import SET_GRAD_ENABLED, fake_mode_suspended, tree_flatten, tree_unflatten
 from ..errors import JaggCaptureError, JaggGraphError
 from ..graph_ops import dit_call, is_in_place, set_module_state, user_source
@@ -198,6 +200,7 @@ class DiTLeafTracer(fx.Tracer):
             self.examples.set_input(node, value)
             self.reads.real_inputs[node] = value
         elif is_in_place(node):
+            self.reads.in_place.append(node)
             target = node.args[0] if node.args else None
             if isinstance(target, fx.Node) and target.op == "get_attr":
                 # `total = torch.zeros(()); total.add_(v)`: the tensor is a real constant of the
@@ -247,7 +250,7 @@ class DiTLeafTracer(fx.Tracer):
         return self.create_proxy("call_module", self.path_of_module(m), args, kwargs)
 
 
-_INTERNAL_FILES = ("/torch/fx/", "/torch/nn/modules/module.py", "/jaggc/frontends/")
+_INTERNAL_FILES = (os.path.dirname(torch.__file__).replace("\\", "/") + "/", "/jaggc/frontends/")
 
 
 def _user_frame():
@@ -334,6 +337,21 @@ class _RefuseFunctionApply:
         torch.autograd.Function.apply = self.original
 
 
+class _RandomDrawsRefused(_compat.dispatch_mode_base()):
+    """A random op the loss runs on real tensors while FX traces (``torch.randn(shape)``: no traced
+    input, so FX runs it once and bakes the draw into the graph as a constant) is refused; random
+    ops on traced values (``torch.randn_like(mean)``) are graph nodes and draw on every call."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.nondeterministic_seeded in func.tags and not example_values.running():
+            raise JaggCaptureError(
+                f"{_where()}the loss draws random numbers ({func.name()}) from values torch.fx does not trace; "
+                f"the draw would be baked into the graph and repeat on every call. Draw the noise outside "
+                f"the loss and pass it in, or let Dynamo capture the loss (capture='dynamo')",
+                path="fx", where=_where().rstrip(": "))
+        return func(*args, **(kwargs or {}))
+
+
 @dataclass
 class FxCapture:
     """A traced loss: the graph, the guard over the values it read (None: it read none), and the
@@ -351,7 +369,7 @@ def capture_fx(fn: Callable, args: tuple, kwargs: dict, dits: list[nn.Module]) -
     tracer = DiTLeafTracer(dits, inputs)
     entry = {id(m): module_state(m) for m in dits}
     try:
-        with _refuse_direct_forward(dits), _RefuseFunctionApply(), warnings.catch_warnings():
+        with _refuse_direct_forward(dits), _RefuseFunctionApply(), _RandomDrawsRefused(), warnings.catch_warnings():
             # fx cannot add an assertion for a module-valued concrete argument; the cache key has its id
             warnings.filterwarnings("ignore", message="Was not able to add assertion")
             graph = tracer.trace(fn, concrete_args=concrete)
@@ -376,7 +394,7 @@ def capture_fx(fn: Callable, args: tuple, kwargs: dict, dits: list[nn.Module]) -
 def _where_in_traceback(e: BaseException) -> str:
     """``file:line: `` of the innermost user frame of an exception raised while tracing."""
     frames = [f for f in traceback.extract_tb(e.__traceback__)
-              if not any(part in f.filename.replace("\\", "/") for part in _INTERNAL_FILES + ("/torch/",))]
+              if not any(part in f.filename.replace("\\", "/") for part in _INTERNAL_FILES)]
     return f"{frames[-1].filename}:{frames[-1].lineno}: " if frames else ""
 
 

@@ -76,6 +76,7 @@ class ValueReads:
         self.order = order                # trace order of every op node (shared with ExampleValues)
         self.real_inputs: dict[fx.Node, Any] = {}
         self.reads: list[Read] = []
+        self.in_place: list[fx.Node] = []      # in-place ops traced so far (they write their first input)
         self._real: dict[fx.Node, Any] = {}
 
     # --- answering a question ------------------------------------------------------------------
@@ -124,8 +125,22 @@ class ValueReads:
                     f"tensor ops (torch.where, a mask multiplied in) or pass it in as a Python number",
                     path="fx", where=self.describe(node).rstrip(": "))
             stack.extend(n.all_input_nodes)
+            if n is node:
+                written = self._written_in_place(n, seen | set(_ancestors(n)))
+                if written is not None:
+                    stack.append(written)
         # every node was traced before the ones that read it: trace order is a topological order
         return sorted(seen, key=lambda n: (n.op != "placeholder", self.order.get(n, -1)))
+
+    def _written_in_place(self, node: fx.Node, closure: set) -> fx.Node | None:
+        """An in-place op that writes a tensor the read depends on, or one derived from it (a view
+        of it may alias it): FX recorded the write as a node nobody reads, so the read would see
+        the value before it. Returned so ``_closure`` refuses it."""
+        for op in self.in_place:
+            target = op.args[0] if op.args and isinstance(op.args[0], fx.Node) else None
+            if target is not None and (target in closure or closure & set(_ancestors(target))):
+                return op
+        return None
 
     def _run(self, n: fx.Node) -> Any:
         if n.op == "placeholder":
@@ -188,6 +203,16 @@ class Guard:
 
     def __len__(self) -> int:
         return len(self.expected)
+
+
+def _ancestors(node: fx.Node):
+    seen, stack = set(), list(node.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            yield n
+            stack.extend(n.all_input_nodes)
 
 
 def _question(kind: str) -> str:
