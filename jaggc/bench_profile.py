@@ -34,7 +34,7 @@ from .runtime.calls import concat_calls
 _RANGES = (
     ("jaggc.graph_ops", "run_window", "jagg::run_window"),        # the compiled graph's node
     ("jaggc.runtime.window", "run_window", "jagg::run_window"),   # jagg_calls
-    ("jaggc.runtime.window", "_interior_outputs", "jagg::interior_outputs"),
+    ("jaggc.runtime.window", "nograd_outputs", "jagg::interior_outputs"),
     ("jaggc.runtime.window", "check_calls", "jagg::check_calls"),
     ("jaggc.runtime.window", "check_compatible", "jagg::check_compatible"),
     ("jaggc.runtime.window", "check_times", "jagg::check_times"),

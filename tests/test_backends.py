@@ -84,3 +84,18 @@ def test_bad_backend_options_are_refused():
         jagg_compile(grpo_like_loss, backend="tvm")
     with pytest.raises(JaggUnsupportedError, match=r"capture='fx' has no such graph"):
         jagg_compile(grpo_like_loss, backend="aot_eager", capture="fx")
+
+
+def test_routed_windows_with_a_backend():
+    """Routing puts every routed window in one jagg_trajectory node; the backend splitter and
+    cleanup read the same table of runtime targets (graph_ops.RUNTIME_TARGETS), so the node stays
+    eager instead of reaching the glue ("non-tensor values (['TrajectoryPlan'])", once)."""
+    model = AffineJacobianField(3, seed=1)
+    batch = inputs()
+    eager_fn = jagg_compile(grpo_like_loss, window=3, capture="dynamo", jagg_frac=0.5)
+    eager_loss, eager, _ = run(model, eager_fn, batch)
+    compiled = jagg_compile(grpo_like_loss, window=3, backend="aot_eager", jagg_frac=0.5)
+    loss, got, counts = run(model, compiled, batch)
+    assert [w.mode.split(":")[0] for w in compiled.report.windows] == ["routed", "routed"]
+    assert rel_err(got, eager) < 1e-10
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-12, atol=1e-12)

@@ -361,3 +361,15 @@ def test_new_step_lists_under_auto_trace_once_each_and_never_fail():
         steps = sorted(torch.randperm(10, generator=torch.Generator().manual_seed(i))[:4].tolist())
         torch.testing.assert_close(compiled(model, zs, ts, gs, steps), loss_over_steps(model, zs, ts, gs, steps))
     assert compiled.report.path == "fx" and compiled.traces <= 12
+
+
+def test_final_refusal_under_auto_is_a_graph_error_with_no_forward_run():
+    """A DiT input computed from an earlier DiT output is refused whatever captures the loss: auto
+    raises JaggGraphError (catchable as such) from its first path, without trying the intercept
+    path (which would run real DiT forwards first)."""
+    model = AffineJacobianField(3, seed=1)
+    compiled = jagg_compile(chained_states, window=2)
+    with count_dit_passes(model) as counts, pytest.raises(JaggGraphError, match=r"step 1 .* depends on the "
+                                                                                r"output of step 0"):
+        compiled(model, *inputs(), T)
+    assert counts.grad_forwards + counts.nograd_forwards == 0 and compiled.capture_failures == []

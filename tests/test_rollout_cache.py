@@ -128,3 +128,19 @@ def test_compiled_loss_uses_the_cache(model):
         fast_fn(model, traj).backward()
     assert counts.nograd_forwards == 0 and counts.backwards == 2
     assert rel_err(grads(model), slow) < 1e-10
+
+
+def test_per_window_backward_uses_the_cache(model):
+    """backward="per_window" takes its no-grad values from the rollout cache like the joint mode
+    (it used to ignore the cache: 0 hits, every forward run)."""
+    cache = RolloutCache(model)
+    traj = rollout(model, cache)
+    calls = training_calls(traj)
+    _, joint, _ = loss_and_grad(model, calls, WindowOptions())
+    hits = cache.stats.hits
+    loss, got, counts = loss_and_grad(model, calls, WindowOptions(rollout_cache=cache, backward="per_window"))
+    assert cache.stats.hits > hits
+    # no no-grad forward at all: every value came from the rollout; the knot forwards (with grad)
+    # run inside the backward, one per window
+    assert counts.nograd_forwards == 0 and counts.grad_forwards == counts.backwards
+    assert rel_err(got, joint) < 1e-10

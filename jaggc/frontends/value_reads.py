@@ -20,6 +20,7 @@ tensor stands in as the example value and its shape is a read.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 from dataclasses import dataclass
@@ -90,11 +91,14 @@ class ValueReads:
         """The real value of ``node`` on the traced inputs (its ancestors run once, no grad)."""
         if node in self._real:
             return self._real[node]
-        closure = self._closure(node, kind)
-        with torch.no_grad(), _compat.fx_patches_reverted(), running_real_code():
-            for n in closure:
-                if n not in self._real:
-                    self._real[n] = self._run(n)
+        todo = [n for n in self._closure(node, kind) if n not in self._real]
+        # torch.fx's patches (of nn.Module.__call__ and wrapped functions) only matter to Python
+        # code; reverting them costs more than the tensor ops of a typical read
+        python_code = any(n.op == "call_function" and not _is_builtin(n.target) for n in todo)
+        with torch.no_grad(), running_real_code(), (_compat.fx_patches_reverted() if python_code
+                                                     else contextlib.nullcontext()):
+            for n in todo:
+                self._real[n] = self._run(n)
         return self._real[node]
 
     def _closure(self, node: fx.Node, kind: str) -> list[fx.Node]:
@@ -203,6 +207,10 @@ class Guard:
 
     def __len__(self) -> int:
         return len(self.expected)
+
+
+def _is_builtin(fn) -> bool:
+    return type(fn).__name__ in ("builtin_function_or_method", "method_descriptor", "wrapper_descriptor")
 
 
 def _ancestors(node: fx.Node):

@@ -32,7 +32,8 @@ from torch import nn
 from .._compat import tree_flatten, tree_unflatten
 from ..errors import JaggUnsupportedError
 from .aggregate import knot_composites
-from .calls import DitCall, concat_calls, split_output
+from .calls import DitCall, concat_calls
+from .forwards import nograd_outputs
 
 
 class BackwardGroup:
@@ -53,8 +54,8 @@ class DeferredWindow:
 
     def __init__(self, dit: nn.Module, calls: Sequence[DitCall], steps: Sequence[int], *, time_arg,
                  batch: int, knots: Sequence[int], phi: torch.Tensor, interior_chunk: int | None,
-                 batch_knots: bool, unbatched: Sequence[str], group: BackwardGroup | None):
-        self.dit, self.calls, self.steps = dit, list(calls), list(steps)
+                 batch_knots: bool, unbatched: Sequence[str], group: BackwardGroup | None, cache=None):
+        self.dit, self.calls, self.steps, self.cache = dit, list(calls), list(steps), cache
         self.time_arg, self.batch, self.knots, self.phi = time_arg, batch, tuple(knots), phi
         self.interior_chunk, self.batch_knots, self.unbatched = interior_chunk, batch_knots, unbatched
         self.group = group if group is not None else BackwardGroup(self.grad_forwards)
@@ -70,13 +71,11 @@ class DeferredWindow:
 
     def run(self) -> list[Any]:
         """Per-step outputs with exact values; their float leaves backpropagate through this window."""
-        positions = list(range(len(self.calls)))
-        chunk = self.interior_chunk or len(positions)
-        per_step: list[Any] = []
-        with torch.no_grad():
-            for lo in range(0, len(positions), chunk):
-                pos = positions[lo:lo + chunk]
-                per_step.extend(split_output(self._batched_call(pos)(self.dit), len(pos), self.batch))
+        # every step's value without grad, the rollout cache's where it has them (knots included:
+        # their grad forward runs again in the backward anyway)
+        outs = nograd_outputs(self.dit, self.calls, self.steps, time_arg=self.time_arg, batch=self.batch,
+                              chunk=self.interior_chunk, unbatched=self.unbatched, cache=self.cache)
+        per_step = [outs[p] for p in range(len(self.calls))]
         flat = [tree_flatten(o) for o in per_step]
         values = []
         for s, (leaves, _) in enumerate(flat):

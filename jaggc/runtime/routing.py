@@ -35,7 +35,8 @@ from torch import nn
 from .._compat import tree_flatten
 from ..errors import JaggInputError, JaggUnsupportedError
 from .calls import DitCall, split_output
-from .window import PreparedWindow, WindowOptions, _forward_batched, prepare_window, run_exact
+from .forwards import forward_batched
+from .window import PreparedWindow, WindowOptions, prepare_window, run_exact
 
 
 @dataclass(frozen=True)
@@ -107,8 +108,8 @@ def _exact_from_prepared(dit: nn.Module, prepared: PreparedWindow, options: Wind
         outs[p] = o
     interior = [p for p in range(n) if p not in prepared.knots]
     if interior:
-        batched = _forward_batched(dit, [prepared.calls[p] for p in interior],
-                                   [prepared.steps[p] for p in interior], prepared.time_arg, options)
+        batched = forward_batched(dit, [prepared.calls[p] for p in interior],
+                                  [prepared.steps[p] for p in interior], prepared.time_arg, options.unbatched)
         for p, o in zip(interior, split_output(batched, len(interior), batch)):
             outs[p] = o
     return outs

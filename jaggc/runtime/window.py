@@ -24,6 +24,7 @@ from .calls import (DitCall, batch_size, check_compatible, check_token_times, co
                     resolve_time_arg, split_output)
 from .checks import check_calls, check_times
 from .deferred import BackwardGroup, DeferredWindow
+from .forwards import forward_batched, nograd_outputs
 from .weights import Basis, resolve_basis
 
 if TYPE_CHECKING:
@@ -72,31 +73,10 @@ def run_exact(dit: nn.Module, calls: Sequence[DitCall], *, steps: Sequence[int] 
     return [c(dit) for c in calls]
 
 
-def _forward_batched(dit: nn.Module, calls: Sequence[DitCall], steps: Sequence[int], time_arg,
-                     options: WindowOptions) -> Any:
-    return concat_calls(calls, time_arg, steps=steps, unbatched=options.unbatched)(dit)
-
-
 def _interior_outputs(dit, calls, steps, time_arg, options, batch) -> dict[int, Any]:
-    """No-grad outputs of the interior steps, keyed by window position."""
-    positions = list(range(len(calls)))
-    chunk = options.interior_chunk or max(len(positions), 1)
-    if chunk < 1:
-        raise JaggInputError(f"interior_chunk={options.interior_chunk} must be a positive number of steps")
-    outs: dict[int, Any] = {}
-    if options.rollout_cache is not None:
-        for p in positions:
-            cached = options.rollout_cache.lookup(calls[p])
-            if cached is not None:
-                outs[p] = cached
-        positions = [p for p in positions if p not in outs]
-    with torch.no_grad():
-        for lo in range(0, len(positions), chunk):
-            pos = positions[lo:lo + chunk]
-            out = _forward_batched(dit, [calls[p] for p in pos], [steps[p] for p in pos], time_arg, options)
-            for p, o in zip(pos, split_output(out, len(pos), batch)):
-                outs[p] = o
-    return outs
+    """No-grad outputs of the interior steps, keyed by window position (rollout cache first)."""
+    return nograd_outputs(dit, calls, steps, time_arg=time_arg, batch=batch, chunk=options.interior_chunk,
+                          unbatched=options.unbatched, cache=options.rollout_cache)
 
 
 @dataclass
@@ -144,7 +124,8 @@ def prepare_window(dit: nn.Module, calls: Sequence[DitCall], steps: Sequence[int
                                      time_arg, options, batch)
     interior_out = {interior[i]: o for i, o in interior_out.items()}
     if options.batch_knots:
-        knot_out = _forward_batched(dit, [calls[p] for p in knots], [steps[p] for p in knots], time_arg, options)
+        knot_out = forward_batched(dit, [calls[p] for p in knots], [steps[p] for p in knots], time_arg,
+                                   options.unbatched)
     else:
         outs = [calls[p](dit) for p in knots]
         knot_leaves = [tree_flatten(o)[0] for o in outs]
@@ -170,7 +151,7 @@ def run_window(dit: nn.Module, calls: Sequence[DitCall], *, steps: Sequence[int]
         knots, phi = options.basis.sample(times)
         return DeferredWindow(dit, calls, steps, time_arg=time_arg, batch=batch, knots=knots, phi=phi,
                               interior_chunk=options.interior_chunk, batch_knots=options.batch_knots,
-                              unbatched=options.unbatched, group=group).run()
+                              unbatched=options.unbatched, group=group, cache=options.rollout_cache).run()
     return prepare_window(dit, calls, steps, options).assemble()
 
 
