@@ -254,25 +254,33 @@ def flux_step(model_output, latents, eta, sigmas, index, prev_sample, grpo, sde_
     return prev_sample_mean, pred_original_sample
 
 
-def dance_one_step(args, latents, pre_latents, encoder_hidden_states, pooled_prompt_embeds, text_ids, image_ids,
-                   transformer, timesteps, i, sigma_schedule):
-    """DanceGRPO's ``grpo_one_step`` on Flux: train mode, an autocast block, ``timesteps / 1000``."""
+def one_step(args, transformer, latents, pre_latents, i, sigma_schedule, **dit_kwargs):
+    """The trainers' ``grpo_one_step``: train mode, an autocast block, the DiT on ``latents``, then
+    ``flux_step``'s log-prob of the stored next state."""
     transformer.train()
     with torch.autocast("cuda", torch.bfloat16, enabled=latents.is_cuda):
-        pred = transformer(
-            hidden_states=latents,
-            encoder_hidden_states=encoder_hidden_states,
-            timestep=timesteps / 1000,
-            guidance=torch.tensor([3.5], device=latents.device, dtype=torch.float32),
-            txt_ids=text_ids,
-            pooled_projections=pooled_prompt_embeds,
-            img_ids=image_ids,
-            joint_attention_kwargs=None,
-            return_dict=False,
-        )[0]
+        pred = transformer(hidden_states=latents, return_dict=False, **dit_kwargs)[0]
     _, _, log_prob = flux_step(pred, latents.to(torch.float32), args.eta, sigma_schedule, i,
                                prev_sample=pre_latents.to(torch.float32), grpo=True, sde_solver=True)
     return log_prob
+
+
+def clipped_loss(log_prob, old_log_prob, advantages, args, norm):
+    """DanceGRPO's PPO-clip line: mean of max(-A r, -A clip(r)), divided by ``norm``."""
+    advantages = torch.clamp(advantages, -args.adv_clip_max, args.adv_clip_max)
+    ratio = torch.exp(log_prob - old_log_prob)
+    unclipped_loss = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - args.clip_range, 1.0 + args.clip_range)
+    return torch.mean(torch.maximum(unclipped_loss, clipped)) / norm
+
+
+def dance_one_step(args, latents, pre_latents, encoder_hidden_states, pooled_prompt_embeds, text_ids, image_ids,
+                   transformer, timesteps, i, sigma_schedule):
+    """DanceGRPO's ``grpo_one_step`` on Flux (guidance 3.5, FLUX.1-dev's), ``timesteps / 1000``."""
+    return one_step(args, transformer, latents, pre_latents, i, sigma_schedule,
+                    encoder_hidden_states=encoder_hidden_states, timestep=timesteps / 1000,
+                    guidance=torch.tensor([3.5], device=latents.device, dtype=torch.float32), txt_ids=text_ids,
+                    pooled_projections=pooled_prompt_embeds, img_ids=image_ids, joint_attention_kwargs=None)
 
 
 def dance_grpo_loss(transformer, sample, perm, sigma_schedule, args):
@@ -288,12 +296,8 @@ def dance_grpo_loss(transformer, sample, perm, sigma_schedule, args):
         new_log_probs = dance_one_step(args, latents[:, j], next_latents[:, j], sample["encoder_hidden_states"],
                                        sample["pooled_prompt_embeds"], sample["text_ids"], sample["image_ids"],
                                        transformer, timesteps[:, j], perm[j], sigma_schedule)
-        advantages = torch.clamp(sample["advantages"], -args.adv_clip_max, args.adv_clip_max)
-        ratio = torch.exp(new_log_probs - old_log_probs[:, j])
-        unclipped_loss = -advantages * ratio
-        clipped_loss = -advantages * torch.clamp(ratio, 1.0 - args.clip_range, 1.0 + args.clip_range)
-        loss = torch.mean(torch.maximum(unclipped_loss, clipped_loss)) / (args.gradient_accumulation_steps * train_timesteps)
-        total = total + loss
+        total = total + clipped_loss(new_log_probs, old_log_probs[:, j], sample["advantages"], args,
+                                     args.gradient_accumulation_steps * train_timesteps)
     return total
 
 
@@ -347,21 +351,9 @@ def dance_grpo_flux(*, num_steps: int = 10, seed: int = 0, fraction: float = 0.6
 def author_one_step(args, latents, pre_latents, encoder_hidden_states, prompt_attention_masks, img_shapes,
                     transformer, timesteps, i, sigma_schedule):
     """The JAGG author's ``grpo_one_step`` on Qwen-Image (diffusers 0.42 has no ``txt_seq_lens``)."""
-    transformer.train()
-    with torch.autocast("cuda", torch.bfloat16, enabled=latents.is_cuda):
-        pred = transformer(
-            hidden_states=latents,
-            timestep=timesteps / 1000,
-            guidance=None,
-            encoder_hidden_states_mask=prompt_attention_masks,
-            encoder_hidden_states=encoder_hidden_states,
-            img_shapes=img_shapes,
-            attention_kwargs=None,
-            return_dict=False,
-        )[0]
-    _, _, log_prob = flux_step(pred, latents.to(torch.float32), args.eta, sigma_schedule, i,
-                               prev_sample=pre_latents.to(torch.float32), grpo=True, sde_solver=True)
-    return log_prob
+    return one_step(args, transformer, latents, pre_latents, i, sigma_schedule, timestep=timesteps / 1000,
+                    guidance=None, encoder_hidden_states_mask=prompt_attention_masks,
+                    encoder_hidden_states=encoder_hidden_states, img_shapes=img_shapes, attention_kwargs=None)
 
 
 def author_qwen_loss(transformer, sample, sigma_indices, sigma_schedule, args):
@@ -373,11 +365,8 @@ def author_qwen_loss(transformer, sample, sigma_indices, sigma_schedule, args):
                                    sample["encoder_hidden_states"], sample["prompt_attention_masks"],
                                    sample["img_shapes"], transformer, sample["timesteps"][:, j], sigma_indices[j],
                                    sigma_schedule)
-        advantages = torch.clamp(sample["advantages"], -args.adv_clip_max, args.adv_clip_max)
-        ratio = torch.exp(log_prob - sample["log_probs"][:, j])
-        unclipped = -advantages * ratio
-        clipped = -advantages * torch.clamp(ratio, 1.0 - args.clip_range, 1.0 + args.clip_range)
-        total = total + torch.mean(torch.maximum(unclipped, clipped)) / (args.gradient_accumulation_steps * n)
+        total = total + clipped_loss(log_prob, sample["log_probs"][:, j], sample["advantages"], args,
+                                     args.gradient_accumulation_steps * n)
     return total
 
 
@@ -408,10 +397,7 @@ def author_two_backward(transformer, sample, sigma_indices, sigma_schedule, args
             _, _, log_prob = flux_step(pred, sample["latents"][:, j].to(torch.float32), args.eta, sigma_schedule,
                                        sigma_indices[j], prev_sample=sample["next_latents"][:, j].to(torch.float32),
                                        grpo=True, sde_solver=True)
-            advantages = torch.clamp(sample["advantages"], -args.adv_clip_max, args.adv_clip_max)
-            ratio = torch.exp(log_prob - sample["log_probs"][:, j])
-            loss_j = torch.mean(torch.maximum(-advantages * ratio, -advantages * torch.clamp(
-                ratio, 1.0 - args.clip_range, 1.0 + args.clip_range))) / norm
+            loss_j = clipped_loss(log_prob, sample["log_probs"][:, j], sample["advantages"], args, norm)
             (g,) = torch.autograd.grad(loss_j, pred)
             upstream.append(g)
             loss_value += float(loss_j)
