@@ -373,3 +373,19 @@ def test_final_refusal_under_auto_is_a_graph_error_with_no_forward_run():
                                                                                 r"output of step 0"):
         compiled(model, *inputs(), T)
     assert counts.grad_forwards + counts.nograd_forwards == 0 and compiled.capture_failures == []
+
+
+def two_call_cfg(dit, zs, ts, g, n: int):
+    total = 0.0
+    for k in range(n):
+        uncond = dit(zs[k] * 0.0, ts[k])          # classifier-free guidance, two calls per step
+        cond = dit(zs[k], ts[k])
+        total = total + ((uncond + 4.5 * (cond - uncond)) * g[k]).sum()
+    return total
+
+
+def test_two_call_cfg_is_refused_naming_cfg():
+    model = AffineJacobianField(3, seed=1)
+    with pytest.raises(JaggInputError, match=r"steps 0 and 1 have the same timestep.*classifier-free guidance "
+                                             r"with separate uncond and cond calls.*\[uncond; cond\]"):
+        jagg_compile(two_call_cfg, window=4)(model, *inputs(), T)

@@ -8,7 +8,7 @@ steps per sample), the JAGG author's Qwen-Image loss and a loss built from ``jag
   * the loss value equals the undecorated loss's;
   * at W=2 the gradient equals the exact one; at W=4 it equals a reference JAGG computed by hand
     (``helpers.reference_jagg``: upstream gradients from autograd, knots through the eager graph);
-  * DanceGRPO: 50 subsets through one compiled loss, one trace for all of them;
+  * DanceGRPO: 50 distinct subsets through one compiled loss, one trace for all of them;
   * the author's two-backward implementation with t-weights equals the reference JAGG, and with
     index weights equals ``@jagg_compile(weights="index")``;
   * the KL loss's result is the same through every capture path, intercept included (it used to
@@ -88,8 +88,11 @@ def test_dance_grpo_fifty_subsets_one_compiled_loss(shapes):
     compiled = jagg_compile(shape.loss_fn, dit=transformer, window=3)
     g = torch.Generator().manual_seed(11)
     subsets = set()
-    for i in range(50):
+    while len(subsets) < 50:
         perm = trainer_shapes.random_subset(shape.extra["num_steps"], shape.extra["fraction"], g)
+        if tuple(perm.tolist()) in subsets:
+            continue
+        i = len(subsets)
         subsets.add(tuple(perm.tolist()))
         call = (transformer, sample, perm, sigmas, args)
         out = compiled(*call)
@@ -97,7 +100,6 @@ def test_dance_grpo_fifty_subsets_one_compiled_loss(shapes):
         if i < 3:      # gradients too, on a few of them
             _, grad = loss_and_grad(compiled, call, transformer)
             assert rel_err(grad, reference_jagg(shape.loss_fn, call, transformer, 3)[1]) < TOL
-    assert len(subsets) >= 30
     # one trace serves every subset: flux_step's math.sqrt/math.log are graph nodes, not constants
     # (a second trace comes from the first call's transformer.train(): the module entered in eval)
     assert compiled.traces <= 2 and compiled.report.path == "fx"

@@ -108,7 +108,10 @@ def check_times(times: torch.Tensor, steps: Sequence[int]) -> None:
         if bool((d[i] == 0).any()):
             raise JaggInputError(
                 f"steps {steps[i]} and {steps[i + 1]} have the same timestep; JAGG interpolates "
-                f"in t and needs distinct timesteps within a window (pass each step's own timestep)"
+                f"in t and needs distinct timesteps within a window (pass each step's own timestep). Two "
+                f"grad-enabled DiT calls at one timestep are usually classifier-free guidance with separate "
+                f"uncond and cond calls: concatenate them into one call on [uncond; cond] (Flow-GRPO's form), "
+                f"or make the uncond call under torch.no_grad() if it needs no gradient"
             )
     raise JaggInputError(
         f"timesteps of steps {list(steps)} are not strictly monotone; a window must follow the "
