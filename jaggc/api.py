@@ -299,6 +299,11 @@ class JaggCompiled:
 
     # --- intercept (no tracing) -----------------------------------------------------------------
     def _run_intercept(self, args, kwargs):
+        if self.config.options.backward == "lowmem":
+            raise JaggUnsupportedError(
+                f"backward='lowmem' needs a captured graph (it proves the loss is a sum of per-step terms), "
+                f"but no capture path took {self.__qualname__}: {'; '.join(self.capture_failures) or 'see above'}. "
+                f"Use backward='joint' or 'per_window'")
         bound = inspect.signature(self.fn).bind(*args, **kwargs)
         candidates = self._candidates(args, kwargs)
         dit = self.dit if self.dit is not None else candidates[0] if len(candidates) == 1 else None

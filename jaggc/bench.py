@@ -83,7 +83,7 @@ class BenchConfig:
     batch: int = 4
     seed: int = 0
     modes: tuple[str, ...] = ("exact", "jagg@2", "jagg@3", "jagg@4", "jagg@6", "jagg@8",
-                              "jagg_split_knots@4", "runtime@4", "jagg_per_window@4", "jagg_fast@4",
+                              "jagg_split_knots@4", "runtime@4", "jagg_per_window@4", "jagg_lowmem@4", "jagg_fast@4",
                               "exact_per_step")
     optional_modes: tuple[str, ...] = ()   # added only if the time budget allows (quick: jagg@8)
     repeats: int = 3

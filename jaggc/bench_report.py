@@ -19,6 +19,7 @@ import torch
 
 from .bench import BenchConfig, ModeResult, theory_backward_speedup, theory_step_speedup
 from .bench_strategies import (theory_fast_backward_speedup, theory_fast_step_speedup,
+                               theory_lowmem_backward_speedup, theory_lowmem_step_speedup,
                                theory_per_window_backward_speedup, theory_per_window_step_speedup)
 
 
@@ -62,6 +63,8 @@ def summarize(config: BenchConfig, runner, compile_info: dict, skipped: list[str
             _add_window_entries(out, str(res.window), res, summary)
         elif res.strategy in _VARIANTS:
             _add_variant_entries(out, _VARIANTS[res.strategy], res, summary)
+    if "exact_per_step" in runner.results:
+        out["vs_per_step_loop"] = _vs_per_step_loop(runner.results, clock)
     out.update(compile_info)
     traces = [r.traces for r in runner.results.values() if r.traces is not None]
     out["recompiles_main"] = max((t - 1 for t in traces), default=0)
@@ -78,9 +81,10 @@ _WINDOW_KEYS = ("step_speedup", "backward_speedup", "step_speedup_range", "backw
 
 
 # per-window maps of the JAGG variants, "<prefix>_step_speedup" etc.: strategy -> (prefix, theory)
-_VARIANTS = {"jagg_fast": "fast", "jagg_per_window": "per_window"}
+_VARIANTS = {"jagg_fast": "fast", "jagg_per_window": "per_window", "jagg_lowmem": "lowmem"}
 _VARIANT_THEORY = {"fast": (theory_fast_step_speedup, theory_fast_backward_speedup),
-                   "per_window": (theory_per_window_step_speedup, theory_per_window_backward_speedup)}
+                   "per_window": (theory_per_window_step_speedup, theory_per_window_backward_speedup),
+                   "lowmem": (theory_lowmem_step_speedup, theory_lowmem_backward_speedup)}
 _VARIANT_KEYS = ("{}_step_speedup", "{}_backward_speedup", "{}_step_speedup_range", "{}_backward_speedup_range",
                  "theory_{}_step_speedup", "theory_{}_backward_speedup", "counted_{}_step_speedup")
 
@@ -135,6 +139,19 @@ def _add_window_entries(out: dict, w: str, res: ModeResult, summary: dict) -> No
 
 def _counted(res: ModeResult) -> float:
     return res.passes["forward_samples"] + 2 * res.passes["backward_samples"]
+
+
+def _vs_per_step_loop(results: dict, clock: str) -> dict:
+    """Each mode against Flow-GRPO's per-step backward loop, the memory baseline trainers run:
+    whole-step speedup per round (median [min, max]) and activation-peak ratio."""
+    loop = results["exact_per_step"]
+    out = {}
+    for text, res in results.items():
+        ratios = _ratios(loop.whole.get(clock, []), res.whole.get(clock, []))
+        mem = (res.activation_peak_bytes / loop.activation_peak_bytes
+               if res.activation_peak_bytes and loop.activation_peak_bytes else None)
+        out[text] = dict(step_speedup=_stats(ratios), activation_peak_ratio=mem)
+    return out
 
 
 def _mode_json(res: ModeResult) -> dict:
@@ -198,12 +215,18 @@ def format_table(results: dict) -> str:
         lines += [f"  W={w}: step {_num(results['step_speedup'][w])}x (theory {results['theory_step_speedup'][w]:.2f}), "
                   f"backward {_num(results['backward_speedup'][w])}x (theory {results['theory_backward_speedup'][w]:.2f}), "
                   f"activation memory {_num(results['peak_mem_ratio'][w])}x exact" for w in windows]
-    for prefix, label in (("fast", "fast path (theory 3W/6, W/2)"), ("per_window", "per-window (theory 3W/(W+6), W/3)")):
+    for prefix, label in (("fast", "fast path (theory 3W/6, W/2)"), ("per_window", "per-window (theory 3W/(W+6), W/3)"),
+                          ("lowmem", "low-memory (theory 3W/(W+4); backward inside the forward)")):
         for w in sorted(results.get(f"theory_{prefix}_step_speedup", {}), key=int):
+            theory_back = results[f"theory_{prefix}_backward_speedup"][w]
             lines.append(f"  {label} W={w}: step {_num(results[f'{prefix}_step_speedup'][w])}x "
                          f"(theory {results[f'theory_{prefix}_step_speedup'][w]:.2f}), backward "
-                         f"{_num(results[f'{prefix}_backward_speedup'][w])}x "
-                         f"(theory {results[f'theory_{prefix}_backward_speedup'][w]:.2f})")
+                         f"{_num(results[f'{prefix}_backward_speedup'][w])}x"
+                         + (f" (theory {theory_back:.2f})" if theory_back is not None else ""))
+    for text, vs in results.get("vs_per_step_loop", {}).items():
+        if text != "exact_per_step":
+            lines.append(f"  {text} vs the per-step loop (exact_per_step): step {_fmt_stat(vs['step_speedup'])}x, "
+                         f"activation peak {_num(vs['activation_peak_ratio'])}x")
     clock = results.get("compile_overhead_clock")
     details = results.get("compile_details", {})
     for capture, key in (("auto", "compile_overhead_default_s"), ("dynamo", "compile_overhead_s"),

@@ -18,7 +18,10 @@ Two variants of a JAGG window (windows of <= 2 steps run exactly, 3F per step, i
     backward (4F): (W+6)F, step speedup 3W/(W+6), backward speedup 2W/6 = W/3;
   * on-policy fast path (``rollout_cache=``): the interior outputs come from the rollout's recorded
     DiT calls, so a window costs only the knot forward and the joint backward: 6F, step speedup
-    3W/6 = W/2, backward speedup W/2 (the backward is JAGG's).
+    3W/6 = W/2, backward speedup W/2 (the backward is JAGG's);
+  * low-memory backward (``backward="lowmem"``): the joint mode's (W+4)F per window, step speedup
+    3W/(W+4), but every window's joint backward but the last runs inside the loss's forward call, so
+    ``loss.backward()`` holds only the last window's 4F (no per-window backward theory).
 """
 
 from __future__ import annotations
@@ -71,6 +74,12 @@ def per_window_cost(num_steps: int, window: int) -> Cost:
     return Cost(forward, backward)
 
 
+def lowmem_cost(num_steps: int, window: int) -> Cost:
+    """The joint mode's work; each window's backward but the last's runs in the forward call."""
+    parts = [(len(steps), 2 * len(steps) if len(steps) <= 2 else 4) for steps in partition(num_steps, window)]
+    return Cost(sum(f for f, _ in parts) + sum(b for _, b in parts[:-1]), parts[-1][1])
+
+
 def fast_cost(num_steps: int, window: int) -> Cost:
     """Interior outputs served from the rollout cache: per window only the 2B knot forward (2F)
     and one joint backward (4F)."""
@@ -95,6 +104,14 @@ def theory_per_window_step_speedup(window: int) -> float:
 
 def theory_per_window_backward_speedup(window: int) -> float:
     return 2 * window / 6
+
+
+def theory_lowmem_step_speedup(window: int) -> float:
+    return 3 * window / (window + 4)
+
+
+def theory_lowmem_backward_speedup(window: int) -> None:
+    return None      # its backward work is mostly inside the forward call
 
 
 def theory_fast_step_speedup(window: int) -> float:
@@ -225,6 +242,8 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              "jagg_calls directly in a hand-split loss (no capture, no graph)"),
     Strategy("jagg_per_window", lambda p, w: LossStep(p, compiled_loss(p, w, backward="per_window")),
              per_window_cost, True, "@jagg_compile(window=W, backward='per_window')"),
+    Strategy("jagg_lowmem", lambda p, w: LossStep(p, compiled_loss(p, w, backward="lowmem")),
+             lowmem_cost, True, "@jagg_compile(window=W, backward='lowmem'): each window's backward in the forward"),
     Strategy("jagg_fast", RolloutCachedStep, fast_cost, True,
              "@jagg_compile(window=W, rollout_cache=cache): interior outputs from the rollout"),
 )}

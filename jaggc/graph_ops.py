@@ -22,6 +22,7 @@ import torch.fx
 from ._compat import tree_flatten
 from .runtime.calls import DitCall, per_sample_time, resolve_time_arg
 from .runtime.deferred import BackwardGroup
+from .runtime.lowmem import LowMemRun
 from .runtime.module_state import ModuleState, applied, set_state
 from .runtime.routing import Routing, RoutingDecision, run_routed
 from .runtime.window import WindowOptions, run_exact, run_window
@@ -134,6 +135,61 @@ def jagg_trajectory(dit, windows: tuple, plan: TrajectoryPlan) -> tuple:
     return tuple(o for window_outs in outs for o in window_outs)
 
 
+@dataclass
+class LowMemPlan:
+    """Shared by the low-memory window, term and output nodes of one graph; each execution of the
+    graph starts a new ``LowMemRun`` at its first window."""
+
+    num_windows: int
+    first_window: int
+    current: LowMemRun | None = None
+    buffer_bytes: int = 0          # of the latest execution (for reports and the bench)
+
+    def run_for(self, dit, window_index: int) -> LowMemRun:
+        if window_index == self.first_window or self.current is None:
+            self.current = LowMemRun(dit, self.num_windows)
+        return self.current
+
+
+@dataclass
+class LowMemWindowPlan:
+    index: int
+    steps: tuple[int, ...]
+    options: WindowOptions
+    exact: bool                    # every step a knot (a tail of <= 2 steps, or jagg_frac=0)
+    terms: dict[int, int]          # step position -> terms of the loss that read its output
+    last: bool                     # the last window to run: its knot graph waits for loss.backward()
+    shared: LowMemPlan
+    observed_times: list[float] = field(default_factory=list)
+
+
+@torch.fx.wrap
+def jagg_lowmem_window(dit, calls: tuple, plan: LowMemWindowPlan, after: tuple = ()) -> tuple:
+    """The W outputs of one low-memory window (values exact; runtime/lowmem.py). ``after``: the
+    previous window's term nodes, so that this window's forward runs once that one's backward did."""
+    dit_calls = [DitCall(tuple(a), dict(k)) for a, k in calls]
+    if not plan.observed_times:
+        plan.observed_times = observed_times(dit_calls, plan.options.time_arg)
+    run = plan.shared.run_for(dit, plan.index)
+    return tuple(run.run_window(plan.index, dit_calls, plan.steps, plan.options, exact=plan.exact,
+                                terms=plan.terms, last=plan.last))
+
+
+@torch.fx.wrap
+def jagg_lowmem_term(term, plan: LowMemPlan, window: int, position: int, coef: float, name: str):
+    """A per-step term of the loss: its gradient feeds its window's backward; returns it detached."""
+    return plan.current.add_term(window, position, term, coef, name)
+
+
+@torch.fx.wrap
+def jagg_lowmem_output(loss, plan: LowMemPlan):
+    """The loss value, whose backward injects the windows' gradients (runtime/lowmem.py)."""
+    out = plan.current.output(loss)
+    plan.buffer_bytes = plan.current.buffer_bytes
+    plan.current = None
+    return out
+
+
 def observed_times(calls, time_arg) -> list[float]:
     """The first sample's timestep of each call (one host sync; only on a plan's first run)."""
     arg = resolve_time_arg(calls[0], time_arg)
@@ -149,8 +205,10 @@ def flatten_output(output: Any) -> tuple:
     return tuple(tree_flatten(output)[0])
 
 
-RUNTIME_TARGETS = frozenset({dit_call, jagg_window, jagg_trajectory, flatten_output, set_module_state})
-for _target in (dit_call, jagg_window, jagg_trajectory, set_module_state):
+RUNTIME_TARGETS = frozenset({dit_call, jagg_window, jagg_trajectory, flatten_output, set_module_state,
+                             jagg_lowmem_window, jagg_lowmem_term, jagg_lowmem_output})
+for _target in (dit_call, jagg_window, jagg_trajectory, set_module_state, jagg_lowmem_window, jagg_lowmem_term,
+                jagg_lowmem_output):
     torch.fx.node.has_side_effect(_target)
 
 

@@ -8,6 +8,7 @@ from .context import CallSite, CompileConfig, PassContext, Window
 from .find_dit_calls import find_dit_calls
 from .grad_modes import place_grad_modes
 from .independence import check_independence
+from .lowmem_terms import place_lowmem_terms
 from .pipeline import DEFAULT_PASSES, Stage, run_passes
 from .rewrite import rewrite_windows
 from .weights import compute_weights
@@ -16,5 +17,5 @@ from .windows import assign_windows
 __all__ = [
     "CallSite", "CompileConfig", "DEFAULT_PASSES", "PassContext", "Stage", "Window", "assign_windows",
     "check_frontend", "check_independence", "cleanup", "compute_weights", "find_dit_calls",
-    "place_grad_modes", "rewrite_windows", "run_passes",
+    "place_grad_modes", "place_lowmem_terms", "rewrite_windows", "run_passes",
 ]

@@ -23,6 +23,7 @@ from .context import PassContext
 from .find_dit_calls import find_dit_calls
 from .grad_modes import place_grad_modes
 from .independence import check_independence
+from .lowmem_terms import place_lowmem_terms
 from .rewrite import rewrite_windows
 from .weights import compute_weights
 from .windows import assign_windows
@@ -58,7 +59,16 @@ def _node_list(gm: fx.GraphModule) -> list:
     return [(n, n.op, n.target, n.args, n.kwargs) for n in gm.graph.nodes]
 
 
-def run_passes(gm: fx.GraphModule, ctx: PassContext, passes=DEFAULT_PASSES) -> tuple[fx.GraphModule, list[Stage]]:
+def passes_for(ctx: PassContext) -> tuple[Pass, ...]:
+    """The default passes, with ``place_lowmem_terms`` after the rewrite in the low-memory mode."""
+    if ctx.config.options.backward != "lowmem":
+        return DEFAULT_PASSES
+    at = DEFAULT_PASSES.index(rewrite_windows) + 1
+    return DEFAULT_PASSES[:at] + (place_lowmem_terms,) + DEFAULT_PASSES[at:]
+
+
+def run_passes(gm: fx.GraphModule, ctx: PassContext, passes=None) -> tuple[fx.GraphModule, list[Stage]]:
+    passes = passes_for(ctx) if passes is None else passes
     # the frontends hand over a compiled GraphModule (fx.GraphModule() and canonicalize_dynamo_calls
     # compile it), so the capture snapshot is its code as it stands
     stages = [Stage(f"capture ({ctx.frontend})", gm.code.strip() + "\n")]

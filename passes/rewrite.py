@@ -6,7 +6,9 @@ last call in graph order (the unrolled loop interleaves step k's loss with step 
 so the graph is re-sorted topologically afterwards.
 
 Invariant after: no trained ``dit_call`` of a JAGG window remains; each JAGG window is one
-``jagg_window`` node; exact windows keep their ``dit_call`` nodes, now with their step number.
+``jagg_window`` node; exact windows keep their ``dit_call`` nodes, now with their step number. With
+``backward="lowmem"`` every window, exact ones included, is one ``jagg_lowmem_window`` node (its
+plan's term count and last-window flag are filled in by ``place_lowmem_terms``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import warnings
 from torch import fx
 
 from jaggc.errors import JaggGraphError
-from jaggc.graph_ops import DeferredGroupPlan, TrajectoryPlan, WindowPlan, jagg_trajectory, jagg_window
+from jaggc.graph_ops import (DeferredGroupPlan, LowMemPlan, LowMemWindowPlan, TrajectoryPlan, WindowPlan,
+                             jagg_lowmem_window, jagg_trajectory, jagg_window)
 from jaggc.runtime.window import deferred_grad_forwards
 
 from .context import PassContext
@@ -29,16 +32,26 @@ def rewrite_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     graph = gm.graph
     _rewrite_routed(gm, ctx)
     deferred = _deferred_group_plan(ctx)
+    lowmem = ctx.config.options.backward == "lowmem"
+    if lowmem:
+        gm.jagg_lowmem_plan = LowMemPlan(num_windows=len(ctx.windows), first_window=ctx.windows[0].index)
     for w in ctx.windows:
         if w.mode == "routed":
             continue
-        if w.mode != "jagg":
+        if w.mode != "jagg" and not lowmem:
             for node in w.nodes:
                 node.kwargs = {**node.kwargs, "step": node.meta["jagg_call"].step}
             continue
         options = dataclasses.replace(ctx.config.options, weights=ctx.config.weights, time_arg=w.time_arg)
         plan_name = f"jagg_plan_{w.index}"
-        w.plan = WindowPlan(index=w.index, steps=tuple(w.steps), options=options, deferred=deferred)
+        if lowmem:
+            # every window, exact ones too (all steps knots): each must free its activations early
+            w.plan = LowMemWindowPlan(index=w.index, steps=tuple(w.steps), options=options, exact=w.mode != "jagg",
+                                      terms={}, last=False, shared=gm.jagg_lowmem_plan)
+            target = jagg_lowmem_window
+        else:
+            w.plan = WindowPlan(index=w.index, steps=tuple(w.steps), options=options, deferred=deferred)
+            target = jagg_window
         setattr(gm, plan_name, w.plan)
         last = w.nodes[-1]
         calls = tuple((n.args[1], n.args[2]) for n in w.nodes)
@@ -47,7 +60,7 @@ def rewrite_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             warnings.simplefilter("ignore", UserWarning)
             plan = graph.get_attr(plan_name)
         with graph.inserting_after(plan):
-            window_node = graph.call_function(jagg_window, (last.args[0], calls, plan))
+            window_node = graph.call_function(target, (last.args[0], calls, plan))
         window_node.meta["jagg_window"] = w.index
         window_node.meta["jagg_grad"] = True     # a window's calls are trained, grad-enabled calls
         w.node = window_node

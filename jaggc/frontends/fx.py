@@ -197,6 +197,7 @@ class DiTLeafTracer(fx.Tracer):
         self.examples.add(node)
         if kind == "placeholder":
             value = self._inputs.pop()
+            node.meta["jagg_requires_grad"] = isinstance(value, torch.Tensor) and value.requires_grad
             self.examples.set_input(node, value)
             self.reads.real_inputs[node] = value
         elif is_in_place(node):

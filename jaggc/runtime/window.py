@@ -30,7 +30,7 @@ from .weights import Basis, resolve_basis
 if TYPE_CHECKING:
     from .rollout_cache import RolloutCache
 
-BACKWARD_MODES = ("joint", "per_window")
+BACKWARD_MODES = ("joint", "per_window", "lowmem")
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,10 @@ class WindowOptions:
     position ids of Flux/Qwen-Image transformers, which never carry a batch dimension).
     ``backward``: "joint" (the knot forward keeps its activations until the loss's backward) or
     "per_window" (values from no-grad forwards; each window re-runs its knot forward inside the
-    backward and frees it: peak memory of one window, two more forwards per window; deferred.py).
+    backward and frees it: peak memory of one window, two more forwards per window; deferred.py),
+    or "lowmem" (each window's joint backward runs inside the loss's forward as soon as the loss's
+    per-step terms give its upstream gradients: the joint mode's cost at one window's memory, for
+    losses that are sums of per-step terms; lowmem.py).
     ``rollout_cache``: the on-policy fast path: interior outputs recorded during the rollout are
     reused while the parameters are unchanged (rollout_cache.py)."""
 
@@ -134,6 +137,23 @@ def prepare_window(dit: nn.Module, calls: Sequence[DitCall], steps: Sequence[int
             [torch.cat(ls, 0) if isinstance(ls[0], torch.Tensor) else ls[0] for ls in zip(*knot_leaves)], spec)
     return PreparedWindow(calls=calls, steps=steps, time_arg=time_arg, batch=batch, times=times, knots=knots,
                           phi=phi, knot_out=knot_out, interior_out=interior_out)
+
+
+def prepare_exact_window(dit: nn.Module, calls: Sequence[DitCall], steps: Sequence[int],
+                         options: WindowOptions) -> PreparedWindow:
+    """Every step a knot (Φ the identity): one forward with grad of the whole window, no
+    interpolation (so no timestep order is required)."""
+    steps = list(steps)
+    time_arg, batch = resolve_time_arg(calls[0], options.time_arg), batch_size(calls[0])
+    if options.check_inputs:
+        check_calls(dit, calls, steps)
+        check_compatible(calls, time_arg, steps=steps, unbatched=options.unbatched)
+    n = len(calls)
+    times = torch.stack([per_sample_time(c, time_arg, s) for c, s in zip(calls, steps)])
+    phi = torch.eye(n, dtype=torch.float64, device=times.device)[:, :, None].expand(n, n, batch)
+    knot_out = forward_batched(dit, calls, steps, time_arg, options.unbatched)
+    return PreparedWindow(calls=calls, steps=steps, time_arg=time_arg, batch=batch, times=times,
+                          knots=tuple(range(n)), phi=phi, knot_out=knot_out, interior_out={})
 
 
 def run_window(dit: nn.Module, calls: Sequence[DitCall], *, steps: Sequence[int] | None = None,
