@@ -13,13 +13,14 @@ accelerate way::
 
 and the plain-DDP way (``with ddp.no_sync()`` on all but every K-th micro-batch, ``loss / K``,
 ``optimizer.step()`` every K). For the exact loss and the ``@jagg_compile``-d loss (joint and
-per-window backward modes) the test records, per micro-step, the number of gradient all-reduces
+per-window and low-memory backward modes) the test records, per micro-step, the number of gradient all-reduces
 (a counting DDP comm hook: one call per gradient bucket) and whether the optimizer really stepped
 (a counter on the wrapped torch optimizer), and at the end the parameters. Checked:
 
   * JAGG syncs exactly where the exact loop syncs: no all-reduce inside ``no_sync`` micro-steps,
     the same number of bucket all-reduces on every K-th one (per-window mode included: its
-    windows' nested backwards all-reduce once per loss);
+    windows' nested backwards all-reduce once per loss; low-memory mode too: its windows'
+    backwards inside the forward are no_sync'd, and the loss's backward all-reduces once);
   * the optimizer steps at the same micro-steps (K-1, 2K-1, ...);
   * the final parameters equal those of a single-process run of the same loss (exact or JAGG)
     over the union of both ranks' micro-batches with the same optimizer (fp32 tolerance), and
@@ -57,7 +58,8 @@ T = 6                           # trained steps: two JAGG windows of W=3
 W = 3
 LR = 0.05
 TIMEOUT_S = 300
-SCENARIOS = ("acc_exact", "acc_jagg", "acc_jagg_per_window", "ddp_exact", "ddp_jagg")
+SCENARIOS = ("acc_exact", "acc_jagg", "acc_jagg_per_window", "acc_jagg_lowmem", "ddp_exact", "ddp_jagg",
+             "ddp_jagg_lowmem")
 
 
 def fresh(fn):
@@ -77,7 +79,7 @@ def micro_batch(batch: dict, i: int, lo: int, size: int) -> dict:
 def loss_fn(kind: str):
     if kind == "exact":
         return el.flow_grpo_sd3_loss
-    mode = "per_window" if kind.endswith("per_window") else "joint"
+    mode = "per_window" if kind.endswith("per_window") else "lowmem" if kind.endswith("lowmem") else "joint"
     return jaggc.jagg_compile(fresh(el.flow_grpo_sd3_loss), window=W, backward=mode)
 
 
@@ -199,7 +201,7 @@ def single_process():
     ex = rollout()
     batches = [micro_batch(ex.batch, i, 0, WORLD * LOCAL_B) for i in range(MICRO)]
     out = {}
-    for kind in ("exact", "jagg", "jagg_per_window"):
+    for kind in ("exact", "jagg", "jagg_per_window", "jagg_lowmem"):
         fn = loss_fn(kind)
         model = copy.deepcopy(ex.model)
         opt = optimizer_for(model)
