@@ -47,7 +47,9 @@ def track_saved_tensors():
 
     def pack(t: torch.Tensor):
         box = _Saved(t)
-        if t.is_leaf and t.requires_grad:  # a parameter: not activation memory
+        # a parameter is not activation memory; a fake tensor (a capture tracing inside the
+        # context) is no memory at all
+        if (t.is_leaf and t.requires_grad) or type(t).__name__ == "FakeTensor":
             return box
         storage = t.untyped_storage()
         key = (t.device.type, storage.data_ptr())
