@@ -206,3 +206,10 @@ def dispatch_mode_base():
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode
+
+
+def is_fake(t) -> bool:
+    """A fake tensor (a capture is learning shapes), not real data."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)

@@ -2,6 +2,7 @@
 
     jaggc verify [--examples N] [--profile ci|thorough] [--seed S] [--json PATH] [--no-symbolic]
                  [--suite all|runtime|losses]
+    jaggc verify --loss MODULE:FACTORY [--windows 2,3,4] [--examples N] [--json PATH]
     python -m jaggc.verify.cli ...
 
 Two suites of properties: ``runtime`` (``jaggc.verify.properties``: velocity fields with known
@@ -39,7 +40,39 @@ def build_parser(prog: str = "jaggc verify") -> argparse.ArgumentParser:
     p.add_argument("--suite", choices=SUITES, default="all",
                    help="which properties: runtime (velocity fields through the window runtime), losses "
                         "(GRPO losses through @jagg_compile), or all (default)")
+    p.add_argument("--loss", metavar="MODULE:FACTORY", default=None,
+                   help="check your own loss instead (jaggc.verify.check_loss): FACTORY() returns (loss_fn, "
+                        "dit, batch) or (loss_fn, dit, batch, compile_options); batch may be the tuple of all "
+                        "the loss's arguments")
+    p.add_argument("--windows", default="2,3,4", help="with --loss: the window sizes to check")
     return p
+
+
+def verify_loss(spec: str, examples: int, seed: int, windows: tuple, json_path: str | None) -> int:
+    """``jaggc verify --loss module:factory``: check_loss on the loss the factory builds."""
+    import importlib
+
+    from .loss_check import check_loss
+
+    module_name, _, factory_name = spec.partition(":")
+    if not module_name or not factory_name:
+        print(f"jaggc verify: --loss wants MODULE:FACTORY, got {spec!r}", file=sys.stderr)
+        return 2
+    try:
+        factory = getattr(importlib.import_module(module_name), factory_name)
+    except (ImportError, AttributeError) as e:
+        print(f"jaggc verify: cannot load {spec!r}: {e}", file=sys.stderr)
+        return 2
+    built = factory()
+    loss_fn, dit, batch, options = (*built, {}) if len(built) == 3 else built
+    check = check_loss(loss_fn, dit, batch, windows=windows, examples=examples, seed=seed, **options)
+    print(check.table())
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump([dict(name=f"check_loss {spec}", kind="loss", passed=check.passed, examples=check.examples,
+                            max_rel_err=check.max_rel_err, counterexample=check.counterexample,
+                            detail=f"capture path {check.capture_path}; real DiT {check.real_dit}")], f, indent=2)
+    return 0 if check.passed else 1
 
 
 def registry(suite: str = "all") -> dict[str, Callable]:
@@ -65,6 +98,9 @@ def main_verify(argv: Sequence[str] | None = None) -> int:
     if examples < 1:
         print("jaggc verify: --examples must be >= 1", file=sys.stderr)
         return 2
+    if args.loss:
+        windows = tuple(int(w) for w in args.windows.split(",") if w)
+        return verify_loss(args.loss, examples, args.seed, windows, args.json)
     from . import properties, symbolic
 
     entries: list[dict] = []

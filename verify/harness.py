@@ -124,8 +124,8 @@ def _describe(case: Any) -> str:
 
 
 def run_exact_property(name: str, strategy, check: Callable[[Any, int], float], examples: int,
-                       seed: int) -> PropertyResult:
-    """Every example must have error <= TOL; a violation is shrunk by hypothesis and reported."""
+                       seed: int, tol: float = TOL) -> PropertyResult:
+    """Every example must have error <= ``tol``; a violation is shrunk by hypothesis and reported."""
     errs: list[float] = []
     last: list = [None, None]
 
@@ -140,7 +140,7 @@ def run_exact_property(name: str, strategy, check: Callable[[Any, int], float], 
             raise
         errs.append(err)
         last[1] = err
-        assert err <= TOL and not math.isnan(err), f"rel_err {err:.3g} > {TOL:g}"
+        assert err <= tol and not math.isnan(err), f"rel_err {err:.3g} > {tol:g}"
 
     try:
         prop()

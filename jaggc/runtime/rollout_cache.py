@@ -63,9 +63,11 @@ class RolloutCache:
         return len(self._rows)
 
     @contextlib.contextmanager
-    def record(self):
-        """Record every no-grad call of ``dit`` made inside the context (the rollout)."""
-        self.clear()
+    def record(self, clear: bool = True):
+        """Record every no-grad call of ``dit`` made inside the context (the rollout); ``clear=False``
+        adds to what was recorded before (with unchanged parameters)."""
+        if clear or self._versions != parameter_versions(self.dit):
+            self.clear()
         self._versions = parameter_versions(self.dit)
 
         def on_forward(module, args, kwargs, output):
