@@ -82,7 +82,7 @@ def calibrate(loss_fn: Callable, dit: torch.nn.Module, batch: Any, target_cosine
 
     def measure(s: E.Setting) -> dict:
         fracs, cosines = [], []
-        n = draws if s.variant in ("subsample", "random3") else 1
+        n = draws if s.variant in E.RANDOM_VARIANTS else 1
         for rec, ref in zip(recs, exact):
             ests = [E.estimate(rec, dit, s, generator=gen) for _ in range(n)]
             fracs.append(sum(e.backward_fraction for e in ests) / n)

@@ -14,8 +14,11 @@ Every estimator here is a linear combination of vector-Jacobian products ``J(z, 
                    (z_{k+1} − μ_k), so no knot contains the noise ε_k paired with g_k (2 / window)
     random3        jagg plus a third knot at one uniformly drawn interior step k*, the composites
                    corrected so that E_{k*}[estimate] = exact (unbiased; 3 / window)
+    control        jagg, and with probability p per window the control-variate correction
+                   (exact − jagg) / p (Basis("control"): unbiased; 2 + p (W − 2) / window)
     subsample      K of a window's n steps drawn uniformly without replacement, scaled n/K
-                   (unbiased baseline at the same backward budget)
+                   (unbiased baseline at the same backward budget; a fractional K draws floor(K)
+                   or floor(K) + 1 per window, matching a fractional budget in expectation)
 
 Any estimator takes ``exact_windows`` (window indices run per step, exactly): the σ-aware hybrid is
 ``exact_windows=windows_below(rec, W, t0)``, fractional routing is ``routed_exact_windows``.
@@ -45,7 +48,9 @@ from ..errors import JaggInputError
 from ..runtime import Basis, DitCall, WindowOptions, jagg_calls, partition
 from ..runtime.calls import concat_calls, per_sample_time, primary_input, resolve_time_arg, set_time
 
-VARIANTS = ("exact", "jagg", "causal", "lagrange", "hat", "extrapolate", "denoised", "random3", "subsample")
+VARIANTS = ("exact", "jagg", "causal", "lagrange", "hat", "extrapolate", "denoised", "random3", "control",
+            "subsample")
+RANDOM_VARIANTS = ("subsample", "random3", "control")     # averaged over draws per batch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,8 +231,7 @@ class _Plan:
 
     def basis_window(self, idx: Sequence[int], basis: Basis):
         rec = self.rec
-        phi = basis.matrix(rec.times[list(idx)])           # (S, K, B)
-        knots = basis.knot_positions(len(idx))
+        knots, phi = basis.sample(rec.times[list(idx)])     # (S, K, B); a random basis draws here
         for j, kp in enumerate(knots):
             cot = sum(_bcast(phi[s, j], rec.upstream[k]) * rec.upstream[k] for s, k in enumerate(idx))
             self.knot(rec.calls[idx[kp]], cot)
@@ -367,19 +371,21 @@ def random3(rec: Recording, dit: nn.Module, *, window: int, weights: str = "t", 
     return plan.run(dit, f"random3-{weights}")
 
 
-def subsample(rec: Recording, dit: nn.Module, *, window: int, k: int = 2, exact_windows=(),
+def subsample(rec: Recording, dit: nn.Module, *, window: int, k: float = 2, exact_windows=(),
               generator: torch.Generator | None = None, picks: dict[int, Sequence[int]] | None = None) -> Estimate:
     """Baseline: in every non-exact window of n > k steps, k steps drawn uniformly without
-    replacement, each scaled n/k (unbiased). ``picks`` {window: positions} overrides the draw."""
+    replacement, each scaled n/k (unbiased). A fractional k draws floor(k) + Bernoulli(frac) steps
+    per window (each draw unbiased, the expected count k). ``picks`` {window: positions} overrides."""
     plan = _Plan(rec)
     for w, idx in enumerate(_windows(rec, window)):
         n = len(idx)
         if w in exact_windows or n <= k or n <= 2:
             plan.exact_steps(idx)
             continue
-        chosen = picks[w] if picks is not None else torch.randperm(n, generator=generator)[:k].tolist()
-        plan.exact_steps([idx[p] for p in chosen], scale=n / k)
-    return plan.run(dit, f"subsample-{k}")
+        kw = int(k) + int(float(torch.rand((), generator=generator)) < k - int(k)) if k != int(k) else int(k)
+        chosen = picks[w] if picks is not None else torch.randperm(n, generator=generator)[:kw].tolist()
+        plan.exact_steps([idx[p] for p in chosen], scale=n / kw)
+    return plan.run(dit, f"subsample-{k:g}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -467,15 +473,18 @@ class Setting:
     weights: str = "t"
     jagg_frac: float = 1.0
     exact_below: float | None = None
-    k: int = 2
+    k: float = 2
     spacing: int = 3
+    p: float = 0.25     # control: correction probability
 
     def label(self) -> str:
         if self.variant == "exact":
             return "exact"
         parts = [self.variant, f"W{self.window}" if self.variant != "hat" else f"m{self.spacing}", self.weights]
         if self.variant == "subsample":
-            parts = ["subsample", f"W{self.window}", f"{self.k}of{self.window}"]
+            parts = ["subsample", f"W{self.window}", f"{self.k:g}of{self.window}"]
+        if self.variant == "control":
+            parts.append(f"p{self.p:g}")
         if self.jagg_frac < 1:
             parts.append(f"f{self.jagg_frac:g}")
         if self.exact_below is not None:
@@ -516,6 +525,10 @@ def estimate(rec: Recording, dit: nn.Module, setting: Setting, *, generator: tor
         return denoised(rec, dit, weights=s.weights, **kw)
     if s.variant == "random3":
         return random3(rec, dit, weights=s.weights, generator=generator, **kw)
+    if s.variant == "control":
+        # the study's generator seeds the basis's own: each call is a fresh draw
+        seed = int(torch.randint(2**31, (1,), generator=generator)) if generator is not None else 0
+        return basis_estimate(rec, dit, basis=Basis("control", s.weights, seed=seed, p=s.p), name="control", **kw)
     return subsample(rec, dit, k=s.k, generator=generator, **kw)
 
 
@@ -523,9 +536,16 @@ def matched_subsample(rec: Recording, setting: Setting) -> Setting | None:
     """The subsampling baseline with the same windows, exact set and backward count per window
     (jagg/denoised: 2 of W; causal: 1; lagrange/random3: 3). None for hat/exact."""
     k = {"jagg": 2, "denoised": 2, "causal": 1, "extrapolate": 1, "lagrange": 3, "random3": 3}.get(setting.variant)
+    if setting.variant == "control":
+        k = 2 + setting.p * (setting.window - 2)     # its expected knots per full window
     if k is None:
         return None
     return Setting("subsample", setting.window, setting.weights, setting.jagg_frac, setting.exact_below, k=k)
+
+
+def matched_subsample_setting(setting: Setting) -> Setting | None:
+    """``matched_subsample`` without a recording (the baseline depends only on the setting)."""
+    return matched_subsample(None, setting)
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -536,7 +556,8 @@ def rel_error(est: torch.Tensor, ref: torch.Tensor) -> float:
     return float((est - ref).norm() / ref.norm().clamp_min(1e-300))
 
 
-__all__ = ["Estimate", "Recording", "Setting", "VARIANTS", "basis_estimate", "causal", "cosine", "denoised",
-           "estimate", "exact", "extrapolate", "flow_grpo_extras", "hat", "jagg", "lagrange", "matched_subsample", "random3",
+__all__ = ["Estimate", "RANDOM_VARIANTS", "Recording", "Setting", "VARIANTS", "basis_estimate", "causal", "cosine", "denoised",
+           "estimate", "exact", "extrapolate", "flow_grpo_extras", "hat", "jagg", "lagrange", "matched_subsample",
+           "matched_subsample_setting", "random3",
            "record", "rel_error", "routed_exact_windows", "routing_scores", "runtime_gradient", "subsample",
            "trainable", "vjp_sum", "windows_below", "with_state"]

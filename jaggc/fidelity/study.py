@@ -110,7 +110,7 @@ def main_settings(window: int = 4, t0: float = 500.0, full: bool = False) -> lis
 
 
 _BASE = []
-BASES = ("digits", "shapes")
+BASES = ("digits", "shapes", "textures")
 
 
 def _base():
@@ -124,14 +124,19 @@ def _base():
 
 def named_base(name: str = "digits"):
     """(pretrained DiT, extra GRPOTrainer kwargs) of a shipped base: ``digits`` (SD3 DiT on sklearn
-    digits, the trainer's defaults) or ``shapes`` (tiny Flux DiT on generated shapes, its own
-    reward classifier, classes and conditioning: ``jaggc.shapes.trainer_kwargs``)."""
+    digits, the trainer's defaults), ``shapes`` (tiny Flux DiT on generated shapes) or ``textures``
+    (tiny Qwen-Image DiT on generated textures), each with its own reward classifier, classes and
+    conditioning (``jaggc.shapes.trainer_kwargs``, ``jaggc.textures.trainer_kwargs``)."""
     if name == "digits":
         return _base(), {}
     if name == "shapes":
         import jaggc.shapes as shapes
 
         return shapes.load_base(), shapes.trainer_kwargs()
+    if name == "textures":
+        import jaggc.textures as textures
+
+        return textures.load_base(), textures.trainer_kwargs()
     raise ValueError(f"base={name!r}: use one of {BASES}")
 
 
@@ -139,14 +144,14 @@ class Accumulator:
     """Streaming per-batch metrics and bias sums for one (condition, setting)."""
 
     def __init__(self):
-        self.cos, self.rel, self.bf = [], [], None
+        self.cos, self.rel, self.bfs = [], [], []
         self.n = 0
         self.sum_e = None
         self.sum_e2 = 0.0
         self.group_cos: dict[str, list[float]] = {}
 
     def add(self, est_list: list[E.Estimate], ref: torch.Tensor, masks: dict | None = None):
-        self.bf = est_list[0].backward_fraction
+        self.bfs += [e.backward_fraction for e in est_list]
         self.cos.append(sum(E.cosine(e.grad, ref) for e in est_list) / len(est_list))
         self.rel.append(sum(E.rel_error(e.grad, ref) for e in est_list) / len(est_list))
         mean = sum(e.grad for e in est_list) / len(est_list)
@@ -203,7 +208,7 @@ def run_study(*, rollouts: int = 32, conditions=("on", "off1"), settings=None, d
             exact_sums[cond][half] = ex.clone() if exact_sums[cond][half] is None else exact_sums[cond][half] + ex
             exact_norms[cond].append(float(ex.norm()))
             for s in settings:
-                random = s.variant in ("subsample", "random3")
+                random = s.variant in E.RANDOM_VARIANTS
                 ests = [E.estimate(rec, dit, s, generator=gen) for _ in range(draws if random else 1)]
                 accs[cond][s.label()].add(ests, ex, masks if s.label() in masks_for else None)
         frozen.restore()
@@ -231,7 +236,7 @@ def _summary(config, settings, conditions, accs, exact_sums, exact_norms, rollou
         for s in settings:
             a = accs[cond][s.label()]
             b = _bias(a, men)
-            rows.append(dict(setting=s.label(), variant=s.variant, backward_fraction=a.bf,
+            rows.append(dict(setting=s.label(), variant=s.variant, backward_fraction=sum(a.bfs) / len(a.bfs),
                              cos_mean=sum(a.cos) / a.n, cos_min=min(a.cos), rel_mean=sum(a.rel) / a.n,
                              groups={g: sum(v) / len(v) for g, v in a.group_cos.items()}, **b))
         out["conditions"][cond] = dict(mean_exact_over_rms=men / rms, exact_split_half=split, rows=rows)

@@ -9,8 +9,8 @@ other knot sets, and the causal left-knot variant is the one-knot constant basis
 
 Invariant every deterministic basis keeps: at a knot step s = knots[j], Φ[s, :] is the unit
 vector e_j, so the knot's own gradient is exact; and Σ_j Φ[s, j] = 1 (an affine Jacobian is
-reproduced exactly). The randomized basis keeps Σ_j Φ[s, j] = 1 but trades the first property
-for unbiasedness: its drawn knot's row is a correction, and only its expectation is exact.
+reproduced exactly). The randomized and control bases keep Σ_j Φ[s, j] = 1 but trade the first
+property for unbiasedness: only their expectation over the draws is exact.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from ..errors import JaggInputError
 
 
-KINDS = ("linear", "lagrange", "constant", "extrapolate", "randomized")
+KINDS = ("linear", "lagrange", "constant", "extrapolate", "randomized", "control")
 
 
 @dataclass(frozen=True)
@@ -35,8 +35,12 @@ class Basis:
     left knot), "extrapolate" (causal linear extrapolation: a step after knot k_j uses the line
     through k_{j-1} and k_j; with knots shared by a trajectory-long window, one backward per
     knot), or "randomized" (plain JAGG plus one interior knot drawn uniformly per window call,
-    with the endpoint composites corrected so that the expected gradient is the exact one;
-    ``seed`` seeds its own generator, so the user's RNG stream is untouched).
+    with the endpoint composites corrected so that the expected gradient is the exact one), or
+    "control" (plain JAGG, and with probability ``p`` per window call a control-variate
+    correction: every step of the window becomes a knot and the window's gradient is
+    JAGG + (exact − JAGG) / p, so the expected gradient is the exact one while JAGG's small error
+    is all the correction has to carry). ``seed`` seeds the random kinds' own generator, so the
+    user's RNG stream is untouched and the same seed gives the same gradients.
     by: "t" interpolates in timestep value, "index" in step position (the first author's code).
     knots: positions of the knot steps within the window; None means the window's two endpoints
     (or its first step for "constant").
@@ -46,14 +50,17 @@ class Basis:
     by: str = "t"
     knots: tuple[int, ...] | None = None
     seed: int = 0
+    p: float = 0.25
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise JaggInputError(f"unknown basis kind {self.kind!r}; use one of {KINDS}")
         if self.by not in ("t", "index"):
             raise JaggInputError(f"unknown weights {self.by!r}; use weights='t' or weights='index'")
-        if self.kind == "randomized" and self.knots is not None:
-            raise JaggInputError("Basis('randomized') draws its interior knot per window; it takes no knots=")
+        if self.kind in ("randomized", "control") and self.knots is not None:
+            raise JaggInputError(f"Basis({self.kind!r}) draws its knots per window; it takes no knots=")
+        if self.kind == "control" and not 0 < self.p <= 1:
+            raise JaggInputError(f"Basis('control', p={self.p!r}): the correction probability must be in (0, 1]")
         # the randomized basis's draws; a frozen dataclass, so set past __setattr__
         object.__setattr__(self, "_generator", None)
 
@@ -61,10 +68,14 @@ class Basis:
         """(knot positions, Φ) for one window call; the same as (knot_positions, matrix) for
         every kind but "randomized", which draws a new interior knot on each call."""
         num_steps = times.shape[0]
-        if self.kind != "randomized" or num_steps <= 3:
+        if self.kind not in ("randomized", "control") or num_steps <= (3 if self.kind == "randomized" else 2):
             return self.knot_positions(num_steps), self.matrix(times)
         if self._generator is None:
             object.__setattr__(self, "_generator", torch.Generator().manual_seed(self.seed))
+        if self.kind == "control":
+            if float(torch.rand((), generator=self._generator, dtype=torch.float64)) >= self.p:
+                return (0, num_steps - 1), hat_matrix(self._x(times), (0, num_steps - 1))
+            return tuple(range(num_steps)), control_matrix(self._x(times), self.p)
         pos = 1 + int(torch.randint(num_steps - 2, (1,), generator=self._generator))
         return (0, pos, num_steps - 1), randomized_matrix(self._x(times), pos)
 
@@ -106,10 +117,10 @@ class Basis:
             return lagrange_matrix(x, knots)
         if self.kind == "extrapolate":
             return extrapolation_matrix(x, knots)
-        if self.kind == "randomized":
-            if num_steps <= 3:
+        if self.kind in ("randomized", "control"):
+            if num_steps <= (3 if self.kind == "randomized" else 2):
                 return hat_matrix(x, knots)
-            raise JaggInputError("Basis('randomized') has no fixed matrix; use Basis.sample(times)")
+            raise JaggInputError(f"Basis({self.kind!r}) has no fixed matrix; use Basis.sample(times)")
         return hat_matrix(x, knots)
 
 
@@ -169,6 +180,19 @@ def randomized_matrix(x: torch.Tensor, pos: int) -> torch.Tensor:
     phi[pos, 0] = (1 - m) * linear[pos, 0]
     phi[pos, 2] = (1 - m) * linear[pos, 1]
     phi[pos, 1] = m
+    return phi
+
+
+def control_matrix(x: torch.Tensor, p: float) -> torch.Tensor:
+    """Every step a knot: Φ = (1 − 1/p) · (plain two-knot weights) + (1/p) · I, i.e. the window's
+    gradient JAGG + (exact − JAGG) / p. Drawn with probability p (and plain JAGG otherwise), its
+    expectation is the exact gradient."""
+    num_steps, batch = x.shape
+    linear = hat_matrix(x, (0, num_steps - 1))              # (S, 2, B)
+    phi = torch.zeros(num_steps, num_steps, batch, dtype=torch.float64, device=x.device)
+    phi[:, 0] = (1 - 1 / p) * linear[:, 0]
+    phi[:, num_steps - 1] = (1 - 1 / p) * linear[:, 1]
+    phi += torch.eye(num_steps, dtype=torch.float64, device=x.device)[:, :, None] / p
     return phi
 
 
