@@ -55,7 +55,8 @@ class JaggCompiled:
                  jagg_frac: float = 1.0, time_arg: str | int | None = None, capture: str = "auto",
                  backend: str | None = None, on_unsupported: str = "raise", interior_chunk: int | None = None,
                  batch_knots: bool = True, check_inputs: bool = True, backward: str = "joint",
-                 rollout_cache=None, jagg_threshold: float | None = None, exact_below_t: float | None = None):
+                 rollout_cache=None, jagg_threshold: float | None = None, exact_below_t: float | None = None,
+                 split_batches: bool = True):
         if capture not in _CAPTURES:
             raise JaggInputError(f"capture={capture!r}: use one of {_CAPTURES}")
         if on_unsupported not in ("raise", "exact"):
@@ -83,7 +84,8 @@ class JaggCompiled:
                                 batch_knots=batch_knots, check_inputs=check_inputs, backward=backward,
                                 rollout_cache=rollout_cache)
         self.config = _passes().CompileConfig(window=window, weights=weights, jagg_frac=float(jagg_frac),
-                                              time_arg=time_arg, options=options, routing=routing)
+                                              time_arg=time_arg, options=options, routing=routing,
+                                              split_batches=bool(split_batches))
         self._report: Report | None = None
         self.traces = 0
         self._path: str | None = None if capture == "auto" else capture
@@ -344,6 +346,8 @@ def build_report(frontend: str, gm: fx.GraphModule, stages, ctx, traces: int) ->
     report.reference_calls = sum(1 for n in gm.graph.nodes
                                  if getattr(n.meta.get("jagg_call"), "role", None) == "reference")
     report._plans = [w.plan for w in ctx.windows]
+    report.splits = [f"{s.source or 'a DiT call'}: chunks {list(s.no_grad)} of {s.chunks} run without grad ({s.reason})"
+                     for s in ctx.splits]
     _refresh_times(report)
     return report
 
@@ -425,7 +429,8 @@ def explain(fn: Callable, *args, **kwargs) -> Report:
     """Compile ``fn`` with the jagg_compile options in ``kwargs``, run its forward once on
     ``args`` (no backward), and return the inspection report."""
     option_names = ("dit", "window", "weights", "jagg_frac", "time_arg", "capture", "backend",
-                    "on_unsupported", "interior_chunk", "batch_knots", "check_inputs", "backward", "rollout_cache", "jagg_threshold", "exact_below_t")
+                    "on_unsupported", "interior_chunk", "batch_knots", "check_inputs", "backward", "rollout_cache",
+                    "jagg_threshold", "exact_below_t", "split_batches")
     options = {k: kwargs.pop(k) for k in list(kwargs) if k in option_names}
     compiled = fn if isinstance(fn, JaggCompiled) else JaggCompiled(fn, **options)
     compiled(*args, **kwargs)

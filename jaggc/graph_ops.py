@@ -62,8 +62,24 @@ def dit_call(dit, args: tuple, kwargs: dict, step: int | None = None, options: W
     call = DitCall(tuple(args), dict(kwargs))
     with applied(dit, state):
         if step is None:
+            # a no-grad call (a reference, the uncond half of a split CFG call): the rollout may
+            # have made it already
+            cache = options.rollout_cache if options is not None else None
+            if cache is not None and not torch.is_grad_enabled():
+                out = cache.lookup(call)
+                if out is not None:
+                    return out
             return call(dit)
         return run_exact(dit, [call], steps=[step], options=options or WindowOptions())[0]
+
+
+@torch.fx.wrap
+def batch_chunk(x, state, chunks: int, index: int):
+    """Chunk ``index`` of ``chunks`` of a DiT input along the batch, if it is batched (its leading
+    dim is the state's batch); other inputs (shared ids, a scalar timestep) as they are."""
+    if isinstance(x, torch.Tensor) and x.ndim >= 1 and x.shape[0] == state.shape[0]:
+        return x.chunk(chunks)[index]
+    return x
 
 
 @torch.fx.wrap

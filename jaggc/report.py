@@ -41,6 +41,7 @@ class Report:
     reference_calls: int = 0
     capture_failures: list[str] = field(default_factory=list)   # capture="auto": why earlier paths failed
     guarded_reads: int = 0    # FX: tensor values read as Python numbers, re-checked every call
+    splits: list[str] = field(default_factory=list)              # split_cfg_batches: the calls split
 
     # --- stages -----------------------------------------------------------------------------
     def stage(self, name: str) -> str:
@@ -88,12 +89,16 @@ class Report:
             "backward_before": self.backward_before, "backward_after": self.backward_after,
             "reference_calls": self.reference_calls, "notes": list(self.notes),
             "capture_failures": list(self.capture_failures), "guarded_reads": self.guarded_reads,
+            "splits": list(self.splits),
         }
 
     def __str__(self) -> str:
         lines = [f"jaggc report: capture path = {self.path}, traces = {self.traces}"
                  + (f", guarded value reads = {self.guarded_reads}" if self.guarded_reads else "")]
         lines += [f"not captured by {reason}" for reason in self.capture_failures]
+        if self.splits:
+            lines.append(f"split {len(self.splits)} DiT call(s) by batch slice: " + self.splits[0]
+                         + (f" (and {len(self.splits) - 1} more)" if len(self.splits) > 1 else ""))
         lines += [f"note: {n}" for n in self.notes]
         if self.windows:
             lines.append(self.table())

@@ -11,11 +11,12 @@ from .independence import check_independence
 from .lowmem_terms import place_lowmem_terms
 from .pipeline import DEFAULT_PASSES, Stage, run_passes
 from .rewrite import rewrite_windows
+from .split_batch import split_cfg_batches
 from .weights import compute_weights
 from .windows import assign_windows
 
 __all__ = [
     "CallSite", "CompileConfig", "DEFAULT_PASSES", "PassContext", "Stage", "Window", "assign_windows",
     "check_frontend", "check_independence", "cleanup", "compute_weights", "find_dit_calls",
-    "place_grad_modes", "place_lowmem_terms", "rewrite_windows", "run_passes",
+    "place_grad_modes", "place_lowmem_terms", "rewrite_windows", "run_passes", "split_cfg_batches",
 ]

@@ -22,6 +22,7 @@ class CompileConfig:
     time_arg: str | int | None = None
     options: WindowOptions = WindowOptions()
     routing: Routing = Routing()
+    split_batches: bool = True     # split_cfg_batches: run detached batch slices without grad
 
 
 @dataclass
@@ -59,6 +60,7 @@ class PassContext:
     notes: list[str] = field(default_factory=list)
     watched: list[str] = field(default_factory=list)   # the modules the frontend kept opaque, for messages
     entry_grad: bool = True    # the grad mode the graph is entered in (the caller's, at capture)
+    splits: list = field(default_factory=list)          # split_cfg_batches: the DiT calls it split
 
     def dit_calls(self, gm: fx.GraphModule) -> list[fx.Node]:
         return [n for n in gm.graph.nodes if "jagg_call" in n.meta]

@@ -25,13 +25,14 @@ from .grad_modes import place_grad_modes
 from .independence import check_independence
 from .lowmem_terms import place_lowmem_terms
 from .rewrite import rewrite_windows
+from .split_batch import split_cfg_batches
 from .weights import compute_weights
 from .windows import assign_windows
 
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
 DEFAULT_PASSES: tuple[Pass, ...] = (
-    check_frontend, find_dit_calls, check_independence, assign_windows, compute_weights,
+    check_frontend, split_cfg_batches, find_dit_calls, check_independence, assign_windows, compute_weights,
     rewrite_windows, cleanup, place_grad_modes,
 )
 
@@ -59,6 +60,11 @@ def _node_list(gm: fx.GraphModule) -> list:
     return [(n, n.op, n.target, n.args, n.kwargs) for n in gm.graph.nodes]
 
 
+def _same_nodes(before: list, after: list) -> bool:
+    return len(before) == len(after) and all(
+        a[0] is b[0] and a[1:3] == b[1:3] and a[3] is b[3] and a[4] is b[4] for a, b in zip(before, after))
+
+
 def passes_for(ctx: PassContext) -> tuple[Pass, ...]:
     """The default passes, with ``place_lowmem_terms`` after the rewrite in the low-memory mode."""
     if ctx.config.options.backward != "lowmem":
@@ -75,18 +81,16 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, passes=None) -> tuple[fx.Gr
     stale = False   # the graph changed since it was last compiled
     for i, p in enumerate(passes):
         try:
-            before = _node_list(gm) if p in ANALYSES else None
+            before = _node_list(gm)
             gm = p(gm, ctx)
-            if before is None:
-                gm.graph.lint()     # an analysis is checked below instead: its node list is unchanged
-            if before is not None:
-                after = _node_list(gm)
-                if len(before) != len(after) or any(
-                        a[0] is not b[0] or a[1:3] != b[1:3] or a[3] is not b[3] or a[4] is not b[4]
-                        for a, b in zip(before, after)):
-                    raise JaggInternalError(f"analysis pass {p.__name__} changed the graph; only transforms may")
+            unchanged = _same_nodes(before, _node_list(gm))
+            if p in ANALYSES and not unchanged:
+                raise JaggInternalError(f"analysis pass {p.__name__} changed the graph; only transforms may")
+            if unchanged:
+                # an analysis, or a transform with nothing to do here: the snapshot stands
                 stages.append(Stage(p.__name__, stages[-1].code))
                 continue
+            gm.graph.lint()
         except JaggError:
             raise
         except Exception as e:  # a pass bug must not look like a user error, nor pass silently

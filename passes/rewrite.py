@@ -35,6 +35,7 @@ def rewrite_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     lowmem = ctx.config.options.backward == "lowmem"
     if lowmem:
         gm.jagg_lowmem_plan = LowMemPlan(num_windows=len(ctx.windows), first_window=ctx.windows[0].index)
+    _cached_references(gm, ctx)
     for w in ctx.windows:
         if w.mode == "routed":
             continue
@@ -78,6 +79,20 @@ def rewrite_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         w.nodes = [u for u in window_node.users]
     restore_topological_order(gm.graph)
     return gm
+
+
+def _cached_references(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """With a rollout cache, no-grad reference calls look their output up in it first (the split
+    uncond half of a CFG call was part of the rollout's call)."""
+    if ctx.config.options.rollout_cache is None:
+        return
+    gm.jagg_reference_options = ctx.config.options
+    for node in ctx.dit_calls(gm):
+        if node.meta["jagg_call"].role == "reference" and "options" not in node.kwargs:
+            with gm.graph.inserting_before(node), warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                attr = gm.graph.get_attr("jagg_reference_options")
+            node.kwargs = {**node.kwargs, "options": attr}
 
 
 def restore_topological_order(graph: fx.Graph) -> None:

@@ -15,7 +15,8 @@ from torch import nn
 
 
 def reference_jagg(loss_fn: Callable, args: tuple, dit: nn.Module, window: int, *, weights: str = "t",
-                   time_arg: str | int = "timestep", time_of: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   time_arg: str | int = "timestep", time_of: Callable | None = None,
+                   streams: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, flat parameter gradient) of plain JAGG computed by hand, independently of jaggc.
 
     The loss runs eagerly; a forward hook on ``dit`` keeps every grad-enabled call's output and
@@ -23,7 +24,9 @@ def reference_jagg(loss_fn: Callable, args: tuple, dit: nn.Module, window: int, 
     ``window`` (a shorter tail is its own window); each window's two knots (first and last call)
     get G_a = sum (1 - a_k) g_k and G_b = sum a_k g_k, a_k by timestep (or step index), and the
     gradient is J_a^T G_a + J_b^T G_b through the eager run's own graph of the knot outputs.
-    ``time_of(t)`` turns a call's timestep argument into per-sample times (default: as given)."""
+    ``time_of(t)`` turns a call's timestep argument into per-sample times (default: as given).
+    ``streams``: the loss makes this many grad-enabled calls per sampling step (two-call CFG); call
+    k belongs to stream k % streams and windows are cut per stream."""
     outs, times = [], []
 
     def keep(module, a, kw, output):
@@ -42,8 +45,11 @@ def reference_jagg(loss_fn: Callable, args: tuple, dit: nn.Module, window: int, 
     upstream = torch.autograd.grad(loss, outs, retain_graph=True, allow_unused=True)
     upstream = [torch.zeros_like(v) if g is None else g for v, g in zip(outs, upstream)]
     knots, composites = [], []
-    for start in range(0, len(outs), window):
-        idx = list(range(start, min(start + window, len(outs))))
+    windows = []
+    for stream in range(streams):
+        members = list(range(stream, len(outs), streams))
+        windows += [members[start:start + window] for start in range(0, len(members), window)]
+    for idx in windows:
         if len(idx) == 1:
             knots.append(outs[idx[0]])
             composites.append(upstream[idx[0]])
