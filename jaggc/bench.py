@@ -79,6 +79,7 @@ CLOCKS: dict[str, Callable[[Problem], Callable[[], float]]] = {
 class BenchConfig:
     family: str = "sd3"
     size: str = "10m"
+    cfg: bool = False          # Flow-GRPO's train_sd3 CFG loss (guidance 4.5, uncond half detached)
     num_steps: int = 16
     batch: int = 4
     seed: int = 0
@@ -142,7 +143,7 @@ class _Runner:
         self.t_start = time.perf_counter()
         self.log = config.progress or (lambda msg: None)
         self.problem = build_problem(config.family, config.size, num_steps=config.num_steps, batch=config.batch,
-                                     seed=config.seed)
+                                     seed=config.seed, cfg=config.cfg)
         self.clocks = {name: clock_factories[name](self.problem) for name in config.clocks}
         self.steps: dict[str, Any] = {}
         self.results: dict[str, ModeResult] = {}
@@ -157,7 +158,7 @@ class _Runner:
         """Build the mode and run its first call (trace + passes for a compiled mode), counted and
         memory-metered; the first call is timed but never enters the speedups."""
         mode = parse_mode(text)
-        cost = mode.strategy.cost(self.problem.num_steps, mode.window)
+        cost = mode.strategy.cost_for(self.problem, mode.window)
         step = mode.strategy.build(self.problem, mode.window)
         result = ModeResult(mode.name, mode.strategy.name, mode.window, mode.strategy.about,
                             dict(forward=cost.forward, backward=cost.backward, step=cost.step))
@@ -206,7 +207,7 @@ class _Runner:
         exact = self.results["exact"]
         per_unit = exact.first_call_wall_s / exact.cost["step"]
         names = list(self.results) + ([extra] if extra else [])
-        return sum(per_unit * parse_mode(n).strategy.cost(self.problem.num_steps, parse_mode(n).window).step
+        return sum(per_unit * parse_mode(n).strategy.cost_for(self.problem, parse_mode(n).window).step
                    for n in names)
 
 

@@ -28,7 +28,7 @@ _TIMEOUT_S = 3600
 
 def measure_rss(config, mode: str) -> dict:
     """Run ``mode`` of ``config`` in a fresh process and return its RSS numbers (MB)."""
-    spec = dict(family=config.family, size=config.size, num_steps=config.num_steps, batch=config.batch,
+    spec = dict(family=config.family, size=config.size, cfg=config.cfg, num_steps=config.num_steps, batch=config.batch,
                 seed=config.seed, threads=config.threads, mode=mode)
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": _MMAP_THRESHOLD}
     proc = subprocess.run([sys.executable, "-m", "jaggc.bench_memory", json.dumps(spec)], capture_output=True,
@@ -74,7 +74,7 @@ def _child(spec: dict) -> dict:
     if spec["threads"] is not None:
         torch.set_num_threads(spec["threads"])
     problem = build_problem(spec["family"], spec["size"], num_steps=spec["num_steps"], batch=spec["batch"],
-                            seed=spec["seed"])
+                            seed=spec["seed"], cfg=spec.get("cfg", False))
     mode = parse_mode(spec["mode"])
     step = mode.strategy.build(problem, mode.window)
     setup_mb = _status_mb("VmRSS")

@@ -48,17 +48,22 @@ class Problem:
     step_loss: Callable[[Any, dict, int], torch.Tensor]   # (DiT output, batch, step) -> step's share
     num_steps: int
     batch_size: int
+    cfg: bool = False       # Flow-GRPO's CFG in training: every DiT call on [uncond; cond] (2B)
 
     @property
     def num_params(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 
 
-def build_problem(family: str, size: str, *, num_steps: int = 16, batch: int = 4, seed: int = 0) -> Problem:
-    """The model, its own SDE rollout and the loss for ``family`` ("sd3"/"flux") at ``size``."""
+def build_problem(family: str, size: str, *, num_steps: int = 16, batch: int = 4, seed: int = 0,
+                  cfg: bool = False) -> Problem:
+    """The model, its own SDE rollout and the loss for ``family`` ("sd3"/"flux") at ``size``;
+    ``cfg``: Flow-GRPO's train_sd3 CFG loss (SD3 only)."""
     if family not in FAMILIES or size not in SIZES:
         raise ValueError(f"unknown problem {family}-{size}; families {FAMILIES}, sizes {SIZES}")
-    build = _sd3_problem if family == "sd3" else _flux_problem
+    if cfg and family != "sd3":
+        raise ValueError("--cfg benchmarks Flow-GRPO's train_sd3 CFG loss: use --family sd3")
+    build = _sd3_cfg_problem if cfg else _sd3_problem if family == "sd3" else _flux_problem
     problem = build(size, num_steps=num_steps, batch=batch, seed=seed)
     # as after one optimizer step of the PPO inner loop: ratios != 1 but far inside the clip range
     el._off_policy_step(problem.model, seed)
@@ -109,6 +114,47 @@ def _sd3_step_loss(output, batch: dict, j: int) -> torch.Tensor:
         batch["next_latents"][:, j], batch["sigma_max"])
     step = el.ppo_clip(log_prob, batch["log_probs"][:, j], batch["advantages"][:, j])
     return step / batch["timesteps"].shape[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# SD3 with CFG in training: one call on [uncond; cond], uncond detached (example_losses.cfg_sd3_loss)
+
+
+def _sd3_cfg_problem(size: str, *, num_steps: int, batch: int, seed: int) -> Problem:
+    model = models.sd3(size, seed=seed)
+    cond = models.sd3_conditioning(model, batch, seed=seed + 3).kwargs
+    null = models.sd3_conditioning(model, 1, seed=seed + 5).kwargs
+    negative = {k: v.expand(batch, *v.shape[1:]).contiguous() for k, v in null.items()}
+    z0 = torch.randn(models.sd3_latent_shape(model, batch), generator=torch.Generator().manual_seed(seed + 4))
+
+    def velocity(z, sigma):
+        out = model(hidden_states=torch.cat([z] * 2), timestep=torch.cat([sigma * 1000] * 2), return_dict=False,
+                    **{k: torch.cat([negative[k], cond[k]]) for k in cond})[0]
+        uncond, text = out.chunk(2)
+        return uncond + el.GUIDANCE_SCALE * (text - uncond)
+
+    data = el._rollout(velocity, z0, num_steps, "flow_grpo_sde", seed=seed)
+    data.update(prompt_embeds=cond["encoder_hidden_states"], pooled_prompt_embeds=cond["pooled_projections"],
+                negative_prompt_embeds=negative["encoder_hidden_states"],
+                negative_pooled_prompt_embeds=negative["pooled_projections"])
+    return Problem(f"sd3-{size}-cfg", "sd3", size, model, data, el.cfg_sd3_loss, _sd3_cfg_calls, _sd3_cfg_step_loss,
+                   num_steps, batch, cfg=True)
+
+
+def _sd3_cfg_calls(batch: dict) -> list[DitCall]:
+    embeds = torch.cat([batch["negative_prompt_embeds"], batch["prompt_embeds"]])
+    pooled = torch.cat([batch["negative_pooled_prompt_embeds"], batch["pooled_prompt_embeds"]])
+    return [DitCall(kwargs=dict(hidden_states=torch.cat([batch["latents"][:, j]] * 2),
+                                timestep=torch.cat([batch["timesteps"][:, j]] * 2), encoder_hidden_states=embeds,
+                                pooled_projections=pooled, return_dict=False))
+            for j in range(batch["timesteps"].shape[1])]
+
+
+def _sd3_cfg_step_loss(output, batch: dict, j: int) -> torch.Tensor:
+    # the body of example_losses.cfg_sd3_loss for step j, divided as it divides the total
+    uncond, text = output[0].chunk(2)
+    uncond = uncond.detach()
+    return _sd3_step_loss((uncond + el.GUIDANCE_SCALE * (text - uncond),), batch, j)
 
 
 # ---------------------------------------------------------------------------------------------

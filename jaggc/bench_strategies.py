@@ -90,6 +90,22 @@ def fast_cost(num_steps: int, window: int) -> Cost:
     return Cost(forward, backward)
 
 
+def cfg_unsplit(cost: Callable[[int, int | None], Cost]) -> Callable[[int, int | None], Cost]:
+    """With CFG in training every step's call is on [uncond; cond]: twice the work of B samples."""
+    return lambda n, w: Cost(2 * cost(n, w).forward, 2 * cost(n, w).backward)
+
+
+def cfg_split(cost: Callable[[int, int | None], Cost]) -> Callable[[int, int | None], Cost]:
+    """With the CFG call split (passes/split_batch.py): the cond halves cost what a plain loss's
+    steps cost, plus one no-grad forward of the uncond half per step."""
+    return lambda n, w: Cost(cost(n, w).forward + n, cost(n, w).backward)
+
+
+def exact_compiled_cost(num_steps: int, window: int | None = None) -> Cost:
+    """Every window exact through @jagg_compile: on a plain loss the exact cost."""
+    return exact_cost(num_steps)
+
+
 def theory_step_speedup(window: int) -> float:
     return 3 * window / (window + 4)
 
@@ -186,10 +202,12 @@ class RolloutCachedStep(LossStep):
         with torch.no_grad(), self.cache.record():
             for call in problem.dit_calls(problem.batch):
                 call(problem.model)
-        # one lookup per interior step of every window of > 2 steps (shorter windows run exactly)
+        # one lookup per interior step of every window of > 2 steps (shorter windows run exactly),
+        # and with CFG one per step for its split uncond half
         basis = WindowOptions().basis
         self.interior_calls = sum(len(w) - len(basis.knot_positions(len(w)))
                                   for w in partition(problem.num_steps, window) if len(w) > 2)
+        self.interior_calls += problem.num_steps if problem.cfg else 0
         super().__init__(problem, compiled_loss(problem, window, rollout_cache=self.cache))
 
     def run(self, read: Read) -> tuple[dict, dict, dict]:
@@ -219,13 +237,20 @@ def runtime_loss(problem: Problem, window: int, **options) -> Callable:
 @dataclass(frozen=True)
 class Strategy:
     """A way to run one training step. ``build(problem, window)`` returns an object with
-    ``run(read)``; ``cost(num_steps, window)`` is its cost-model prediction."""
+    ``run(read)``; ``cost(num_steps, window)`` is its cost-model prediction, ``cfg_cost`` the one
+    with CFG in training (``--cfg``; F stays one forward of the B conditional samples)."""
 
     name: str
     build: Callable[[Problem, int | None], Any]
     cost: Callable[[int, int | None], Cost]
     windowed: bool
     about: str
+    cfg_cost: Callable[[int, int | None], Cost] | None = None
+
+    def cost_for(self, problem: Problem, window: int | None) -> Cost:
+        if problem.cfg:
+            return (self.cfg_cost or cfg_unsplit(self.cost))(problem.num_steps, window)
+        return self.cost(problem.num_steps, window)
 
 
 # One line per strategy.
@@ -234,18 +259,24 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              "the undecorated loss, one backward"),
     Strategy("exact_per_step", lambda p, w: PerStepBackward(p), exact_cost, False,
              "Flow-GRPO's loop: backward inside the step loop"),
+    Strategy("exact_compiled", lambda p, w: LossStep(p, compiled_loss(p, 2, jagg_frac=0.0)), exact_compiled_cost,
+             False, "@jagg_compile with every window exact: only the CFG split applies",
+             cfg_cost=cfg_split(exact_compiled_cost)),
     Strategy("jagg", lambda p, w: LossStep(p, compiled_loss(p, w)), jagg_cost, True,
-             "@jagg_compile(window=W)"),
+             "@jagg_compile(window=W)", cfg_cost=cfg_split(jagg_cost)),
     Strategy("jagg_split_knots", lambda p, w: LossStep(p, compiled_loss(p, w, batch_knots=False)), jagg_cost, True,
-             "@jagg_compile(window=W, batch_knots=False): knots as separate passes"),
+             "@jagg_compile(window=W, batch_knots=False): knots as separate passes", cfg_cost=cfg_split(jagg_cost)),
     Strategy("runtime", lambda p, w: LossStep(p, runtime_loss(p, w)), jagg_cost, True,
              "jagg_calls directly in a hand-split loss (no capture, no graph)"),
     Strategy("jagg_per_window", lambda p, w: LossStep(p, compiled_loss(p, w, backward="per_window")),
-             per_window_cost, True, "@jagg_compile(window=W, backward='per_window')"),
+             per_window_cost, True, "@jagg_compile(window=W, backward='per_window')",
+             cfg_cost=cfg_split(per_window_cost)),
     Strategy("jagg_lowmem", lambda p, w: LossStep(p, compiled_loss(p, w, backward="lowmem")),
-             lowmem_cost, True, "@jagg_compile(window=W, backward='lowmem'): each window's backward in the forward"),
+             lowmem_cost, True, "@jagg_compile(window=W, backward='lowmem'): each window's backward in the forward",
+             cfg_cost=cfg_split(lowmem_cost)),
     Strategy("jagg_fast", RolloutCachedStep, fast_cost, True,
-             "@jagg_compile(window=W, rollout_cache=cache): interior outputs from the rollout"),
+             "@jagg_compile(window=W, rollout_cache=cache): interior outputs from the rollout",
+             cfg_cost=fast_cost),
 )}
 
 

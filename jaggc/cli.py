@@ -100,7 +100,7 @@ def cmd_bench(args) -> int:
 
     overrides = {k: v for k, v in dict(
         family=args.family, size=args.size, num_steps=args.steps, batch=args.batch, repeats=args.repeats,
-        threads=args.threads, rss=args.rss or None, budget_s=args.budget,
+        threads=args.threads, rss=args.rss or None, budget_s=args.budget, cfg=args.cfg or None,
         modes=tuple(args.modes.split(",")) if args.modes else None,
         clocks=(args.clock,) + tuple(c for c in ("cpu", "wall") if c != args.clock) if args.clock else None,
         compile_steps=tuple(int(n) for n in args.compile_steps.split(",") if n) if args.compile_steps is not None
@@ -196,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="10M SD3, 8 trained steps: exact vs jagg@4 and jagg_fast@4 (jagg@8 if the budget "
                         "allows), 3 repeats, under 3 min on 2 cores")
     p.add_argument("--family", default=None, choices=["sd3", "flux"], help="DiT family (default sd3)")
+    p.add_argument("--cfg", action="store_true",
+                   help="Flow-GRPO's train_sd3 CFG loss (one call on [uncond; cond], guidance 4.5, uncond detached)")
     p.add_argument("--size", default=None, choices=["tiny", "10m"], help="model size (default 10m)")
     p.add_argument("--steps", type=int, default=None, help="trained steps of the trajectory (default 16)")
     p.add_argument("--batch", type=int, default=None, help="batch (default 4)")

@@ -74,11 +74,15 @@ def dit_call(dit, args: tuple, kwargs: dict, step: int | None = None, options: W
 
 
 @torch.fx.wrap
-def batch_chunk(x, state, chunks: int, index: int):
-    """Chunk ``index`` of ``chunks`` of a DiT input along the batch, if it is batched (its leading
-    dim is the state's batch); other inputs (shared ids, a scalar timestep) as they are."""
+def batch_chunk(x, state, chunks: int, index: int | tuple[int, ...]):
+    """Chunk ``index`` of ``chunks`` of a DiT input along the batch (several chunks, concatenated,
+    for a tuple), if it is batched (its leading dim is the state's batch); other inputs (shared
+    ids, a scalar timestep) as they are."""
     if isinstance(x, torch.Tensor) and x.ndim >= 1 and x.shape[0] == state.shape[0]:
-        return x.chunk(chunks)[index]
+        parts = x.chunk(chunks)
+        if isinstance(index, tuple):
+            return torch.cat([parts[i] for i in index]) if len(index) > 1 else parts[index[0]]
+        return parts[index]
     return x
 
 

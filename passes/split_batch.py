@@ -14,9 +14,10 @@ Pattern (FX and Dynamo captures): ``dit_call`` -> its primary output (``[0]`` of
 -> ``.chunk(n)`` along dim 0 -> ``[i]`` for constant i, with no other use of the output. Calls of
 another shape are left as they are.
 
-Invariant after: every split call is gone; for each, one ``dit_call`` per chunk on inputs sliced
-by ``batch_chunk`` (a tensor input is sliced iff its leading dim is the call's batch), the no-grad
-chunks' nodes marked ``jagg_grad=False`` between grad-mode switches, the chunk getitems replaced by
+Invariant after: every split call is gone; for each, one trained ``dit_call`` on the chunks with
+gradient (concatenated, its output chunked back) and one no-grad ``dit_call`` per other used chunk,
+on inputs sliced by ``batch_chunk`` (a tensor input is sliced iff its leading dim is the call's
+batch), the no-grad chunks' nodes marked ``jagg_grad=False`` between grad-mode switches, the chunk getitems replaced by
 the new calls' primary outputs; ``ctx.splits`` records (source, chunks, no-grad indices).
 """
 
@@ -113,11 +114,12 @@ def split_cfg_batches(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         for u in chunk.users:
             pieces[u.args[1] % n].append(u)
         no_grad = tuple(sorted(i for i, us in pieces.items() if all(_carries_no_gradient(u) for u in us)))
-        if not no_grad or len(no_grad) == n:
-            continue            # nothing to save, or no gradient at all (a reference call already)
+        unused = tuple(sorted(set(range(n)) - set(pieces)))
+        if len(no_grad) == len(pieces) or not (no_grad or unused):
+            continue            # no gradient at all (a reference call already), or nothing to save
         _rewrite(gm, call, primary, pieces, n, no_grad)
-        ctx.splits.append(Split(source=user_source(call), chunks=n, no_grad=no_grad,
-                                reason="detached or only used without grad"))
+        reasons = ["detached or only used without grad"] * bool(no_grad) + [f"chunks {list(unused)} unused"] * bool(unused)
+        ctx.splits.append(Split(source=user_source(call), chunks=n, no_grad=no_grad, reason="; ".join(reasons)))
     return gm
 
 
@@ -127,22 +129,23 @@ def _rewrite(gm: fx.GraphModule, call: fx.Node, primary: fx.Node, pieces: dict, 
     leaves, spec = tree_flatten((args, kwargs))
     state = kwargs.get("hidden_states") if isinstance(kwargs, dict) else None
     state = state if isinstance(state, fx.Node) else next(x for x in leaves if isinstance(x, fx.Node))
+    # the chunks with gradient stay ONE trained call (on their slices, concatenated), so a step
+    # keeps one trained call; each no-grad chunk becomes its own reference call
+    trained = tuple(i for i in sorted(pieces) if i not in no_grad)
+    groups = [trained] * bool(trained) + [(i,) for i in sorted(pieces) if i in no_grad]
     anchor = call
-    for index in range(n):
-        if index not in pieces:
-            continue
-        grad = index not in no_grad
+    for group in sorted(groups):
+        grad = group == trained
         new_nodes = []
-        with graph.inserting_after(anchor):
-            if not grad:
-                off = graph.call_function(SET_GRAD_ENABLED, (False,))
-                new_nodes.append(off)
-        anchor = new_nodes[-1] if new_nodes else anchor
+        if not grad:
+            with graph.inserting_after(anchor):
+                anchor = graph.call_function(SET_GRAD_ENABLED, (False,))
+            new_nodes.append(anchor)
         sliced = []
         for leaf in leaves:
             if isinstance(leaf, fx.Node):
                 with graph.inserting_after(anchor):
-                    leaf = graph.call_function(batch_chunk, (leaf, state, n, index))
+                    leaf = graph.call_function(batch_chunk, (leaf, state, n, group if len(group) > 1 else group[0]))
                 anchor = leaf
                 new_nodes.append(leaf)
             sliced.append(leaf)
@@ -158,15 +161,24 @@ def _rewrite(gm: fx.GraphModule, call: fx.Node, primary: fx.Node, pieces: dict, 
                 out = _same_access(graph, primary, piece_call)
         anchor = out
         new_nodes += [piece_call] + (_chain(out, piece_call) if out is not piece_call else [])
+        outs = {group[0]: out}
+        if len(group) > 1:
+            with graph.inserting_after(anchor):
+                rechunk = anchor = graph.call_method("chunk", (out, len(group)))
+            new_nodes.append(rechunk)
+            for k, index in enumerate(group):
+                with graph.inserting_after(anchor):
+                    anchor = outs[index] = graph.call_function(operator.getitem, (rechunk, k))
+                new_nodes.append(anchor)
         if not grad:
             with graph.inserting_after(anchor):
-                on = graph.call_function(SET_GRAD_ENABLED, (True,))
-            anchor = on
-            new_nodes.append(on)
+                anchor = graph.call_function(SET_GRAD_ENABLED, (True,))
+            new_nodes.append(anchor)
         for node in new_nodes:
             node.meta["jagg_grad"] = grad if node.target is not SET_GRAD_ENABLED else node.args[0]
-        for use in pieces[index]:
-            use.replace_all_uses_with(out)
+        for index in group:
+            for use in pieces[index]:
+                use.replace_all_uses_with(outs[index])
     # the chunk getitems, the chunk, the primary access and the call itself are now unused
     chunk = next(iter(primary.users))
     for use in [u for us in pieces.values() for u in us]:

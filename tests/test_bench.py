@@ -136,7 +136,7 @@ def test_speedups_are_per_round_ratios():
         return res
 
     runner = types.SimpleNamespace(
-        problem=types.SimpleNamespace(name="x", num_params=1, family="sd3", size="tiny", num_steps=16, batch_size=4),
+        problem=types.SimpleNamespace(name="x", num_params=1, family="sd3", size="tiny", cfg=False, num_steps=16, batch_size=4),
         results={"exact": mode("exact", None, [10.0, 12.0, 30.0], [6.0, 6.0, 6.0]),
                  "jagg@4": mode("jagg@4", 4, [5.0, 8.0, 10.0], [2.0, 3.0, 6.0])},
         elapsed=lambda: 0.0)
@@ -284,7 +284,7 @@ def test_variant_maps_in_results():
         return res
 
     runner = types.SimpleNamespace(
-        problem=types.SimpleNamespace(name="x", num_params=1, family="sd3", size="tiny", num_steps=16, batch_size=4),
+        problem=types.SimpleNamespace(name="x", num_params=1, family="sd3", size="tiny", cfg=False, num_steps=16, batch_size=4),
         results={"exact": mode("exact", None, [12.0, 12.0, 12.0], [8.0, 8.0, 8.0], exact_cost(16)),
                  "jagg_fast@4": mode("jagg_fast@4", 4, [6.0, 4.0, 8.0], [4.0, 4.0, 4.0], fast_cost(16, 4)),
                  "jagg_per_window@8": mode("jagg_per_window@8", 8, [10.0, 10.0, 10.0], [5.0, 5.0, 5.0],

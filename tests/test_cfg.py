@@ -7,6 +7,8 @@
     samples per step instead of 2B; golden text of the split;
   * a chunk used without grad elsewhere in the loss (a diagnostic under no_grad) is split too; a
     chunk that carries gradient anywhere is not;
+  * chunks with gradient stay one trained call (a step keeps one); the split as a hypothesis
+    property (verify/cfg_properties.py);
   * two calls per step (uncond, then cond), with and without grad on the uncond call: windows per
     stream, equal to a per-stream reference JAGG at W=2 and W=4.
 """
@@ -192,3 +194,35 @@ def test_two_call_cfg_windows_per_stream(uncond_grad, window):
     if window == 2:
         _, exact = loss_and_grad(two_call_cfg, args, model)
         assert rel_err(got, exact) < 1e-12
+
+
+def three_way_loss(dit, zs, ts, g):
+    """One call on three variants; two carry gradient, the middle one is detached."""
+    total = 0.0
+    for k in range(zs.shape[0]):
+        out = dit(torch.cat([zs[k], 0.5 * zs[k], 2.0 * zs[k]]), torch.cat([ts[k]] * 3))
+        a, b, c = out.chunk(3)
+        total = total + ((a + 0.3 * b.detach() + 2.0 * c) * g[k]).sum()
+    return total
+
+
+def test_chunks_with_gradient_stay_one_trained_call():
+    model = AffineJacobianField(3, seed=3)
+    args = (model, *_field_inputs(seed=2))
+    _, exact = loss_and_grad(three_way_loss, args, model)
+    compiled = jagg_compile(three_way_loss, window=2)
+    _, got = loss_and_grad(compiled, args, model)
+    assert len(compiled.report.splits) == 8
+    assert all("chunks [1] of 3 run without grad" in s for s in compiled.report.splits)
+    # one trained call per step (chunks 0 and 2 together), so the windows see 8 steps, not 16
+    assert sorted(s for w in compiled.report.windows for s in w.steps) == list(range(8))
+    assert compiled.report.reference_calls == 8
+    assert rel_err(got, exact) < 1e-12
+
+
+def test_cfg_split_identity_property():
+    from jaggc.verify.cfg_properties import cfg_split_identity
+
+    result = cfg_split_identity(6, seed=3)
+    assert result.passed, result.counterexample
+    assert result.max_rel_err < 1e-12

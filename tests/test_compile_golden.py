@@ -78,7 +78,7 @@ class TestGolden(expecttest.TestCase):
         compiled(field, zs, ts, gs, 6)
         report = compiled.report
         self.assertEqual([s.name for s in report.stages],
-                         ["capture (fx)", "check_frontend", "find_dit_calls", "check_independence",
+                         ["capture (fx)", "check_frontend", "split_cfg_batches", "find_dit_calls", "check_independence",
                           "assign_windows", "compute_weights", "rewrite_windows", "cleanup",
                           "place_grad_modes"])
         assert_rewritten(self, report.graph_module, [[0, 1, 2], [3, 4, 5]])

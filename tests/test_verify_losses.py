@@ -28,6 +28,7 @@ from jaggc import grpo
 from jaggc.runtime.aggregate import KnotAggregate
 from jaggc.verify import grpo_losses as gl
 from jaggc.verify import loss_properties as lp
+from jaggc.verify import cfg_properties
 from jaggc.verify.cli import main_verify, registry
 from jaggc.verify.fields import AffineJacobianField, CurvedField
 from jaggc.verify.harness import TOL, rel_err
@@ -155,15 +156,17 @@ def test_off_chord_states_break_exactness_only_when_moved():
 # ----------------------------------------------------------------------------- CLI
 
 def test_cli_registers_the_loss_suite():
-    assert list(registry("losses")) == list(lp.PROPERTIES)
+    losses = list(lp.PROPERTIES) + list(cfg_properties.PROPERTIES)
+    assert list(registry("losses")) == losses
     assert list(registry("runtime")) == list(RUNTIME_PROPERTIES)
-    assert list(registry("all")) == list(RUNTIME_PROPERTIES) + list(lp.PROPERTIES)
-    assert not set(lp.PROPERTIES) & set(RUNTIME_PROPERTIES)
+    assert list(registry("all")) == list(RUNTIME_PROPERTIES) + losses
+    assert not set(losses) & set(RUNTIME_PROPERTIES)
 
 
 def test_cli_losses_suite_json(tmp_path, capsys, monkeypatch):
     # two real properties (one of each kind) keep the run short; the format is what is checked
     monkeypatch.setattr(lp, "PROPERTIES", {k: lp.PROPERTIES[k] for k in ("grpo_window2_identity", "grpo_curved_field")})
+    monkeypatch.setattr(cfg_properties, "PROPERTIES", {})
     path = tmp_path / "verify.json"
     rc = main_verify(["--suite", "losses", "--no-symbolic", "--examples", "3", "--json", str(path)])
     out = capsys.readouterr().out

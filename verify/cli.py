@@ -78,13 +78,14 @@ def verify_loss(spec: str, examples: int, seed: int, windows: tuple, json_path: 
 def registry(suite: str = "all") -> dict[str, Callable]:
     """name -> property function of the selected suite(s), in report order (read at call time, so
     a test can substitute a module's PROPERTIES)."""
-    from . import loss_properties, properties
+    from . import cfg_properties, loss_properties, properties
 
     chosen = {}
     if suite in ("all", "runtime"):
         chosen.update(properties.PROPERTIES)
     if suite in ("all", "losses"):
         chosen.update(loss_properties.PROPERTIES)
+        chosen.update(cfg_properties.PROPERTIES)
     return chosen
 
 
