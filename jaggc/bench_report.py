@@ -227,6 +227,8 @@ def format_table(results: dict) -> str:
                           ("lowmem", "low-memory (theory 3W/(W+4); backward inside the forward)")):
         for w in sorted(results.get(f"theory_{prefix}_step_speedup", {}), key=int):
             theory_back = results[f"theory_{prefix}_backward_speedup"][w]
+            if results.get("cfg"):
+                label = label.split(" (theory")[0] + (" (backward inside the forward)" if prefix == "lowmem" else "")
             lines.append(f"  {label} W={w}: step {_num(results[f'{prefix}_step_speedup'][w])}x "
                          f"(theory {results[f'theory_{prefix}_step_speedup'][w]:.2f}), backward "
                          f"{_num(results[f'{prefix}_backward_speedup'][w])}x"
@@ -256,7 +258,9 @@ def format_table(results: dict) -> str:
     main = {w: s for w, s in results.get("compile_overhead_main_s", {}).items() if s is not None}
     if main:
         lines.append(f"first-call overhead of the benchmarked loss ({results['model']}, {results['num_steps']} steps, "
-                     f"{results['clock']} s): " + ", ".join(f"W={w} {s:.1f} s" for w, s in main.items()))
+                     f"{results['clock']} s): " + ", ".join(
+                         f"W={w} {s:.1f} s" + (" (first call faster than the median step: within noise)" if s < 0 else "")
+                         for w, s in main.items()))
     lines.append(f"recompiles over repeated fixed-shape calls: {results.get('recompiles')}"
                  + (f" ({results['recompile_detail']['iterations']} training iterations)"
                     if results.get("recompile_detail") else ""))

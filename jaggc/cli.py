@@ -63,19 +63,30 @@ def cmd_example(args) -> int:
 
 def cmd_inspect(args) -> int:
     import jaggc
+    from jaggc import report_view
     from jaggc.example_losses import EXAMPLES, build_example
 
     names = args.examples or list(EXAMPLES)
     os.makedirs(args.out, exist_ok=True)
+    no_matplotlib = report_view.matplotlib_missing() if args.view != "full" else None
+    if no_matplotlib:
+        print(f"matplotlib is not importable ({no_matplotlib}): writing the condensed view as text "
+              f"(pip install 'jaggc[examples]' for PNG/SVG)\n")
     for name in names:
         ex = build_example(name, num_steps=args.steps, batch=args.batch, seed=args.seed)
         report = jaggc.explain(ex.loss_fn, ex.model, ex.batch, window=args.window, weights=args.weights)
         print(f"== {name}: {ex.description}")
         print(report)
-        path = report.render(os.path.join(args.out, f"{name}.svg"))
-        with open(os.path.join(args.out, f"{name}.diff"), "w") as f:
+        stem = os.path.join(args.out, name)
+        paths = []
+        if args.view in ("condensed", "both"):
+            paths += report.render_condensed(stem, name=name)
+        if args.view in ("full", "both"):
+            # every fx node; .full keeps it apart from the condensed SVG (DOT text without Graphviz)
+            paths.append(report.render(stem + ".full.svg"))
+        with open(stem + ".diff", "w") as f:
             f.write(report.diff())
-        print(f"   graph: {path}   diff: {os.path.join(args.out, name + '.diff')}\n")
+        print(f"   picture: {'  '.join(paths)}   diff: {stem}.diff\n")
     return 0
 
 
@@ -85,11 +96,13 @@ def cmd_demo(args) -> int:
     from jaggc.digits.demo import DemoOptions, main_demo
 
     torch.set_num_threads(args.threads)
-    options = DemoOptions(iterations=args.iterations, seed=args.seed, reward=args.reward, window=args.window,
-                          weights=args.weights, jagg_frac=args.jagg_frac, num_steps=args.num_steps,
+    options = DemoOptions(iterations=args.iterations, seed=args.seed, seeds=args.seeds, reward=args.reward,
+                          window=args.window, weights=args.weights, jagg_frac=args.jagg_frac,
+                          rollout_cache=not args.no_rollout_cache, num_steps=args.num_steps,
                           strategies=tuple(args.strategies), base=args.base,
                           eval_per_class=args.eval_per_class, classes_per_iter=args.classes_per_iter,
-                          group_size=args.group_size, lr=args.lr, progress=not args.no_progress)
+                          group_size=args.group_size, lr=args.lr, progress=not args.no_progress,
+                          out=None if args.no_pictures else args.out)
     main_demo(options, json_path=args.json)
     return 0
 
@@ -164,16 +177,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=4)
     p.add_argument("--weights", default="t", choices=["t", "index"])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="jaggc-inspect", help="folder for the DOT/SVG graphs and diffs")
+    p.add_argument("--out", default="jaggc-inspect", help="folder for the pictures and diffs")
+    p.add_argument("--view", default="condensed", choices=["condensed", "full", "both"],
+                   help="condensed: one column per DiT call, windows as boxes, NAME.png and NAME.svg (text "
+                        "NAME.txt without matplotlib); full: every fx node, NAME.full.svg with Graphviz's "
+                        "dot, else NAME.full.dot")
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("demo", help="GRPO on the pretrained digits DiT: exact vs dance vs mix vs jagg")
-    p.add_argument("--iterations", type=int, default=20, help="GRPO iterations per strategy")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--reward", default="classifier", choices=["classifier", "jpeg"])
+    p.add_argument("--iterations", type=int, default=40, help="GRPO iterations per strategy")
+    p.add_argument("--seed", type=int, default=0, help="first rollout seed")
+    p.add_argument("--seeds", type=int, default=1, help="runs with seeds seed, seed+1, ...: means and spread")
+    p.add_argument("--reward", default="bold", choices=["bold", "classifier", "jpeg"],
+                   help="bold: p(target digit) x sigmoid of the ink above the data's (default; the base "
+                        "scores ~0.02); classifier: p(target digit) (the base scores ~0.90); jpeg: Flow-GRPO's "
+                        "JPEG compressibility")
     p.add_argument("--window", type=int, default=4, help="JAGG window W")
     p.add_argument("--weights", default="t", choices=["t", "index"])
     p.add_argument("--jagg-frac", type=float, default=1.0)
+    p.add_argument("--no-rollout-cache", action="store_true",
+                   help="jagg: run the first minibatch's interior forwards instead of taking them from the rollout")
     p.add_argument("--num-steps", type=int, default=10, help="SDE sampling steps T (T-1 are trained)")
     p.add_argument("--strategies", nargs="+", default=["exact", "dance", "mix", "jagg"],
                    choices=["exact", "dance", "mix", "jagg"])
@@ -182,12 +205,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "checkpoint path written by python -m jaggc.digits.train_base --out PATH")
     p.add_argument("--classes-per-iter", type=int, default=2, help="digit classes (prompts) per rollout")
     p.add_argument("--group-size", type=int, default=16, help="samples per class (the GRPO group)")
-    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--eval-per-class", type=int, default=16, help="evaluation samples per digit")
     p.add_argument("--threads", type=int, default=1,
                    help="torch.set_num_threads (default 1: the DiT is tiny, so intra-op threads gain little, "
                         "and on a shared machine 2 threads were 7x slower than 1)")
-    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars (also off when not a TTY)")
+    p.add_argument("--out", default="jaggc-demo", help="folder for the sample grids and reward curves (PNG)")
+    p.add_argument("--no-pictures", action="store_true", help="write no PNG files")
     p.add_argument("--json", default=None, help="write the numbers to this JSON file")
     p.set_defaults(func=cmd_demo)
 

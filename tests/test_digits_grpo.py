@@ -17,7 +17,8 @@ import torch
 
 from jaggc.cli import main as cli_main
 from jaggc.digits import build_dit
-from jaggc.digits.rewards import classifier_available, classifier_reward, get_reward, jpeg_reward
+from jaggc.digits.rewards import (BOLD_INK, bold_reward, classifier_available, classifier_reward, get_reward, ink,
+                                  jpeg_reward)
 from jaggc.digits.trainer import (STRATEGIES, GRPOTrainer, TrainerConfig, grpo_loss, select_steps,
                                   strategy_gradient, trainable_parameters)
 from jaggc.errors import JaggInputError
@@ -137,6 +138,34 @@ def test_jagg_gradient_lands_on_the_module_it_is_called_with():
 # training
 
 
+def test_rollout_cache_serves_the_first_minibatch_and_changes_no_gradient():
+    """jagg with rollout_cache: the interior outputs of the first minibatch come from the recorded
+    rollout (hits, fewer forwards), the gradient is the uncached one; after the first optimizer
+    step the parameter guard drops the cache (no hits on the second minibatch)."""
+    cfg = dict(window=4, minibatches=2, group_size=4)
+    cached, plain = _trainer("jagg", rollout_cache=True, **cfg), _trainer("jagg", **cfg)
+    batches = {}
+    for name, trainer in (("cached", cached), ("plain", plain)):
+        batch = dict(trainer.collect(0), train_steps=select_steps(trainer.config, 0))
+        batches[name] = trainer.minibatches(batch, 0)[0]
+    torch.testing.assert_close(batches["cached"]["latents"], batches["plain"]["latents"])
+    grads, counts = {}, {}
+    for name, trainer in (("cached", cached), ("plain", plain)):
+        with count_dit_passes(trainer.dit) as counts[name]:
+            grads[name] = strategy_gradient(trainer.dit, batches[name], trainer.config)
+    from jaggc.digits.trainer import rollout_cache_for
+
+    stats = rollout_cache_for(cached.dit).stats
+    assert stats.hits > 0 and stats.misses == 0
+    assert counts["cached"].nograd_forwards < counts["plain"].nograd_forwards
+    assert counts["cached"].backwards == counts["plain"].backwards
+    assert (grads["cached"] - grads["plain"]).norm() <= 1e-5 * grads["plain"].norm()
+
+    log = cached.step()        # collect (recorded) + two minibatches, the second after a real step
+    assert 0 < log["cache_hits"] and rollout_cache_for(cached.dit).stats.invalidations >= 1
+    assert math.isfinite(log["cpu_s"]) and log["cpu_s"] > 0
+
+
 def test_training_iteration_changes_parameters_and_is_deterministic_per_seed():
     runs = {}
     for key, seed in (("a", 0), ("b", 0), ("c", 1)):
@@ -226,13 +255,20 @@ def test_classifier_reward_is_the_target_class_probability():
 def test_demo_json_has_the_documented_keys(tmp_path, capsys):
     path = tmp_path / "demo.json"
     rc = cli_main(["demo", "--base", "random", "--reward", "jpeg", "--iterations", "1", "--num-steps", "5",
-                   "--group-size", "4", "--eval-per-class", "1", "--no-progress", "--json", str(path)])
+                   "--group-size", "4", "--eval-per-class", "1", "--no-progress", "--json", str(path),
+                   "--out", str(tmp_path / "pics")])
     assert rc == 0
     result = json.loads(path.read_text())
     assert set(result["strategies"]) == set(STRATEGIES)
     for name, r in result["strategies"].items():
-        for key in ("reward_start", "reward_end", "wall_s", "backward_passes", "grad_cosine"):
+        for key in ("reward_start", "reward_end", "wall_s", "cpu_s", "backward_passes", "grad_cosine"):
             assert isinstance(r[key], (int, float)) and math.isfinite(r[key]), (name, key)
+        assert len(r["rollout_reward"]) == len(r["cpu_curve"]) == 1
+    assert "rollout cache on" in result["jagg_settings"]
+    for picture in ("samples.png", "reward_curves.png"):
+        data = (tmp_path / "pics" / picture).read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 1000, picture
+        assert str(tmp_path / "pics" / picture) in result["pictures"]
     s = result["strategies"]
     assert s["exact"]["grad_cosine"] == pytest.approx(1.0, abs=1e-9)
     assert s["exact"]["backward_passes"] == 2 * 4  # 2 minibatches x 4 trained steps
@@ -240,6 +276,39 @@ def test_demo_json_has_the_documented_keys(tmp_path, capsys):
     assert s["jagg"]["backward_passes"] == 2 * 1   # one window of 4
     assert s["jagg"]["grad_cosine"] < 1.0
     assert "| jagg |" in capsys.readouterr().out
+
+
+def test_demo_seeds_report_means_and_spread(tmp_path):
+    path = tmp_path / "demo.json"
+    rc = cli_main(["demo", "--base", "random", "--reward", "jpeg", "--iterations", "2", "--num-steps", "4",
+                   "--group-size", "2", "--eval-per-class", "1", "--strategies", "exact", "jagg", "--window", "3",
+                   "--seeds", "2", "--no-progress", "--no-pictures", "--json", str(path)])
+    assert rc == 0
+    result = json.loads(path.read_text())
+    assert result["seeds"] == [0, 1] and "pictures" not in result
+    for r in result["strategies"].values():
+        for key in ("reward_end", "cpu_s", "wall_s"):
+            values = r["per_seed"][key]
+            assert len(values) == 2 and r[key] == pytest.approx(sum(values) / 2)
+            assert r["spread"][key] == [min(values), max(values)]
+    assert result["strategies"]["exact"]["cpu_vs_exact"] == pytest.approx(1.0)
+
+
+def test_bold_reward_asks_for_more_ink_than_the_data_has():
+    from jaggc.digits.data import load_digits_split
+
+    data = load_digits_split("train").images
+    assert float(ink(data).quantile(0.99)) < BOLD_INK    # the data set never shows the target
+    if not classifier_available():
+        pytest.skip("digits classifier weights not present")
+    labels = torch.zeros(data.shape[0], dtype=torch.int64)
+    thin = data[:64]
+    bold = (thin + 0.6).clamp(-1, 1)        # the same drawings, more ink everywhere
+    r_thin, r_bold = bold_reward(thin, labels[:64]), bold_reward(bold, labels[:64])
+    assert bool(((r_thin >= 0) & (r_thin <= 1)).all()) and float(r_thin.mean()) < 0.05
+    assert torch.equal(r_thin, classifier_reward(thin, labels[:64]) * torch.sigmoid((ink(thin) - BOLD_INK) / 0.03))
+    assert float(r_bold.mean()) > float(r_thin.mean())
+    assert float(bold_reward(torch.ones(4, 1, 8, 8), labels[:4]).max()) < 0.5   # a blob is not a digit
 
 
 def test_demo_refuses_a_strategy_list_without_exact():

@@ -1,13 +1,20 @@
 """``jaggc demo``: GRPO on the pretrained digits DiT with four strategies, side by side.
 
-Each strategy (exact, dance, mix, jagg) starts from the same pretrained base and trains for a few
-iterations with the same rollout seeds. The table reports, per strategy: the evaluation reward
-before and after (SDE samples of every digit from fixed seeds, the sampler GRPO optimises; ODE
-samples and the held-out classifier are reported below the table), the training
-wall-clock, the DiT backward passes per iteration, and the cosine of the strategy's gradient
-estimator to the exact gradient, each computed once at the base model on the same held-out
-rollout batch (how well the strategy's one-iteration update points where the full per-step
-gradient points). With the defaults it finishes in under 10 minutes on 2 CPU cores.
+The task: **bold digits**. The reward (``rewards.bold_reward``, in [0, 1]) is p(target digit) under a
+trained classifier times a sigmoid of the image's ink, centred above the ink of any digit in the
+data set; the shipped base scores about 0.02 on it, so GRPO has something visible to learn (heavier
+strokes that still read as the right digit).
+
+Each strategy (exact, dance, mix, jagg) trains its own copy of the same pretrained base with the
+same rollout seeds. The strategies run **interleaved**, one iteration each in turn (the order
+rotating every iteration), so a change in machine load hits them all alike; each iteration is timed
+in wall-clock and in process CPU time. Reported per strategy: the evaluation reward before and after
+(SDE samples of every digit from fixed seeds: the sampler GRPO optimises; ODE samples and the
+held-out classifier below the table), wall and CPU seconds of training (rollout + reward + optimizer
+steps), DiT backward passes per iteration, and the cosine of the strategy's gradient estimator to
+the exact gradient at the base, on one held-out rollout minibatch. ``seeds > 1`` repeats the whole
+run with other rollout seeds and reports means with their spread. With the defaults it finishes in
+a few minutes on 2 CPU cores; ``out`` receives the sample grids and reward curves (``demo_plots``).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import statistics
 import time
 from dataclasses import asdict, dataclass, replace
 
@@ -22,31 +30,39 @@ import torch
 
 from jaggc.errors import JaggInputError
 
+from .sampling import sample_ode
 from .trainer import STRATEGIES, GRPOTrainer, TrainerConfig, evaluate_rewards, strategy_gradient, take_samples
 
 HELD_OUT_SEED = 999_983  # rollout seed of the gradient-comparison batch, never used in training
+GRID_SEED = 4242         # noise of the sample grids (the same for every strategy and the base)
+SUMMARY_KEYS = ("reward_start", "reward_end", "wall_s", "cpu_s", "backward_passes", "grad_cosine")
 
 
 @dataclass(frozen=True)
 class DemoOptions:
-    iterations: int = 20
+    iterations: int = 40
     seed: int = 0
-    reward: str = "classifier"
+    seeds: int = 1                # repeat with seeds seed, seed+1, ...; spread reported when > 1
+    reward: str = "bold"
     window: int = 4
     weights: str = "t"
     jagg_frac: float = 1.0
+    rollout_cache: bool = True    # jagg: the first minibatch's interior outputs from the rollout
     num_steps: int = 10
     strategies: tuple = STRATEGIES
     base: str = "pretrained"      # "random": an untrained DiT (smoke runs); or a checkpoint path
     eval_per_class: int = 16
     classes_per_iter: int = 2
     group_size: int = 16
-    lr: float = 1e-4
+    lr: float = 3e-4
     progress: bool = True
+    out: str | None = "jaggc-demo"   # folder for the PNGs; None: no pictures
 
     def validate(self) -> "DemoOptions":
-        if not isinstance(self.iterations, int) or self.iterations < 1:
-            raise JaggInputError(f"--iterations {self.iterations!r}: must be an int >= 1")
+        for name in ("iterations", "seeds", "eval_per_class"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise JaggInputError(f"--{name.replace('_', '-')} {value!r}: must be an int >= 1")
         unknown = [s for s in self.strategies if s not in STRATEGIES]
         if unknown or not self.strategies:
             raise JaggInputError(f"--strategies {list(self.strategies)}: choose from {list(STRATEGIES)}")
@@ -55,17 +71,21 @@ class DemoOptions:
         if self.base not in ("pretrained", "random") and not os.path.isfile(self.base):
             raise JaggInputError(f"--base {self.base!r}: use 'pretrained', 'random' or the path of a "
                                  f"base checkpoint file")
-        if self.eval_per_class < 1:
-            raise JaggInputError(f"--eval-per-class {self.eval_per_class}: must be >= 1")
         for name in self.strategies:
             self.trainer_config(name).validate()
         return self
 
-    def trainer_config(self, strategy: str) -> TrainerConfig:
+    def trainer_config(self, strategy: str, seed: int | None = None) -> TrainerConfig:
         return TrainerConfig(strategy=strategy, num_steps=self.num_steps, window=self.window,
-                             weights=self.weights, jagg_frac=self.jagg_frac, reward=self.reward,
-                             seed=self.seed, classes_per_iter=self.classes_per_iter,
-                             group_size=self.group_size, lr=self.lr)
+                             weights=self.weights, jagg_frac=self.jagg_frac, rollout_cache=self.rollout_cache,
+                             reward=self.reward, seed=self.seed if seed is None else seed,
+                             classes_per_iter=self.classes_per_iter, group_size=self.group_size, lr=self.lr)
+
+    def jagg_settings(self) -> str:
+        cache = ("rollout cache on (the first minibatch's interior outputs come from the rollout)"
+                 if self.rollout_cache else "no rollout cache")
+        return (f"window {self.window}, weights {self.weights!r}, jagg_frac {self.jagg_frac:g}, one joint backward "
+                f"per loss call, {cache}")
 
 
 def load_start_model(base: str) -> torch.nn.Module:
@@ -82,75 +102,136 @@ def reward_functions(reward: str) -> dict:
     from .rewards import get_reward
 
     fns = {"reward": get_reward(reward)}
-    if reward == "classifier":
+    if reward in ("classifier", "bold"):
         # the held-out classifier: a rise in the training reward alone could be reward hacking
         fns["eval_classifier"] = get_reward("classifier_eval")
+    if reward == "bold":
+        from .rewards import ink
+
+        fns["ink"] = lambda images, labels: ink(images)
     return fns
 
 
-def gradient_cosines(base: torch.nn.Module, options: DemoOptions) -> tuple[dict, dict]:
-    """Each strategy's gradient estimator at the base model on one held-out rollout batch,
-    cosine to the exact gradient. The batch has the trainer's minibatch shape, so the jagg
-    loss compiled here is the one training reuses (no second Dynamo compile)."""
-    exact_cfg = options.trainer_config("exact")
-    collector = GRPOTrainer(base, replace(exact_cfg, seed=HELD_OUT_SEED))
+def gradient_cosines(models: dict, options: DemoOptions, seed: int) -> tuple[dict, dict]:
+    """Each strategy's gradient estimator at the base model (its own copy, so the loss compiled here
+    is the one its training reuses) on one held-out rollout minibatch, cosine to the exact gradient."""
+    exact_cfg = options.trainer_config("exact", seed)
+    collector = GRPOTrainer(models["exact"], replace(exact_cfg, seed=HELD_OUT_SEED))
     batch = collector.collect(0)
     size = batch["latents"].shape[0]
     order = torch.randperm(size, generator=torch.Generator().manual_seed(HELD_OUT_SEED))
     batch = take_samples(batch, order[:size // exact_cfg.minibatches])
     grads, timings = {}, {}
-    for name in options.strategies:
+    for name, model in models.items():
         start = time.perf_counter()
-        grads[name] = strategy_gradient(base, batch, options.trainer_config(name), iteration=0)
+        grads[name] = strategy_gradient(model, batch, options.trainer_config(name, seed), iteration=0)
         timings[name] = time.perf_counter() - start
     exact = grads["exact"].double()
     cosines = {name: float(torch.nn.functional.cosine_similarity(g.double(), exact, 0)) for name, g in grads.items()}
     return cosines, timings
 
 
-def run_demo(options: DemoOptions) -> dict:
-    """Train every strategy from the base; returns the JSON-able results."""
-    options.validate()
+@torch.no_grad()
+def grid_samples(dit, config: TrainerConfig, per_class: int = 4) -> torch.Tensor:
+    """ODE samples of every digit from fixed noise, (10 * per_class, 1, 8, 8): the deterministic
+    sampler shows the drawings without the SDE's last-step noise (the rewards report both)."""
+    labels = torch.arange(10).repeat_interleave(per_class)
+    return sample_ode(dit, labels, num_steps=config.num_steps, shift=config.shift,
+                      generator=torch.Generator().manual_seed(GRID_SEED)).clamp(-1, 1)
+
+
+def run_seed(base: torch.nn.Module, options: DemoOptions, seed: int, start_eval: dict, reward_fns: dict) -> dict:
+    """Train every strategy from ``base`` with rollout seed ``seed``, interleaved; per-strategy results."""
     from tqdm.auto import tqdm
 
-    # One module object, reset to the base weights before each strategy: a jagg-compiled loss is
-    # bound to the module it was first captured with, so the gradient comparison and the jagg
-    # training share one compile only if they share the module.
-    dit = load_start_model(options.base)
-    base_state = copy.deepcopy(dit.state_dict())
-    reward_fns = reward_functions(options.reward)
-    eval_kw = dict(config=options.trainer_config("exact"), per_class=options.eval_per_class)
-    start_eval = evaluate_rewards(dit, reward_fns, **eval_kw)
-    cosines, first_grad_s = gradient_cosines(dit, options)
+    models = {name: copy.deepcopy(base) for name in options.strategies}
+    cosines, first_grad_s = gradient_cosines(models, options, seed)
+    trainers = {name: GRPOTrainer(models[name], options.trainer_config(name, seed), reward_fn=reward_fns["reward"])
+                for name in options.strategies}
+    names = list(options.strategies)
+    bar = tqdm(range(options.iterations), desc=f"seed {seed}", disable=None if options.progress else True)
+    for i in bar:
+        for name in names[i % len(names):] + names[:i % len(names)]:   # rotate: no strategy always runs first
+            trainers[name].step()
+        bar.set_postfix({n: f"{trainers[n].history[-1]['reward_mean']:.2f}" for n in names})
+    eval_kw = dict(config=options.trainer_config("exact", seed), per_class=options.eval_per_class)
     results = {}
-    for name in options.strategies:
-        dit.load_state_dict(base_state)
-        trainer = GRPOTrainer(dit, options.trainer_config(name), reward_fn=reward_fns["reward"])
-        bar = tqdm(range(options.iterations), desc=f"{name:>5}", disable=not options.progress, leave=True)
-        for _ in bar:
-            log = trainer.step()
-            bar.set_postfix(reward=f"{log['reward_mean']:.3f}", bwd=log["backward_passes"])
-        end_eval = evaluate_rewards(dit, reward_fns, **eval_kw)
-        history = trainer.history
+    for name in names:
+        end_eval = evaluate_rewards(models[name], reward_fns, **eval_kw)
+        history = trainers[name].history
         results[name] = dict(
             reward_start=start_eval["reward"], reward_end=end_eval["reward"],
-            wall_s=sum(h["wall_s"] for h in history),
+            wall_s=sum(h["wall_s"] for h in history), cpu_s=sum(h["cpu_s"] for h in history),
             backward_passes=sum(h["backward_passes"] for h in history) / len(history),
             grad_cosine=cosines[name],
             eval_start={k: v for k, v in start_eval.items() if k != "reward"},
             eval_end={k: v for k, v in end_eval.items() if k != "reward"},
             rollout_reward=[h["reward_mean"] for h in history],
+            cpu_curve=_cumulative(h["cpu_s"] for h in history),
+            wall_curve=_cumulative(h["wall_s"] for h in history),
+            cache_hits=sum(h["cache_hits"] for h in history),
             clipfrac=[h["clipfrac"] for h in history], approx_kl=[h["approx_kl"] for h in history],
             train_steps=[h["train_steps"] for h in history],
             first_gradient_s=first_grad_s[name])
-    return dict(strategies=results, options=_jsonable(asdict(options)), threads=torch.get_num_threads(),
-                notes=["wall_s: rollout + reward + optimizer steps of all iterations; jagg's one-time "
-                       "Dynamo compile happens in the gradient comparison first (first_gradient_s)",
-                       "reward_start/end: mean reward of SDE samples (the trainer's sampler, what GRPO "
-                "optimises) of every digit from fixed seeds; eval_start/end add the held-out "
-                "classifier and ODE samples (suffix _ode)",
-                       "grad_cosine: at the base model, one held-out rollout minibatch, vs the exact "
-                       "gradient; dance/mix use their iteration-0 step subset"])
+        results[name]["_samples"] = grid_samples(models[name], options.trainer_config(name, seed))
+    return results
+
+
+def _cumulative(values) -> list[float]:
+    out, total = [], 0.0
+    for v in values:
+        total += v
+        out.append(total)
+    return out
+
+
+def combine_seeds(per_seed: list[dict]) -> dict:
+    """One entry per strategy: the summary keys' means over seeds (the values themselves for one
+    seed), their [min, max] and the per-seed values when there are several seeds."""
+    out = {}
+    for name in per_seed[0]:
+        runs = [r[name] for r in per_seed]
+        entry = {k: v for k, v in runs[0].items() if not k.startswith("_")}
+        if len(runs) > 1:
+            for key in SUMMARY_KEYS:
+                values = [r[key] for r in runs]
+                entry[key] = statistics.fmean(values)
+                entry.setdefault("spread", {})[key] = [min(values), max(values)]
+                entry.setdefault("per_seed", {})[key] = values
+            entry["rollout_reward"] = [statistics.fmean(v) for v in zip(*(r["rollout_reward"] for r in runs))]
+            entry["cpu_curve"] = [statistics.fmean(v) for v in zip(*(r["cpu_curve"] for r in runs))]
+            entry["wall_curve"] = [statistics.fmean(v) for v in zip(*(r["wall_curve"] for r in runs))]
+        out[name] = entry
+    if "exact" in out:
+        for entry in out.values():
+            entry["cpu_vs_exact"] = entry["cpu_s"] / out["exact"]["cpu_s"]
+            entry["wall_vs_exact"] = entry["wall_s"] / out["exact"]["wall_s"]
+    return out
+
+
+def run_demo(options: DemoOptions) -> dict:
+    """Train every strategy from the base for every seed; returns the JSON-able results (and,
+    under the private key ``_pictures``, the images and curves the plots need)."""
+    options.validate()
+    base = load_start_model(options.base)
+    reward_fns = reward_functions(options.reward)
+    start_eval = evaluate_rewards(base, reward_fns, config=options.trainer_config("exact"),
+                                  per_class=options.eval_per_class)
+    per_seed = [run_seed(base, options, options.seed + k, start_eval, reward_fns) for k in range(options.seeds)]
+    strategies = combine_seeds(per_seed)
+    return dict(
+        strategies=strategies, options=_jsonable(asdict(options)), jagg_settings=options.jagg_settings(),
+        seeds=[options.seed + k for k in range(options.seeds)], threads=torch.get_num_threads(),
+        notes=["wall_s / cpu_s: rollout + reward + optimizer steps of all iterations, strategies interleaved "
+               "iteration by iteration; cpu_s is process CPU time; a compiled strategy's one-time compile "
+               "happens in the gradient comparison first (first_gradient_s)",
+               "reward_start/end: mean reward of SDE samples (the trainer's sampler, what GRPO optimises) of "
+               "every digit from fixed seeds; eval_start/end add the held-out classifier, the ink and ODE "
+               "samples (suffix _ode)",
+               "grad_cosine: at the base model, one held-out rollout minibatch, vs the exact gradient; "
+               "dance/mix use their iteration-0 step subset"],
+        _pictures=dict(base=grid_samples(base, options.trainer_config("exact")),
+                       after={n: per_seed[0][n]["_samples"] for n in options.strategies}))
 
 
 def _jsonable(obj):
@@ -158,36 +239,52 @@ def _jsonable(obj):
 
 
 def format_table(result: dict) -> str:
-    rows = ["| strategy | reward before → after | wall-clock (s) | DiT backward passes / iter "
+    multi = len(result.get("seeds", [0])) > 1
+    rows = ["| strategy | reward before → after | CPU s (× exact) | wall s | DiT backward passes / iter "
             "| grad cosine vs exact |",
-            "|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|"]
     for name, r in result["strategies"].items():
-        rows.append(f"| {name} | {r['reward_start']:.4g} → {r['reward_end']:.4g} | {r['wall_s']:.1f} | "
-                    f"{r['backward_passes']:.1f} | {r['grad_cosine']:.3f} |")
+        end = f"{r['reward_end']:.3f}"
+        if multi:
+            lo, hi = r["spread"]["reward_end"]
+            end += f" [{lo:.3f}–{hi:.3f}]"
+        rows.append(f"| {name} | {r['reward_start']:.3f} → {end} | {r['cpu_s']:.1f} ({r['cpu_vs_exact']:.2f}) | "
+                    f"{r['wall_s']:.1f} | {r['backward_passes']:.1f} | {r['grad_cosine']:.3f} |")
     extra = []
     for name, r in result["strategies"].items():
-        for key, before in r["eval_start"].items():
-            extra.append(f"  {name}: {key} {before:.4f} → {r['eval_end'][key]:.4f}")
-    return "\n".join(rows + ([""] + ["other evaluations (before → after; _ode: ODE samples, "
-                                     "eval_classifier: the held-out classifier):"] + extra if extra else []))
+        extra.append(f"  {name}: " + ", ".join(f"{key} {before:.3f} → {r['eval_end'][key]:.3f}"
+                                                  for key, before in r["eval_start"].items()))
+    return "\n".join(rows + [""] + ["other evaluations of the first seed (before → after; _ode: ODE samples, "
+                                    "eval_classifier: the held-out classifier, ink: mean pixel intensity):"] + extra)
 
 
 def main_demo(options: DemoOptions, json_path: str | None = None) -> dict:
     start = time.perf_counter()
     result = run_demo(options)
     result["total_s"] = time.perf_counter() - start
+    pictures = result.pop("_pictures")
     opts = result["options"]
+    seeds = result["seeds"]
     print(f"\nGRPO on the digits DiT ({options.base} base, reward {options.reward}, {options.iterations} "
-          f"iterations, T={options.num_steps} sampling steps, {opts['classes_per_iter']}x{opts['group_size']} "
-          f"samples per rollout, jagg W={options.window} weights={options.weights}; "
-          f"{result['threads']} threads, {result['total_s']:.0f} s total)\n")
+          f"iterations x {len(seeds)} seed(s) {seeds}, T={options.num_steps} sampling steps, "
+          f"{opts['classes_per_iter']}x{opts['group_size']} samples per rollout, lr {options.lr:g}; "
+          f"{result['threads']} thread(s), {result['total_s']:.0f} s total)")
+    print(f"jagg: {result['jagg_settings']}\n")
     print(format_table(result))
+    written = []
+    if options.out:
+        from .demo_plots import write_pictures
+
+        written = write_pictures(result, pictures, options.out)
+        result["pictures"] = written
     if json_path:
         with open(json_path, "w") as f:
             json.dump(result, f, indent=2)
-        print(f"\nwrote {json_path}")
+        written.append(json_path)
+    if written:
+        print("\nwrote " + "\n      ".join(written))
     return result
 
 
-__all__ = ["DemoOptions", "format_table", "gradient_cosines", "load_start_model", "main_demo", "reward_functions",
-           "run_demo"]
+__all__ = ["DemoOptions", "combine_seeds", "format_table", "gradient_cosines", "grid_samples", "load_start_model",
+           "main_demo", "reward_functions", "run_demo", "run_seed"]

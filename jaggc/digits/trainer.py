@@ -18,7 +18,10 @@ Strategies (all use ``grpo_loss`` below, unchanged):
   around (MixGRPO's sliding window; MixGRPO also samples with the ODE outside the window, which we
   do not: all strategies share the same SDE rollout so their rewards are comparable).
 - ``jagg``: ``jaggc.jagg_compile(grpo_loss, window=W, weights=..., jagg_frac=...)`` over every
-  trained step.
+  trained step; with ``rollout_cache=True`` the rollout is recorded in a ``jaggc.RolloutCache``, so
+  on the first minibatch (parameters still the rollout's) the windows' interior outputs come from
+  the rollout instead of a forward; after the first optimizer step the cache's parameter-version
+  guard drops it and the interior forwards run again.
 Trained parameters: the attention projections (Flow-GRPO's LoRA targets, here at full rank) by
 default, every parameter with ``trainable="all"`` (``trainable_parameters`` says why not the
 default). No KL-to-reference term (Flow-GRPO's beta is 0 in several of its configs; it would add
@@ -27,6 +30,7 @@ one no-grad reference forward per step and a frozen copy of the DiT).
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 import weakref
@@ -71,6 +75,7 @@ class TrainerConfig:
     window: int = 4              # JAGG window W
     weights: str = "t"
     jagg_frac: float = 1.0
+    rollout_cache: bool = False  # jagg: interior outputs of the first minibatch from the rollout
     trainable: str = "attention"  # or "all" (see trainable_parameters)
     reward: str = "classifier"
     seed: int = 0
@@ -135,8 +140,18 @@ def grpo_loss(dit, batch):
     return total / len(steps), torch.stack(new_log_probs, 1)
 
 
-# dit -> {(window, weights, jagg_frac): compiled loss}
+# dit -> {(window, weights, jagg_frac, rollout_cache): compiled loss}; dit -> its rollout cache
 _COMPILED: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+_ROLLOUT_CACHES: "weakref.WeakKeyDictionary[torch.nn.Module, object]" = weakref.WeakKeyDictionary()
+
+
+def rollout_cache_for(dit: torch.nn.Module):
+    """The one ``jaggc.RolloutCache`` of ``dit``: the trainer records into it, the compiled loss reads it."""
+    if dit not in _ROLLOUT_CACHES:
+        from jaggc import RolloutCache
+
+        _ROLLOUT_CACHES[dit] = RolloutCache(dit)
+    return _ROLLOUT_CACHES[dit]
 
 
 def loss_for_strategy(config: TrainerConfig, dit: torch.nn.Module):
@@ -152,10 +167,11 @@ def loss_for_strategy(config: TrainerConfig, dit: torch.nn.Module):
     import jaggc
 
     per_dit = _COMPILED.setdefault(dit, {})
-    key = (config.window, config.weights, float(config.jagg_frac))
+    key = (config.window, config.weights, float(config.jagg_frac), config.rollout_cache)
     if key not in per_dit:
+        cache = rollout_cache_for(dit) if config.rollout_cache else None
         per_dit[key] = jaggc.jagg_compile(grpo_loss, window=config.window, weights=config.weights,
-                                          jagg_frac=config.jagg_frac)
+                                          jagg_frac=config.jagg_frac, rollout_cache=cache)
     return per_dit[key]
 
 
@@ -317,16 +333,24 @@ class GRPOTrainer:
         cfg = self.config
         classes = torch.randperm(self.num_classes, generator=_generator(cfg.seed, iteration, 1))[:cfg.classes_per_iter]
         labels = classes.repeat_interleave(cfg.group_size)
-        batch = rollout(self.dit, labels, cfg, _generator(cfg.seed, iteration, 2), image_shape=self.image_shape,
-                        conditioning=self.conditioning)
+        with self._recording():
+            batch = rollout(self.dit, labels, cfg, _generator(cfg.seed, iteration, 2), image_shape=self.image_shape,
+                            conditioning=self.conditioning)
         rewards = self.reward_fn(batch["images"].clamp(-1, 1), labels).float()
         batch["rewards"] = rewards
         batch["advantages"] = grpo.flow_grpo_advantages(rewards, labels, global_std=cfg.global_std).float()
         return batch
 
+    def _recording(self):
+        if self.config.strategy == "jagg" and self.config.rollout_cache:
+            return rollout_cache_for(self.dit).record()
+        return contextlib.nullcontext()
+
     def step(self) -> dict:
         cfg = self.config
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
+        cache = rollout_cache_for(self.dit) if cfg.strategy == "jagg" and cfg.rollout_cache else None
+        hits = cache.stats.hits if cache is not None else 0
         batch = self.collect(self.iteration)
         batch["train_steps"] = select_steps(cfg, self.iteration)
         rollout_s = time.perf_counter() - start
@@ -340,7 +364,8 @@ class GRPOTrainer:
                    clipfrac=sum(s["clipfrac"] for s in stats) / len(stats),
                    approx_kl=sum(s["approx_kl"] for s in stats) / len(stats),
                    backward_passes=counts.backwards, rollout_s=rollout_s,
-                   wall_s=time.perf_counter() - start)
+                   cache_hits=(cache.stats.hits - hits) if cache is not None else 0,
+                   wall_s=time.perf_counter() - start, cpu_s=time.process_time() - cpu_start)
         self.history.append(log)
         self.iteration += 1
         return log
