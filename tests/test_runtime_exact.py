@@ -21,10 +21,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from helpers import grad_of, rel_err
+import jaggc
+from helpers import grad_of, loss_and_grad, rel_err
 from jaggc import Basis, DitCall, WindowOptions, count_dit_passes, jagg_calls, run_exact, run_window
 from jaggc.runtime import partition
-from jaggc.runtime.weights import randomized_matrix
+from jaggc.runtime.weights import control_matrix, hat_matrix, randomized_matrix
 from jaggc.verify.fields import AffineJacobianField, CurvedField, LinearThetaZ, ThetaT, TimeAffineField
 
 DT = torch.float64
@@ -455,6 +456,74 @@ def test_randomized_basis_is_unbiased_for_any_jacobians():
         draws.append(sum(jac[k].T @ (phi[:, j, None] * g).sum(0) for j, k in enumerate(knots)))
     assert rel_err(torch.stack(draws).mean(0), exact) < 1e-13
     assert min(rel_err(d, exact) for d in draws) > CLEARLY_WRONG
+
+
+@pytest.mark.parametrize("per", ["window", "step"])
+def test_control_basis_is_unbiased_for_any_jacobians(per):
+    """E over the correction draws (enumerated with their probabilities) of the control-variate
+    window gradient is the exact one for arbitrary per-step Jacobians; p = 1 is exact on every draw."""
+    import itertools
+
+    gen = torch.Generator().manual_seed(1)
+    num_steps, dim, p = 6, 4, 0.3
+    jac = torch.randn(num_steps, dim, dim, generator=gen, dtype=torch.float64)
+    g = torch.randn(num_steps, dim, generator=gen, dtype=torch.float64)
+    x = torch.linspace(1.0, 0.2, num_steps, dtype=torch.float64)[:, None] ** 2
+    exact = sum(jac[s].T @ g[s] for s in range(num_steps))
+    interior = range(1, num_steps - 1)
+    if per == "window":
+        draws = [((), 1 - p), (tuple(interior), p)]
+    else:
+        draws = [(tuple(i for i, on in zip(interior, mask) if on), p ** sum(mask) * (1 - p) ** (len(mask) - sum(mask)))
+                 for mask in itertools.product((0, 1), repeat=num_steps - 2)]
+    mean = 0
+    for corrected, prob in draws:
+        knots = (0,) + corrected + (num_steps - 1,)
+        phi = (control_matrix(x, p, corrected) if corrected else hat_matrix(x, (0, num_steps - 1)))[..., 0]
+        assert torch.allclose(phi.sum(1), torch.ones(num_steps, dtype=torch.float64))
+        mean = mean + prob * sum(jac[k].T @ (phi[:, j, None] * g).sum(0) for j, k in enumerate(knots))
+    assert abs(sum(prob for _, prob in draws) - 1) < 1e-15
+    assert rel_err(mean, exact) < 1e-13
+    every = tuple(interior)
+    phi = control_matrix(x, 1.0, every)[..., 0]
+    assert rel_err(sum(jac[k].T @ (phi[:, k, None] * g).sum(0) for k in range(num_steps)), exact) < 1e-14
+
+
+def test_control_basis_draws_and_costs():
+    times = torch.linspace(1.0, 0.1, 6, dtype=torch.float64)[:, None].expand(6, 2)
+    for per in ("window", "step"):
+        basis = Basis("control", p=0.5, seed=4, per=per)
+        knots = [basis.sample(times)[0] for _ in range(400)]
+        interior = sum(len(k) - 2 for k in knots) / len(knots)
+        assert abs(interior - 0.5 * 4) < 0.3, (per, interior)     # 2 + p (W - 2) knots on average
+        sizes = {len(k) for k in knots}
+        assert sizes == ({2, 6} if per == "window" else {2, 3, 4, 5, 6}), (per, sizes)
+    with pytest.raises(jaggc.JaggInputError, match="per='window' or per='step'"):
+        Basis("control", per="sample")
+
+
+def test_control_basis_at_p_one_is_exact_through_jagg_compile():
+    """Basis("control", p=1, per="step") corrects every interior step: the exact gradient (float64)."""
+    field = AffineJacobianField(3, seed=5)
+    curved = CurvedField(3, seed=5)
+    gen = torch.Generator().manual_seed(2)
+    T, B = 8, 2
+    zs = torch.randn(T, B, 3, generator=gen, dtype=torch.float64)
+    ts = torch.linspace(0.95, 0.1, T, dtype=torch.float64)[:, None].expand(T, B).contiguous()
+    gs = torch.randn(T, B, 3, generator=gen, dtype=torch.float64)
+
+    def loss(dit, zs, ts, gs):
+        return sum((dit(zs[k], ts[k]) * gs[k]).sum() for k in range(zs.shape[0]))
+
+    for model in (field, curved):
+        args = (model, zs, ts, gs)
+        _, exact = loss_and_grad(loss, args, model)
+        _, got = loss_and_grad(jaggc.jagg_compile(loss, window=4, weights=Basis("control", p=1.0, per="step")),
+                               args, model)
+        assert rel_err(got, exact) < 1e-12
+        _, plain = loss_and_grad(jaggc.jagg_compile(loss, window=4), args, model)
+        if model is curved:
+            assert rel_err(plain, exact) > 1e-4          # plain JAGG is not exact here: the check can fail
 
 
 def test_randomized_basis_draws_from_its_own_seeded_stream():

@@ -2,6 +2,7 @@
 
     python -m jaggc.fidelity.bias_study [--rollouts 64] [--bases digits,shapes,textures]
                                         [--trainables attention,all] [--json PATH] [--out docs/bias_study.md]
+                                        [--candidates a,b] [--merge EARLIER.json]
 
 The protocol of ``study.run_study`` (warm-started trainer, N rollouts at a frozen θ0, group-centred
 advantages, real AdamW steps) on each base (digits SD3, shapes Flux, textures Qwen-Image) with the
@@ -11,7 +12,8 @@ its own expected backward budget:
 
   plain JAGG (W=4); σ-aware placement (exact below t = 500); the randomized third knot at W = 6;
   the control-variate correction (``Basis("control")``: JAGG, plus (exact − JAGG)/p on a random
-  fraction p of windows) at W = 4, p = 0.25 and W = 6, p = 0.25.
+  fraction p of windows) at W = 4, p = 0.25 and W = 6, p = 0.25; the same correction drawn per
+  interior step (``per="step"``) at W = 4 and W = 6, p = 0.25.
 
 ``choose`` applies the default's rule: the cheapest candidate whose bias is within 1.5x its noise
 floor in every cell and whose mean cosine beats its subsampling baseline in every cell.
@@ -36,22 +38,25 @@ CANDIDATES = {
     "random3_w6": S("random3", 6, "t"),
     "control_w4": S("control", 4, "t", p=0.25),
     "control_w6": S("control", 6, "t", p=0.25),
+    "control_step_w4": S("control", 4, "t", p=0.25, per="step"),
+    "control_step_w6": S("control", 6, "t", p=0.25, per="step"),
 }
 CONDITIONS = ("on", "off1", "off4")
 BIAS_LIMIT = 1.5
 
 
-def settings() -> list[E.Setting]:
-    """The candidates and their matched subsampling baselines (duplicates dropped)."""
+def settings(names=None) -> list[E.Setting]:
+    """The candidates (``names``: a subset) and their matched subsampling baselines (duplicates dropped)."""
     out: list[E.Setting] = []
-    for s in CANDIDATES.values():
+    for s in (CANDIDATES[n] for n in (names or CANDIDATES)):
         for x in (s, E.matched_subsample_setting(s)):
             if x is not None and x.label() not in [o.label() for o in out]:
                 out.append(x)
     return out
 
 
-def run(bases, trainables, rollouts: int, draws: int = 2, log=print, dump: str | None = None) -> dict:
+def run(bases, trainables, rollouts: int, draws: int = 2, log=print, dump: str | None = None,
+        candidates=None) -> dict:
     from jaggc.digits.trainer import TrainerConfig
 
     out = {"rollouts": rollouts, "draws": draws, "cells": {}}
@@ -60,7 +65,7 @@ def run(bases, trainables, rollouts: int, draws: int = 2, log=print, dump: str |
         for trainable in trainables:
             start = time.perf_counter()
             config = TrainerConfig(strategy="exact", seed=0, trainable=trainable)
-            res = run_study(rollouts=rollouts, conditions=CONDITIONS, settings=settings(), draws=draws, warmup=2,
+            res = run_study(rollouts=rollouts, conditions=CONDITIONS, settings=settings(candidates), draws=draws, warmup=2,
                             config=config, masks_for=(), base=dit, trainer_kwargs=kwargs,
                             log=lambda m: log(f"  {base}/{trainable}: {m.strip()}"))
             for cond, c in res["conditions"].items():
@@ -71,11 +76,24 @@ def run(bases, trainables, rollouts: int, draws: int = 2, log=print, dump: str |
     return out
 
 
+def measured(results: dict) -> dict:
+    """The candidates with a row (and a baseline row) in every cell of ``results``."""
+    return {name: s for name, s in CANDIDATES.items()
+            if all(s.label() in rows and E.matched_subsample_setting(s).label() in rows
+                   for rows in results["cells"].values())}
+
+
+def merge(results: dict, earlier: dict) -> dict:
+    """``results`` with the rows of an earlier run on the same rollouts added (its own rows win)."""
+    cells = {cell: {**earlier["cells"].get(cell, {}), **rows} for cell, rows in results["cells"].items()}
+    return dict(results, cells=cells)
+
+
 def verdicts(results: dict) -> dict:
     """Per candidate: worst bias / floor over the cells, the cells where it does not beat its
     subsampling baseline, its mean backward fraction, and whether it meets the default's rule."""
     out = {}
-    for name, s in CANDIDATES.items():
+    for name, s in measured(results).items():
         base_label = E.matched_subsample_setting(s).label()
         worst, losses, fractions = 0.0, [], []
         for cell, rows in results["cells"].items():
@@ -103,11 +121,12 @@ def to_markdown(results: dict) -> str:
              "cos = mean per-batch cosine to the exact gradient; bias/floor = |mean error| over the noise floor of an "
              "unbiased estimator at this N (≈ 1 for an unbiased one); b = backward passes / trained steps; "
              "sub = step subsampling at the candidate's budget.", ""]
-    head = "| cell | " + " | ".join(f"{n} cos (sub) | bias/floor | b" for n in CANDIDATES) + " |"
-    lines += [head, "|" + "---|" * (1 + 3 * len(CANDIDATES))]
+    shown = measured(results)
+    head = "| cell | " + " | ".join(f"{n} cos (sub) | bias/floor | b" for n in shown) + " |"
+    lines += [head, "|" + "---|" * (1 + 3 * len(shown))]
     for cell, rows in results["cells"].items():
         parts = []
-        for s in CANDIDATES.values():
+        for s in shown.values():
             row, sub = rows[s.label()], rows[E.matched_subsample_setting(s).label()]
             parts += [f"{row['cos_mean']:.3f} ({sub['cos_mean']:.3f})", f"{row['bias'] / row['floor']:.2f}",
                       f"{row['backward_fraction']:.2f}"]
@@ -130,9 +149,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--out", default=None, help="write the markdown table here")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--candidates", default=None, help=f"a comma-separated subset of {', '.join(CANDIDATES)}")
+    p.add_argument("--merge", default=None, help="add the rows of an earlier run's JSON (same rollouts)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    res = run(args.bases.split(","), args.trainables.split(","), args.rollouts, args.draws, dump=args.json)
+    names = args.candidates.split(",") if args.candidates else None
+    unknown = [n for n in names or () if n not in CANDIDATES]
+    if unknown:
+        p.error(f"--candidates: unknown {unknown}; choose from {list(CANDIDATES)}")
+    res = run(args.bases.split(","), args.trainables.split(","), args.rollouts, args.draws, dump=args.json,
+              candidates=names)
+    if args.merge:
+        res = merge(res, json.loads(Path(args.merge).read_text()))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
     text = to_markdown(res)

@@ -15,7 +15,8 @@ Every estimator here is a linear combination of vector-Jacobian products ``J(z, 
     random3        jagg plus a third knot at one uniformly drawn interior step k*, the composites
                    corrected so that E_{k*}[estimate] = exact (unbiased; 3 / window)
     control        jagg, and with probability p per window the control-variate correction
-                   (exact − jagg) / p (Basis("control"): unbiased; 2 + p (W − 2) / window)
+                   (exact − jagg) / p (Basis("control"): unbiased; 2 + p (W − 2) / window);
+                   per="step": each interior step corrected on its own with probability p
     subsample      K of a window's n steps drawn uniformly without replacement, scaled n/K
                    (unbiased baseline at the same backward budget; a fractional K draws floor(K)
                    or floor(K) + 1 per window, matching a fractional budget in expectation)
@@ -476,6 +477,7 @@ class Setting:
     k: float = 2
     spacing: int = 3
     p: float = 0.25     # control: correction probability
+    per: str = "window"  # control: correct whole windows or single interior steps
 
     def label(self) -> str:
         if self.variant == "exact":
@@ -484,7 +486,7 @@ class Setting:
         if self.variant == "subsample":
             parts = ["subsample", f"W{self.window}", f"{self.k:g}of{self.window}"]
         if self.variant == "control":
-            parts.append(f"p{self.p:g}")
+            parts.append(f"p{self.p:g}" + ("/step" if self.per == "step" else ""))
         if self.jagg_frac < 1:
             parts.append(f"f{self.jagg_frac:g}")
         if self.exact_below is not None:
@@ -528,7 +530,8 @@ def estimate(rec: Recording, dit: nn.Module, setting: Setting, *, generator: tor
     if s.variant == "control":
         # the study's generator seeds the basis's own: each call is a fresh draw
         seed = int(torch.randint(2**31, (1,), generator=generator)) if generator is not None else 0
-        return basis_estimate(rec, dit, basis=Basis("control", s.weights, seed=seed, p=s.p), name="control", **kw)
+        return basis_estimate(rec, dit, basis=Basis("control", s.weights, seed=seed, p=s.p, per=s.per),
+                              name="control", **kw)
     return subsample(rec, dit, k=s.k, generator=generator, **kw)
 
 

@@ -36,10 +36,13 @@ class Basis:
     through k_{j-1} and k_j; with knots shared by a trajectory-long window, one backward per
     knot), or "randomized" (plain JAGG plus one interior knot drawn uniformly per window call,
     with the endpoint composites corrected so that the expected gradient is the exact one), or
-    "control" (plain JAGG, and with probability ``p`` per window call a control-variate
-    correction: every step of the window becomes a knot and the window's gradient is
-    JAGG + (exact − JAGG) / p, so the expected gradient is the exact one while JAGG's small error
-    is all the correction has to carry). ``seed`` seeds the random kinds' own generator, so the
+    "control" (plain JAGG plus a control-variate correction drawn per window call, so the
+    expected gradient is the exact one while JAGG's small error is all the correction has to
+    carry): ``per="window"``: with probability ``p`` every step of the window becomes a knot and
+    the window's gradient is JAGG + (exact − JAGG) / p; ``per="step"``: each interior step
+    independently, with probability ``p``, becomes a knot and adds (its exact term − its JAGG
+    term) / p. Both cost 2 + p (W − 2) knots per window on average; per step, the corrections of
+    neighbouring steps (whose errors are alike) are drawn apart, which lowers the variance. ``seed`` seeds the random kinds' own generator, so the
     user's RNG stream is untouched and the same seed gives the same gradients.
     by: "t" interpolates in timestep value, "index" in step position (the first author's code).
     knots: positions of the knot steps within the window; None means the window's two endpoints
@@ -51,6 +54,7 @@ class Basis:
     knots: tuple[int, ...] | None = None
     seed: int = 0
     p: float = 0.25
+    per: str = "window"       # "control": correct whole windows or single interior steps
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -61,6 +65,8 @@ class Basis:
             raise JaggInputError(f"Basis({self.kind!r}) draws its knots per window; it takes no knots=")
         if self.kind == "control" and not 0 < self.p <= 1:
             raise JaggInputError(f"Basis('control', p={self.p!r}): the correction probability must be in (0, 1]")
+        if self.per not in ("window", "step"):
+            raise JaggInputError(f"Basis(per={self.per!r}): use per='window' or per='step'")
         # the randomized basis's draws; a frozen dataclass, so set past __setattr__
         object.__setattr__(self, "_generator", None)
 
@@ -73,9 +79,16 @@ class Basis:
         if self._generator is None:
             object.__setattr__(self, "_generator", torch.Generator().manual_seed(self.seed))
         if self.kind == "control":
-            if float(torch.rand((), generator=self._generator, dtype=torch.float64)) >= self.p:
+            if self.per == "step":
+                draws = torch.rand(num_steps - 2, generator=self._generator, dtype=torch.float64)
+                corrected = tuple(1 + i for i in range(num_steps - 2) if float(draws[i]) < self.p)
+            elif float(torch.rand((), generator=self._generator, dtype=torch.float64)) < self.p:
+                corrected = tuple(range(1, num_steps - 1))
+            else:
+                corrected = ()
+            if not corrected:
                 return (0, num_steps - 1), hat_matrix(self._x(times), (0, num_steps - 1))
-            return tuple(range(num_steps)), control_matrix(self._x(times), self.p)
+            return (0,) + corrected + (num_steps - 1,), control_matrix(self._x(times), self.p, corrected)
         pos = 1 + int(torch.randint(num_steps - 2, (1,), generator=self._generator))
         return (0, pos, num_steps - 1), randomized_matrix(self._x(times), pos)
 
@@ -183,16 +196,21 @@ def randomized_matrix(x: torch.Tensor, pos: int) -> torch.Tensor:
     return phi
 
 
-def control_matrix(x: torch.Tensor, p: float) -> torch.Tensor:
-    """Every step a knot: Φ = (1 − 1/p) · (plain two-knot weights) + (1/p) · I, i.e. the window's
-    gradient JAGG + (exact − JAGG) / p. Drawn with probability p (and plain JAGG otherwise), its
-    expectation is the exact gradient."""
+def control_matrix(x: torch.Tensor, p: float, corrected: Sequence[int] | None = None) -> torch.Tensor:
+    """Knots: the endpoints and the ``corrected`` interior steps (default: all). A corrected step's
+    row is (1 − 1/p) · (its plain two-knot weights) + (1/p) on its own knot: its JAGG term plus
+    (exact − JAGG) / p; every other step keeps its plain JAGG weights. Each interior step corrected
+    with probability p, the expectation is the exact gradient. Shape (S, K, B), K = 2 + len(corrected)."""
     num_steps, batch = x.shape
+    corrected = tuple(range(1, num_steps - 1)) if corrected is None else tuple(corrected)
+    knots = (0,) + corrected + (num_steps - 1,)
     linear = hat_matrix(x, (0, num_steps - 1))              # (S, 2, B)
-    phi = torch.zeros(num_steps, num_steps, batch, dtype=torch.float64, device=x.device)
-    phi[:, 0] = (1 - 1 / p) * linear[:, 0]
-    phi[:, num_steps - 1] = (1 - 1 / p) * linear[:, 1]
-    phi += torch.eye(num_steps, dtype=torch.float64, device=x.device)[:, :, None] / p
+    phi = torch.zeros(num_steps, len(knots), batch, dtype=torch.float64, device=x.device)
+    phi[:, 0], phi[:, -1] = linear[:, 0], linear[:, 1]
+    for k, step in enumerate(corrected, start=1):
+        phi[step, 0] *= 1 - 1 / p
+        phi[step, -1] *= 1 - 1 / p
+        phi[step, k] = 1 / p
     return phi
 
 
