@@ -154,6 +154,14 @@ class Report:
         subprocess.run([exe, "-Tsvg", "-o", str(path)], input=dot_text.encode(), check=True)
         return str(path)
 
+    def render_condensed(self, path_stem: str, name: str = "") -> list[str]:
+        """The condensed picture (one column per trained DiT call, the windows as boxes, each
+        step's glue as one node): ``path_stem.png`` and ``.svg`` with matplotlib, else the text
+        view in ``path_stem.txt``. Returns the paths written (see ``jaggc.report_view``)."""
+        from . import report_view
+
+        return report_view.write_condensed(report_view.condensed_view(self, name=name), str(path_stem))
+
 
 def _target_name(node: fx.Node) -> str:
     t = node.target
