@@ -108,8 +108,8 @@ def cmd_demo(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from jaggc.bench import BenchConfig, quick_config, run_bench
-    from jaggc.bench_report import format_table, write_json
+    from jaggc.bench import (BenchConfig, format_profile, format_table, profile_window_step, quick_config, run_bench,
+                             write_json)
 
     overrides = {k: v for k, v in dict(
         family=args.family, size=args.size, num_steps=args.steps, batch=args.batch, repeats=args.repeats,
@@ -129,8 +129,6 @@ def cmd_bench(args) -> int:
     results = run_bench(config)
     print(format_table(results))
     if args.profile:
-        from jaggc.bench_profile import format_profile, profile_window_step
-
         results["profile"] = profile_window_step(config, window=args.profile)
         print()
         print(format_profile(results["profile"]))

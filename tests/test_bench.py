@@ -17,12 +17,10 @@ import torch
 
 from helpers import grads, rel_err
 from jaggc import cli
-from jaggc.bench import (BenchConfig, Cost, ModeResult, PassClock, exact_cost, fast_cost, jagg_cost, parse_mode,
-                         per_window_cost, run_bench, theory_backward_speedup, theory_fast_backward_speedup,
-                         theory_fast_step_speedup, theory_per_window_backward_speedup, theory_per_window_step_speedup,
-                         theory_step_speedup)
-from jaggc.bench_problems import build_problem
-from jaggc.bench_report import format_table, summarize
+from jaggc.bench import (BenchConfig, Cost, ModeResult, PassClock, build_problem, exact_cost, fast_cost, format_table,
+                         jagg_cost, parse_mode, per_window_cost, run_bench, summarize, theory_backward_speedup,
+                         theory_fast_backward_speedup, theory_fast_step_speedup, theory_per_window_backward_speedup,
+                         theory_per_window_step_speedup, theory_step_speedup)
 from jaggc.runtime import count_dit_passes
 
 NUM_STEPS, BATCH = 16, 4
@@ -178,7 +176,7 @@ def test_modes_parse_and_refuse():
 
 
 def test_rss_child_reports_a_step_peak():
-    from jaggc.bench_memory import measure_rss
+    from jaggc.bench import measure_rss
 
     rss = measure_rss(BenchConfig(size="tiny", num_steps=4, batch=2), "exact")
     assert rss.get("error") is None, rss

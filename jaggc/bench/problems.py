@@ -23,9 +23,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from . import example_losses as el
-from . import models
-from .runtime import DitCall
+from .. import example_losses as el
+from .. import models
+from ..runtime import DitCall
 
 FAMILIES = ("sd3", "flux")
 SIZES = ("tiny", "10m")

@@ -28,8 +28,8 @@ from typing import Callable
 
 import torch
 
-from ._compat import tree_map
-from .bench_problems import build_problem
+from .._compat import tree_map
+from .problems import build_problem
 
 _TIME_CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 
@@ -66,7 +66,7 @@ def compile_probes(config) -> dict:
 
 def _first_call(problem, num_steps: int, capture: str, primary: str) -> dict:
     """First call minus second call of the compiled loss, and the passes' share of it."""
-    from .bench import compiled_loss
+    from .runner import compiled_loss
 
     compiled = compiled_loss(problem, min(4, num_steps), capture=capture)   # a window may not exceed the steps
     passes_time = _time_passes(compiled)
@@ -98,7 +98,7 @@ class _StandIn:
 def _glue_trace_time(problem) -> dict[str, float]:
     """First call minus second call of the loss compiled by Dynamo (eager backend) with the DiT
     replaced by a ``_StandIn``."""
-    from .bench_problems import own_code
+    from .problems import own_code
 
     with torch.no_grad():
         output = problem.dit_calls(problem.batch)[0](problem.model)

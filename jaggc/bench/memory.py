@@ -31,7 +31,7 @@ def measure_rss(config, mode: str) -> dict:
     spec = dict(family=config.family, size=config.size, cfg=config.cfg, num_steps=config.num_steps, batch=config.batch,
                 seed=config.seed, threads=config.threads, mode=mode)
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": _MMAP_THRESHOLD}
-    proc = subprocess.run([sys.executable, "-m", "jaggc.bench_memory", json.dumps(spec)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "jaggc.bench.memory", json.dumps(spec)], capture_output=True,
                           text=True, env=env, timeout=_TIMEOUT_S)
     if proc.returncode != 0:
         return dict(error=proc.stderr.strip().splitlines()[-1:] or ["failed"], step_peak_mb=None)
@@ -68,8 +68,8 @@ def _release_freed_memory() -> None:
 def _child(spec: dict) -> dict:
     import torch
 
-    from .bench import parse_mode
-    from .bench_problems import build_problem
+    from .runner import parse_mode
+    from .problems import build_problem
 
     if spec["threads"] is not None:
         torch.set_num_threads(spec["threads"])

@@ -7,7 +7,7 @@ What is measured, per mode (a strategy at a window size, e.g. ``jagg@4``):
     same round, reported as median with min/max;
   * DiT passes (``count_dit_passes``) and the cost model's prediction next to every measured ratio;
   * activation memory: peak live bytes of autograd-saved tensors (deterministic), and optionally
-    the peak RSS of a fresh process running only that mode (``bench_memory``);
+    the peak RSS of a fresh process running only that mode (``jaggc.bench.memory``);
   * first-call overhead (trace + passes) and recompiles over repeated calls of a fixed shape.
 
 Cost model (spec §2.4; F = one DiT forward of batch B, backward = 2F): exact = 3F per step;
@@ -28,13 +28,13 @@ from typing import Any, Callable
 
 import torch
 
-from .bench_problems import Problem, build_problem
-from .bench_strategies import (STRATEGIES, Cost, LossStep, Mode, PerStepBackward, RolloutCachedStep, Strategy,
+from .problems import Problem, build_problem
+from .strategies import (STRATEGIES, Cost, LossStep, Mode, PerStepBackward, RolloutCachedStep, Strategy,
                                compiled_loss, exact_cost, fast_cost, jagg_cost, parse_mode, per_window_cost,
                                runtime_loss, theory_backward_speedup, theory_fast_backward_speedup,
                                theory_fast_step_speedup, theory_per_window_backward_speedup,
                                theory_per_window_step_speedup, theory_step_speedup)
-from .runtime import count_dit_passes
+from ..runtime import count_dit_passes
 
 __all__ = ["BenchConfig", "CLOCKS", "Cost", "LossStep", "Mode", "ModeResult", "PassClock", "PerStepBackward",
            "RolloutCachedStep", "STRATEGIES", "Strategy", "compiled_loss", "exact_cost", "fast_cost", "jagg_cost",
@@ -229,14 +229,14 @@ class _NullMeter:
 def _saved_tensor_meter(config: BenchConfig):
     if not config.activation_memory:
         return _NullMeter()
-    from .runtime.memory import track_saved_tensors
+    from ..runtime.memory import track_saved_tensors
 
     return track_saved_tensors()
 
 
 def run_bench(config: BenchConfig, clock_factories: dict | None = None) -> dict:
     """Run the benchmark and return the JSON-ready results (see ``summarize``)."""
-    from .bench_compile import compile_probes
+    from .compile import compile_probes
 
     factories = {**CLOCKS, **(clock_factories or {})}
     torch.manual_seed(config.seed)
@@ -258,7 +258,7 @@ def run_bench(config: BenchConfig, clock_factories: dict | None = None) -> dict:
         for text, step in runner.steps.items():
             runner.results[text].traces = _traces(step)
         if config.rss:
-            from .bench_memory import measure_rss
+            from .memory import measure_rss
 
             for text in runner.steps:
                 log(f"  peak RSS of {text} (fresh process) ...")
@@ -266,7 +266,7 @@ def run_bench(config: BenchConfig, clock_factories: dict | None = None) -> dict:
     finally:
         for clock in runner.clocks.values():
             getattr(clock, "close", lambda: None)()
-    from .bench_report import summarize
+    from .report import summarize
 
     return summarize(config, runner, compile_info, skipped)
 

@@ -31,8 +31,8 @@ from typing import Any, Callable
 
 import torch
 
-from .bench_problems import Problem, own_code
-from .runtime import RolloutCache, WindowOptions, jagg_calls, partition
+from .problems import Problem, own_code
+from ..runtime import RolloutCache, WindowOptions, jagg_calls, partition
 
 # ---------------------------------------------------------------------------------------------
 # the cost model
@@ -181,7 +181,7 @@ class PerStepBackward:
 
 
 def compiled_loss(problem: Problem, window: int, **options) -> Callable:
-    from .api import jagg_compile
+    from ..api import jagg_compile
 
     return jagg_compile(own_code(problem.loss_fn), window=window, **options)
 
