@@ -125,6 +125,14 @@ def dynamo_user_location(exc: BaseException) -> str:
     return where
 
 
+def dynamo_unique_graphs() -> int:
+    """How many distinct graphs Dynamo has compiled in this process (its own statistics counter,
+    which ``jaggc bench`` reports next to jaggc's trace count when it looks for recompiles)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 def backend_failed_type() -> type:
     import torch._dynamo.exc as exc
 

@@ -28,8 +28,9 @@ from typing import Callable
 
 import torch
 
-from .._compat import tree_map
-from .problems import build_problem
+from .._compat import dynamo_unique_graphs, tree_map
+from .problems import build_problem, own_code
+from .strategies import compiled_loss
 
 _TIME_CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 
@@ -66,8 +67,6 @@ def compile_probes(config) -> dict:
 
 def _first_call(problem, num_steps: int, capture: str, primary: str) -> dict:
     """First call minus second call of the compiled loss, and the passes' share of it."""
-    from .runner import compiled_loss
-
     compiled = compiled_loss(problem, min(4, num_steps), capture=capture)   # a window may not exceed the steps
     passes_time = _time_passes(compiled)
     first = _timed(lambda: compiled(problem.model, problem.batch))
@@ -98,8 +97,6 @@ class _StandIn:
 def _glue_trace_time(problem) -> dict[str, float]:
     """First call minus second call of the loss compiled by Dynamo (eager backend) with the DiT
     replaced by a ``_StandIn``."""
-    from .problems import own_code
-
     with torch.no_grad():
         output = problem.dit_calls(problem.batch)[0](problem.model)
     output = tree_map(lambda t: t.detach().requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
@@ -131,9 +128,7 @@ def _time_passes(compiled) -> dict[str, float]:
 
 
 def _recompiles(compiled, problem, iterations: int) -> dict:
-    import torch._dynamo.utils as dynamo_utils
-
-    graphs_before = dynamo_utils.counters["stats"]["unique_graphs"]
+    graphs_before = dynamo_unique_graphs()
     traces_before = compiled.traces
     optimizer = torch.optim.SGD(problem.model.parameters(), lr=1e-3)
     for _ in range(iterations):
@@ -141,4 +136,4 @@ def _recompiles(compiled, problem, iterations: int) -> dict:
         compiled(problem.model, problem.batch).backward()
         optimizer.step()
     return dict(iterations=iterations, traces=compiled.traces - traces_before,
-                dynamo_unique_graphs=dynamo_utils.counters["stats"]["unique_graphs"] - graphs_before)
+                dynamo_unique_graphs=dynamo_unique_graphs() - graphs_before)

@@ -26,9 +26,10 @@ from typing import Any
 import torch
 from torch.autograd.profiler import record_function
 
-from .problems import build_problem
 from ..runtime import partition
 from ..runtime.calls import concat_calls
+from .problems import build_problem
+from .strategies import compiled_loss, runtime_loss
 
 # runtime functions wrapped in a named range while profiling: (module, attribute, range name)
 _RANGES = (
@@ -48,8 +49,6 @@ _SYNC_OPS = ("aten::_local_scalar_dense",)
 
 def profile_window_step(config, window: int = 4, repeats: int = 3) -> dict:
     """Profile one step of ``@jagg_compile(window=W)`` on ``config``'s problem (module docstring)."""
-    from .runner import compiled_loss, runtime_loss
-
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     problem = build_problem(config.family, config.size, num_steps=config.num_steps, batch=config.batch,

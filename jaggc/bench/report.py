@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from .runner import BenchConfig, ModeResult, theory_backward_speedup, theory_step_speedup
-from .strategies import (theory_fast_backward_speedup, theory_fast_step_speedup,
-                               theory_lowmem_backward_speedup, theory_lowmem_step_speedup,
-                               theory_per_window_backward_speedup, theory_per_window_step_speedup)
+from .config import BenchConfig, ModeResult
+from .strategies import (theory_backward_speedup, theory_fast_backward_speedup, theory_fast_step_speedup,
+                         theory_lowmem_backward_speedup, theory_lowmem_step_speedup,
+                         theory_per_window_backward_speedup, theory_per_window_step_speedup, theory_step_speedup)
 
 
 # ---------------------------------------------------------------------------------------------

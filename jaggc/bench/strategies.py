@@ -31,8 +31,9 @@ from typing import Any, Callable
 
 import torch
 
-from .problems import Problem, own_code
+from ..api import jagg_compile
 from ..runtime import RolloutCache, WindowOptions, jagg_calls, partition
+from .problems import Problem, own_code
 
 # ---------------------------------------------------------------------------------------------
 # the cost model
@@ -181,8 +182,6 @@ class PerStepBackward:
 
 
 def compiled_loss(problem: Problem, window: int, **options) -> Callable:
-    from ..api import jagg_compile
-
     return jagg_compile(own_code(problem.loss_fn), window=window, **options)
 
 
