@@ -411,7 +411,7 @@ _RECOMPILE_FIX = (
     "If that value changes on purpose (a new subset of trained steps per sample, as in DanceGRPO), use "
     "capture='fx' (one graph per value, in a bounded cache) or pass it as a tensor the loss only indexes "
     "with; a new step count or input shape also recompiles. Otherwise reuse one compiled loss or call "
-    "torch._dynamo.reset().")
+    "torch.compiler.reset().")
 
 
 def _first_lines(e: BaseException, n: int = 12) -> str:
@@ -427,11 +427,15 @@ def jagg_compile(fn: Callable | None = None, **options) -> Any:
 
 def explain(fn: Callable, *args, **kwargs) -> Report:
     """Compile ``fn`` with the jagg_compile options in ``kwargs``, run its forward once on
-    ``args`` (no backward), and return the inspection report."""
+    ``args`` (no backward), and return the inspection report. ``fn`` may also be a loss already
+    compiled (``@jagg_compile``): it runs with its own options."""
     option_names = ("dit", "window", "weights", "jagg_frac", "time_arg", "capture", "backend",
                     "on_unsupported", "interior_chunk", "batch_knots", "check_inputs", "backward", "rollout_cache",
                     "jagg_threshold", "exact_below_t", "split_batches")
     options = {k: kwargs.pop(k) for k in list(kwargs) if k in option_names}
+    if isinstance(fn, JaggCompiled) and options:
+        raise JaggInputError(f"explain: {fn.__name__} is already compiled with its own options; "
+                             f"drop {sorted(options)} or pass the undecorated loss (its __wrapped__)")
     compiled = fn if isinstance(fn, JaggCompiled) else JaggCompiled(fn, **options)
     compiled(*args, **kwargs)
     return compiled.report

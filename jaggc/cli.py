@@ -1,12 +1,4 @@
-"""The ``jaggc`` command line.
-
-  jaggc example   the built-in example: one GRPO loss, exact vs JAGG, backward passes and agreement
-  jaggc inspect   compile the built-in example losses and print/write what was rewritten
-  jaggc verify    the symbolic proof and the property checks of JAGG's exactness
-  jaggc demo      GRPO on the pretrained digits DiT: exact vs DanceGRPO vs MixGRPO vs JAGG
-  jaggc bench     time one GRPO training step: exact per-step backward vs JAGG (speed, passes, memory)
-  jaggc calibrate measure JAGG settings' gradient fidelity vs backward cost and recommend one
-"""
+"""The ``jaggc`` command line: ``jaggc COMMAND --help`` for each command's options."""
 
 from __future__ import annotations
 
@@ -154,12 +146,17 @@ def cmd_calibrate(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaggc", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
+    from jaggc.example_losses import EXAMPLES
+
+    parser = argparse.ArgumentParser(
+        prog="jaggc", description="JAGG (Jacobian-Aggregated Group Gradient) for GRPO on flow-matching DiTs, "
+                                  "as an autograd-graph compiler pass. `jaggc COMMAND --help` for each command.")
+    sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
+    example_names = ", ".join(EXAMPLES)
 
     p = sub.add_parser("example", help="run the built-in example: exact vs JAGG on one GRPO loss")
-    p.add_argument("--name", default="flow_grpo_sd3")
+    p.add_argument("--name", default="flow_grpo_sd3", choices=list(EXAMPLES), metavar="NAME",
+                   help=f"which built-in example loss (tiny random-init DiT + stored trajectory): {example_names}")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--window", type=int, default=4)
@@ -169,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_example)
 
     p = sub.add_parser("inspect", help="compile the built-in example losses and show the rewritten graphs")
-    p.add_argument("examples", nargs="*", help="example names (default: all)")
+    p.add_argument("examples", nargs="*", metavar="NAME", help=f"built-in example losses (default: all): {example_names}")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--window", type=int, default=4)
@@ -196,8 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-rollout-cache", action="store_true",
                    help="jagg: run the first minibatch's interior forwards instead of taking them from the rollout")
     p.add_argument("--num-steps", type=int, default=10, help="SDE sampling steps T (T-1 are trained)")
-    p.add_argument("--strategies", nargs="+", default=["exact", "dance", "mix", "jagg"],
-                   choices=["exact", "dance", "mix", "jagg"])
+    p.add_argument("--strategies", nargs="+", default=["exact", "dance", "mix", "jagg"], metavar="NAME",
+                   help="strategies to train, space- or comma-separated, from exact, dance, mix, jagg (exact is "
+                        "needed: the gradient cosine is measured against it)")
     p.add_argument("--base", default="pretrained",
                    help="'pretrained' (the shipped base DiT), 'random' (untrained; smoke runs only) or a "
                         "checkpoint path written by python -m jaggc.digits.train_base --out PATH")
@@ -258,13 +256,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_names(parser: argparse.ArgumentParser, args) -> None:
+    """Usage errors (exit status 2, no traceback) for names argparse cannot check itself."""
+    if args.command == "inspect":
+        from jaggc.example_losses import EXAMPLES
+
+        unknown = [n for n in args.examples if n not in EXAMPLES]
+        if unknown:
+            parser.error(f"inspect: unknown example {', '.join(unknown)}; choose from {', '.join(EXAMPLES)}")
+    if args.command == "demo":
+        from jaggc.digits.trainer import STRATEGIES
+
+        args.strategies = [n for text in args.strategies for n in text.split(",") if n]
+        unknown = [n for n in args.strategies if n not in STRATEGIES]
+        if unknown:
+            parser.error(f"demo --strategies: unknown {', '.join(unknown)}; choose from {', '.join(STRATEGIES)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["verify"]:  # the verifier owns its flags
         from jaggc.verify.cli import main_verify
 
         return main_verify(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_names(parser, args)
     return args.func(args)
 
 

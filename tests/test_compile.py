@@ -497,6 +497,15 @@ def test_explain_runs_no_backward(refs):
     assert "window" in str(report)
 
 
+def test_explain_takes_a_compiled_loss_with_its_own_options(refs):
+    ex = refs("flow_grpo_sd3").ex
+    decorated = jaggc.jagg_compile(window=2)(ex.loss_fn)
+    report = jaggc.explain(decorated, ex.model, ex.batch)
+    assert report is decorated.report and {w.mode for w in report.windows} == {"exact"}
+    with pytest.raises(jaggc.JaggInputError, match=r"already compiled.*\['window'\].*__wrapped__"):
+        jaggc.explain(decorated, ex.model, ex.batch, window=4)
+
+
 def test_another_module_of_the_same_class_is_not_served_the_first_ones_graph():
     """A compiled loss traced with module a, then called with module b: b's loss and b's gradient."""
     a, b = AffineJacobianField(3, seed=1), AffineJacobianField(3, seed=2)
