@@ -133,15 +133,11 @@ def run_routing_study(*, base: str = "digits", rollouts: int = 16, num_steps: in
     frozen = FrozenStart(trainer, warmup)
     per_cond: dict[str, list[list[dict]]] = {c: [] for c in conditions}
     start = time.perf_counter()
-    for r in range(rollouts):
-        it = 1000 + r
-        mbs = frozen.minibatches(it)
-        for i, cond in enumerate(conditions):
-            mb = frozen.advance(cond, mbs, done=conditions[:i])
-            rec = E.record(grpo_loss, dit, mb)
-            per_cond[cond].append(window_fidelity(rec, dit, window=window, weights=weights))
-        frozen.restore()
-        log(f"  {base} T={num_steps} W={window}: rollout {r + 1}/{rollouts} ({time.perf_counter() - start:.0f} s)")
+    for r, cond, mb in frozen.measured_batches(rollouts, conditions):
+        rec = E.record(grpo_loss, dit, mb)
+        per_cond[cond].append(window_fidelity(rec, dit, window=window, weights=weights))
+        if cond == conditions[-1]:
+            log(f"  {base} T={num_steps} W={window}: rollout {r + 1}/{rollouts} ({time.perf_counter() - start:.0f} s)")
     return dict(base=base, num_steps=num_steps, window=window, weights=weights, rollouts=rollouts, warmup=warmup,
                 conditions={c: dict(stats=correlations(b), batches=b) for c, b in per_cond.items()})
 

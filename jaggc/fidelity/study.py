@@ -28,6 +28,7 @@ import json
 import math
 import time
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -77,6 +78,15 @@ class FrozenStart:
     def restore(self) -> None:
         self.trainer.dit.load_state_dict(self.theta0)
         self.trainer.optimizer.load_state_dict(copy.deepcopy(self.opt0))
+
+    def measured_batches(self, rollouts: int, conditions: Sequence[str]):
+        """For each of ``rollouts`` rollouts (iterations 1000, 1001, ...) yield (r, condition,
+        minibatch) for every condition in order, then put θ0 back before the next rollout."""
+        for r in range(rollouts):
+            mbs = self.minibatches(1000 + r)
+            for i, cond in enumerate(conditions):
+                yield r, cond, self.advance(cond, mbs, done=conditions[:i])
+            self.restore()
 
 
 def param_groups(dit) -> dict[str, torch.Tensor]:
@@ -197,21 +207,18 @@ def run_study(*, rollouts: int = 32, conditions=("on", "off1"), settings=None, d
     exact_norms = {c: [] for c in conditions}
     gen = torch.Generator().manual_seed(seed + 99)
     start = time.perf_counter()
-    for r in range(rollouts):
-        it = 1000 + r
-        mbs = frozen.minibatches(it)
-        for i, cond in enumerate(conditions):
-            mb = frozen.advance(cond, mbs, done=conditions[:i])
-            rec = E.flow_grpo_extras(E.record(grpo_loss, dit, mb), mb)
-            ex = E.exact(rec, dit).grad
-            half = r % 2
-            exact_sums[cond][half] = ex.clone() if exact_sums[cond][half] is None else exact_sums[cond][half] + ex
-            exact_norms[cond].append(float(ex.norm()))
-            for s in settings:
-                random = s.variant in E.RANDOM_VARIANTS
-                ests = [E.estimate(rec, dit, s, generator=gen) for _ in range(draws if random else 1)]
-                accs[cond][s.label()].add(ests, ex, masks if s.label() in masks_for else None)
-        frozen.restore()
+    for r, cond, mb in frozen.measured_batches(rollouts, conditions):
+        rec = E.flow_grpo_extras(E.record(grpo_loss, dit, mb), mb)
+        ex = E.exact(rec, dit).grad
+        half = r % 2
+        exact_sums[cond][half] = ex.clone() if exact_sums[cond][half] is None else exact_sums[cond][half] + ex
+        exact_norms[cond].append(float(ex.norm()))
+        for s in settings:
+            random = s.variant in E.RANDOM_VARIANTS
+            ests = [E.estimate(rec, dit, s, generator=gen) for _ in range(draws if random else 1)]
+            accs[cond][s.label()].add(ests, ex, masks if s.label() in masks_for else None)
+        if cond != conditions[-1]:
+            continue
         log(f"  rollout {r + 1}/{rollouts} ({time.perf_counter() - start:.0f} s)")
         if dump and (r + 1) % 4 == 0 and r + 1 < rollouts:
             Path(dump).write_text(json.dumps(dict(study=_summary(config, settings, conditions, accs, exact_sums,
