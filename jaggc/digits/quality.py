@@ -39,17 +39,19 @@ def sample_quality(dit, *, per_class: int = 32, num_steps: int = DEFAULT_NUM_STE
                 per_class=per_class, num_steps=num_steps, shift=shift, seed=seed, images=images)
 
 
-def save_grid(images: torch.Tensor, per_class: int, path: Path, columns: int = 16) -> None:
-    """A PNG grid: one row per class, the first ``columns`` samples of it, 8x8 pixels upscaled."""
+def save_grid(images: torch.Tensor, per_class: int, path: Path, columns: int = 16,
+              num_classes: int = NUM_CLASSES) -> None:
+    """A PNG grid: one row per class, the first ``columns`` samples of it, 8x8 pixels upscaled
+    (the digits' and the other 8x8 bases' samples alike)."""
     from PIL import Image
 
     columns = min(columns, per_class)
-    grid = images.view(NUM_CLASSES, per_class, 8, 8)[:, :columns]
+    grid = images.view(num_classes, per_class, 8, 8)[:, :columns]
     grid = torch.nn.functional.pad(grid, (1, 1, 1, 1), value=-1.0)           # 1-pixel black border
-    grid = grid.permute(0, 2, 1, 3).reshape(NUM_CLASSES * 10, columns * 10)
+    grid = grid.permute(0, 2, 1, 3).reshape(num_classes * 10, columns * 10)
     pixels = ((grid.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).numpy()
     path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(pixels, mode="L").resize((columns * 40, NUM_CLASSES * 40), Image.NEAREST).save(path)
+    Image.fromarray(pixels).resize((columns * 40, num_classes * 40), Image.NEAREST).save(path)
 
 
 def format_report(result: dict) -> str:

@@ -82,19 +82,21 @@ def render(labels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return out.float()
 
 
-@lru_cache(maxsize=4)
-def _make(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+@lru_cache(maxsize=8)
+def generate_balanced(render_fn, num_classes: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` images of balanced, shuffled classes drawn by ``render_fn(labels, generator)``,
+    deterministic in ``seed`` (cached: the classifiers and the bases load the same splits)."""
     g = torch.Generator().manual_seed(seed)
-    labels = torch.arange(n) % NUM_CLASSES                       # balanced
+    labels = torch.arange(n) % num_classes
     labels = labels[torch.randperm(n, generator=g)]
-    return render(labels, g), labels
+    return render_fn(labels, g), labels
 
 
 def load_shapes_split(split: str = "train") -> ShapesSplit:
     """The train (6000) or test (1200) split; balanced classes, deterministic (fixed seeds)."""
     if split not in SPLITS:
         raise ValueError(f"split={split!r}: use 'train' or 'test'")
-    images, labels = _make(*SPLITS[split])
+    images, labels = generate_balanced(render, NUM_CLASSES, *SPLITS[split])
     return ShapesSplit(images=images.clone(), labels=labels.clone())
 
 

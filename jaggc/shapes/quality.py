@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from jaggc.digits.quality import save_grid
 from jaggc.digits.sampling import DEFAULT_NUM_STEPS, DEFAULT_SHIFT, sample_ode
 
 from .data import CLASS_NAMES, IMAGE_SHAPE, NUM_CLASSES
@@ -54,19 +55,6 @@ def format_report(result: dict) -> str:
     return "\n".join(lines)
 
 
-def save_grid(images: torch.Tensor, per_class: int, path: Path, columns: int = 16) -> None:
-    """A PNG grid: one row per class (first ``columns`` samples), 8x8 pixels upscaled."""
-    from PIL import Image
-
-    columns = min(columns, per_class)
-    grid = images.view(NUM_CLASSES, per_class, 8, 8)[:, :columns]
-    grid = torch.nn.functional.pad(grid, (1, 1, 1, 1), value=-1.0)
-    grid = grid.permute(0, 2, 1, 3).reshape(NUM_CLASSES * 10, columns * 10)
-    pixels = ((grid.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).numpy()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(pixels).resize((columns * 40, NUM_CLASSES * 40), Image.NEAREST).save(path)
-
-
 def main(argv: list[str] | None = None) -> None:
     from .model import load_base
 
@@ -80,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     result = sample_quality(load_base(), per_class=args.per_class, num_steps=args.steps, seed=args.seed)
     print(format_report(result))
     if args.out is not None:
-        save_grid(result["images"], args.per_class, args.out)
+        save_grid(result["images"], args.per_class, args.out, num_classes=NUM_CLASSES)
         print(f"sample grid -> {args.out}")
 
 

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
+
+from jaggc.shapes.data import generate_balanced
 
 IMAGE_SHAPE = (1, 8, 8)
 NUM_CLASSES = 6
@@ -67,17 +68,9 @@ def render(labels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return out.float()
 
 
-@lru_cache(maxsize=4)
-def _make(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    labels = torch.arange(n) % NUM_CLASSES                       # balanced
-    labels = labels[torch.randperm(n, generator=g)]
-    return render(labels, g), labels
-
-
 def load_textures_split(split: str = "train") -> TexturesSplit:
     """The train (6000) or test (1200) split; balanced classes, deterministic (fixed seeds)."""
     if split not in SPLITS:
         raise ValueError(f"split={split!r}: use 'train' or 'test'")
-    images, labels = _make(*SPLITS[split])
+    images, labels = generate_balanced(render, NUM_CLASSES, *SPLITS[split])
     return TexturesSplit(images=images.clone(), labels=labels.clone())
