@@ -144,3 +144,20 @@ def test_per_window_backward_uses_the_cache(model):
     # run inside the backward, one per window
     assert counts.nograd_forwards == 0 and counts.grad_forwards == counts.backwards
     assert rel_err(got, joint) < 1e-10
+
+
+def test_rows_are_keyed_alike_whatever_the_input_layout(model):
+    """A sample recorded in a batch of 3 is found from a batch of 1, whose timestep is a scalar
+    expanded to (1,) (stride 0): the per-row digest depends on values, not on memory layout."""
+    cache = RolloutCache(model)
+    traj = rollout(model, cache)
+    k, b = 2, 1
+    t = traj["times"][b, k].reshape(()).expand(1)
+    assert t.stride() == (0,)
+    call = DitCall((), dict(hidden_states=traj["states"][b:b + 1, k], timestep=t, return_dict=False,
+                            **{name: v[b:b + 1] for name, v in traj["cond"].items()}))
+    with torch.no_grad():
+        hit = cache.lookup(call)
+        direct = call(model)
+    assert hit is not None and cache.stats.hits == 1
+    torch.testing.assert_close(hit[0], direct[0], rtol=1e-12, atol=1e-12)

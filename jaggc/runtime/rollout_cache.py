@@ -120,9 +120,12 @@ class RolloutCache:
         batch = batch_size(call)
         leaves, spec = tree_flatten(output)
         state = module_state(self.dit, hooks=False).output_key()
+        # one copy per output leaf; the rows are views of it (a clone per row costs more than the hash)
+        leaves = [leaf.detach().clone() if isinstance(leaf, torch.Tensor) and leaf.ndim >= 1
+                  and leaf.shape[0] == batch else leaf for leaf in leaves]
         for b, key in enumerate(self._row_keys(call)):
-            row = [leaf[b].detach().clone() if isinstance(leaf, torch.Tensor) and leaf.ndim >= 1
-                   and leaf.shape[0] == batch else leaf for leaf in leaves]
+            row = [leaf[b] if isinstance(leaf, torch.Tensor) and leaf.ndim >= 1 and leaf.shape[0] == batch
+                   else leaf for leaf in leaves]
             self._rows[(state, key)] = (row, spec)
 
     def _row_keys(self, call: DitCall) -> list[bytes]:
@@ -134,12 +137,13 @@ class RolloutCache:
         call = set_time(call, time_arg, get_time(call, time_arg).to(torch.float64))
         flat, spec = tree_flatten((call.args, call.kwargs))
         shared = hashlib.blake2b(repr(spec).encode(), digest_size=16)
-        batched = []
-        for i, leaf in enumerate(flat):
+        batched = []     # (header of one row, (batch, row bytes) uint8 array)
+        for leaf in flat:
             if isinstance(leaf, torch.Tensor):
                 host = leaf.detach().to("cpu").contiguous()
                 if leaf.ndim >= 1 and leaf.shape[0] == batch and not self._is_unbatched(call, leaf):
-                    batched.append(host)
+                    header = repr((host.dtype, tuple(host.shape[1:]))).encode()
+                    batched.append((header, _flat_bytes(host).reshape(batch, -1).numpy()))
                 else:
                     shared.update(_tensor_bytes(host))
             else:
@@ -147,8 +151,9 @@ class RolloutCache:
         keys = []
         for b in range(batch):
             h = shared.copy()
-            for t in batched:
-                h.update(_tensor_bytes(t[b]))
+            for header, rows in batched:
+                h.update(header)
+                h.update(rows[b])
             keys.append(h.digest())
         return keys
 
@@ -156,6 +161,14 @@ class RolloutCache:
         return any(call.kwargs.get(name) is leaf for name in self.unbatched)
 
 
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a host tensor as a flat uint8 tensor (a view where the layout allows)."""
+    flat = t.reshape(-1)
+    if flat.numel() == 1 and flat.stride(0) != 1:    # one element expanded from a scalar: stride 0
+        flat = flat.as_strided((1,), (1,))
+    return flat.view(torch.uint8)
+
+
 def _tensor_bytes(t: torch.Tensor) -> bytes:
     # dtype and shape are part of the identity of a row: equal bytes of another dtype are another input
-    return repr((t.dtype, tuple(t.shape))).encode() + t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    return repr((t.dtype, tuple(t.shape))).encode() + _flat_bytes(t).numpy().tobytes()
