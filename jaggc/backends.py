@@ -21,6 +21,7 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
+from . import _compat
 from .errors import JaggUnsupportedError
 from .graph_ops import is_runtime_target
 
@@ -63,15 +64,13 @@ class LazyCompiledGlue(nn.Module):
 
     def forward(self, *args):
         if self.compiled is None:
-            from torch._dynamo.backends.registry import lookup_backend
-
             bad = [type(a).__name__ for a in args if not isinstance(a, (torch.Tensor, int, float, bool))]
             if bad:
                 raise JaggUnsupportedError(
                     f"backend={self.backend!r}: a glue segment of the loss takes non-tensor values ({bad}); "
                     f"only Dynamo-captured graphs can be compiled by a backend. Use backend=None")
             self._single = not isinstance(self.segment.graph.output_node().args[0], (tuple, list))
-            self.compiled = lookup_backend(self.backend)(_tuple_output(self.segment), list(args))
+            self.compiled = _compat.lookup_dynamo_backend(self.backend)(_tuple_output(self.segment), list(args))
         out = self.compiled(*args)
         return out[0] if self._single else out
 

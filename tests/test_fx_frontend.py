@@ -411,3 +411,38 @@ def test_config_held_by_a_closure_is_guarded():
     cfg.clip = 0.01
     torch.testing.assert_close(compiled(field, zs, ts, gs), loss(field, zs, ts, gs))
     assert compiled.traces == 2
+
+
+class _Double(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return 2 * x
+
+    @staticmethod
+    def backward(ctx, g):
+        return 2 * g
+
+
+@pytest.mark.parametrize("failure", ["loss_raises", "function_apply_refused"])
+def test_function_apply_is_patched_only_while_tracing(failure):
+    """The FX frontend refuses raw ``Function.apply`` by patching it process-wide for the trace;
+    a trace that raises must restore it, or every custom autograd Function would stay broken."""
+    from jaggc.frontends.fx import capture_fx
+
+    original = torch.autograd.Function.__dict__["apply"]
+    model = AffineJacobianField(3, seed=1)
+    seen = []
+
+    def loss(dit, z):
+        seen.append(torch.autograd.Function.__dict__["apply"] is original)
+        if failure == "loss_raises":
+            raise ValueError("the loss fails while FX traces it")
+        return _Double.apply(dit(z, torch.ones(2, dtype=torch.float64))).sum()
+
+    with pytest.raises(JaggCaptureError, match="fails while FX traces" if failure == "loss_raises" else "apply"):
+        capture_fx(loss, (model, torch.ones(2, 3, dtype=torch.float64)), {}, [model])
+    assert seen == [False]          # patched during the trace
+    assert torch.autograd.Function.__dict__["apply"] is original
+    x = torch.ones(2, requires_grad=True)
+    _Double.apply(x).sum().backward()
+    assert torch.equal(x.grad, torch.full((2,), 2.0))

@@ -52,11 +52,9 @@ def _case(draw):
 
 
 def _check(case, seed) -> float:
-    import torch._dynamo
-
     from ..api import jagg_compile
 
-    torch._dynamo.reset()   # each example compiles twice, new shapes each time: keep under Dynamo's recompile limit
+    torch.compiler.reset()   # each example compiles twice, new shapes each time: keep under Dynamo's recompile limit
 
     g = _gen(seed, case["s"])
     field = CurvedField(3, seed=case["s"] % 97)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .. import grpo
+from .._compat import dynamo_recompile_limits
 from ..example_losses import ADV_CLIP_MAX, ppo_clip
 from ..runtime import DitCall, count_dit_passes, jagg_calls
 from .harness import DT, _gen, rel_err, shift_sigmas
@@ -269,7 +270,7 @@ def eager(rollout: Rollout, field: nn.Module) -> tuple[torch.Tensor, torch.Tenso
 def _dynamo_room():
     # every example is a new field and new shapes, i.e. one more Dynamo graph of the same loss
     # code; the default recompile limit (8) would refuse the 9th example
-    with torch._dynamo.config.patch(recompile_limit=100_000, accumulated_recompile_limit=1_000_000):
+    with dynamo_recompile_limits(100_000, accumulated=1_000_000):
         yield
 
 

@@ -22,7 +22,6 @@ from typing import Iterable
 
 import torch
 from torch import fx, nn
-from torch._subclasses.fake_tensor import FakeTensor
 
 from .. import _compat
 from .._compat import tree_flatten
@@ -74,11 +73,11 @@ def _opaque_functions(module: nn.Module):
         # tables (weak-keyed by the module), and a strong reference from a table's value would
         # keep every module ever called through a compiled loss alive
         module_ref = weakref.ref(module)
-        own_call = _weak_callable(module.__dict__.get("_compiled_call_impl"))   # module.compile()
+        own_call = _weak_callable(module.__dict__.get(_compat.MODULE_CALL_SLOT))   # module.compile()
         own_forward = _weak_callable(module.__dict__.get("forward"))            # e.g. accelerate's wrapper
 
         def original_call(m: nn.Module):
-            return (own_call and own_call()) or m._call_impl
+            return (own_call and own_call()) or _compat.module_call_impl(m)
 
         def original_forward(m: nn.Module):
             return (own_forward and own_forward()) or type(m).forward.__get__(m)
@@ -130,7 +129,7 @@ def _weak_callable(fn):
 
 
 def _has_fake(args, kwargs) -> bool:
-    return any(isinstance(x, FakeTensor) for x in tree_flatten((args, kwargs))[0])
+    return any(_compat.is_fake(x) for x in tree_flatten((args, kwargs))[0])
 
 
 _DISTRIBUTED = ("DistributedDataParallel", "FullyShardedDataParallel")
@@ -153,14 +152,11 @@ def real_run_as_fake(call, args: tuple, kwargs: dict):
     the same calls, so the collectives pair up), and hands Dynamo fake copies of the real
     outputs. DDP is treated the same way (its forward hooks also talk to the other ranks).
     """
-    from torch._guards import detect_fake_mode
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
     leaves, spec = tree_flatten((args, kwargs))
-    fake_mode = detect_fake_mode([x for x in leaves if isinstance(x, FakeTensor)])
+    fake_mode = _compat.detect_fake_mode([x for x in leaves if _compat.is_fake(x)])
     grad = torch.is_grad_enabled()
-    with unset_fake_temporarily():
-        real = [torch.zeros(x.shape, dtype=x.dtype, device=x.device) if isinstance(x, FakeTensor) else x
+    with _compat.fake_mode_suspended():
+        real = [torch.zeros(x.shape, dtype=x.dtype, device=x.device) if _compat.is_fake(x) else x
                 for x in leaves]
         real_args, real_kwargs = _compat.tree_unflatten(real, spec)
         with torch.no_grad():
@@ -182,7 +178,7 @@ def _for_fake_run(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, 
     ``find_dit_calls`` refuses the call from the captured graph, naming the step and source line
     (``check_placement`` on the recorded example values). Real (non-fake) calls are untouched."""
     leaves = tree_flatten((args, kwargs))[0]
-    if not any(isinstance(x, FakeTensor) for x in leaves):
+    if not any(_compat.is_fake(x) for x in leaves):
         return args, kwargs
     call = conform_placement(module, DitCall(tuple(args), dict(kwargs)))
     return call.args, call.kwargs
@@ -195,7 +191,7 @@ def module_of_opaque(fn) -> nn.Module | None:
     return None
 
 
-_SLOTS = ("_compiled_call_impl", "forward")
+_SLOTS = (_compat.MODULE_CALL_SLOT, "forward")
 
 
 # Methods that change a module's state (module_state.py). Dynamo records such a change as a side

@@ -23,7 +23,6 @@ from typing import Any, Callable
 
 import torch
 from torch import fx, nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .. import _compat
 from .._compat import tree_map
@@ -63,7 +62,7 @@ class ExampleValues:
                  concrete: Callable[[fx.Node], Any] | None = None,
                  guard_value: Callable[[fx.Node], None] | None = None):
         # allow_non_fake_inputs: the DiT's real parameters meet fake activations in its fake run
-        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.mode = _compat.new_fake_mode(allow_non_fake_inputs=True)
         self.values: dict[fx.Node, Any] = {}
         self.order: dict[fx.Node, int] = {}
         self.root_value = root_value      # get_attr target -> the real object

@@ -22,9 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
-from .._compat import detect_fake_mode, tree_flatten, tree_unflatten
+from .._compat import detect_fake_mode, is_fake, tree_flatten, tree_unflatten
 
 # fake mode -> {(module id, signature): recorded output}
 _CACHES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
@@ -124,7 +123,7 @@ def cached_fake_call(owner, run: Callable, args: tuple, kwargs: dict, *, mode=No
     example values; ``run`` then receives ``TensorMeta`` leaves as they are and materialises them).
     """
     if mode is None:
-        mode = detect_fake_mode([x for x in tree_flatten((args, kwargs))[0] if isinstance(x, FakeTensor)])
+        mode = detect_fake_mode([x for x in tree_flatten((args, kwargs))[0] if is_fake(x)])
     key = signature(owner, args, kwargs) if mode is not None else None
     if key is None:
         return run(*args, **kwargs)

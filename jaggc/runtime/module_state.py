@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .._compat import module_hook_keys
+from .._compat import compiled_inner_module, module_hook_keys
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
@@ -32,8 +32,8 @@ def module_chain(module: nn.Module) -> list[nn.Module]:
     while True:
         m = chain[-1]
         inner = None
-        if hasattr(m, "_orig_mod") and isinstance(m._orig_mod, nn.Module):  # torch.compile
-            inner = m._orig_mod
+        if compiled_inner_module(m) is not None:  # torch.compile
+            inner = compiled_inner_module(m)
         elif hasattr(m, "get_base_model") and callable(m.get_base_model):  # peft PeftModel
             inner = m.get_base_model()
         elif type(m).__name__ in ("DistributedDataParallel", "FullyShardedDataParallel", "DataParallel"):

@@ -29,13 +29,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._compat import tree_flatten, tree_unflatten
+from .._compat import tree_flatten, tree_unflatten, version_counter
 from .calls import DitCall, batch_size, batched_time, get_time, resolve_time_arg, set_time
 from .module_state import module_state
 
 
 def parameter_versions(dit: nn.Module) -> tuple:
-    return tuple((id(p), p._version) for p in dit.parameters())
+    return tuple((id(p), version_counter(p)) for p in dit.parameters())
 
 
 @dataclass

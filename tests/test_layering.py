@@ -1,0 +1,308 @@
+"""The source tree's layering: private torch APIs only in ``jaggc/_compat.py``, and no import cycles.
+
+* Private torch: a torch upgrade that moves a private name should cost one file. Checked three
+  ways on jaggc/, passes/ and verify/ (outside ``_compat.py``): the text ``torch._`` and dotted
+  private paths (``torch.fx._symbolic_trace``), ``from torch.x import _y`` imports, and the private
+  attributes of torch objects that jaggc reads (``PRIVATE_TORCH_ATTRIBUTES``). The exceptions are
+  listed in ``_compat``'s docstring (``DOCUMENTED_EXCEPTIONS`` must appear there).
+* Import cycles, statically: the graph of jaggc-internal module-level imports (imports inside
+  functions are lazy and allowed) must be acyclic. ``passes/`` and ``verify/`` are the packages
+  ``jaggc.passes`` and ``jaggc.verify`` (pyproject's ``package-dir``).
+* Import cycles, for real: every module imports without error as the first jaggc module of a fresh
+  interpreter (``first_import_failures``).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import tomllib
+from pathlib import Path
+
+import pytest
+
+import jaggc._compat
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPAT = ROOT / "jaggc" / "_compat.py"
+
+
+def _package_dirs() -> dict[str, Path]:
+    """Package name -> folder, as pyproject's [tool.setuptools.package-dir] installs them."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    return {name: ROOT / folder for name, folder in config["package-dir"].items()}
+
+
+PACKAGE_DIRS = _package_dirs()
+
+
+def source_modules() -> dict[str, Path]:
+    """Every module of jaggc (passes/ and verify/ under their installed names) -> its file."""
+    out = {}
+    for package, folder in PACKAGE_DIRS.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join([package, *parts])] = path
+    return out
+
+
+MODULES = source_modules()
+
+
+# ---------------------------------------------------------------------------------------------
+# private torch APIs
+
+# Attributes of torch objects that are private (an underscore) but not under a ``torch._`` path,
+# so the text check cannot see them; each has a named wrapper in _compat.
+PRIVATE_TORCH_ATTRIBUTES = {
+    "_version": "version_counter",                  # Tensor._version
+    "_orig_mod": "compiled_inner_module",           # torch.compile's OptimizedModule
+    "_compiled_call_impl": "MODULE_CALL_SLOT",      # nn.Module.__call__'s slot
+    "_call_impl": "module_call_impl",
+    "_forward_hooks": "module_hook_keys",
+    "_forward_pre_hooks": "module_hook_keys",
+    "_codegen": "copy_input_codegen",               # fx.Graph's pytree codegen
+}
+
+# Text that matches ``torch._`` but is public: Python's dunders (``torch.__version__``,
+# ``torch.__file__``, ``Function.__dict__``). Each example must be named in _compat's docstring.
+DOCUMENTED_EXCEPTIONS = ("torch.__version__", "torch.__file__")
+
+_PRIVATE_PATH = re.compile(r"\btorch(?:\.[A-Za-z]\w*)*\.(_\w+)")
+
+
+def _outside_compat() -> dict[str, Path]:
+    return {name: path for name, path in MODULES.items() if path != COMPAT}
+
+
+def private_torch_uses(path: Path) -> list[str]:
+    """``file:line: what`` for every private torch name ``path`` uses."""
+    found = []
+    text = path.read_text()
+    rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    for lineno, line in enumerate(text.splitlines(), 1):
+        for match in _PRIVATE_PATH.finditer(line):
+            if not re.fullmatch(r"__\w+__", match.group(1)):   # a dunder is public
+                found.append(f"{rel}:{lineno}: {match.group(0)}")
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "torch":
+            found += [f"{rel}:{node.lineno}: from {node.module} import {a.name}"
+                      for a in node.names if a.name.startswith("_")]
+        elif isinstance(node, ast.Attribute) and node.attr in PRIVATE_TORCH_ATTRIBUTES:
+            found.append(f"{rel}:{node.lineno}: .{node.attr} (use _compat.{PRIVATE_TORCH_ATTRIBUTES[node.attr]})")
+        elif isinstance(node, ast.Constant) and node.value in PRIVATE_TORCH_ATTRIBUTES:
+            found.append(f"{rel}:{node.lineno}: {node.value!r} (use _compat.{PRIVATE_TORCH_ATTRIBUTES[node.value]})")
+    return found
+
+
+def test_private_torch_apis_only_in_compat():
+    found = [use for path in _outside_compat().values() for use in private_torch_uses(path)]
+    assert not found, "private torch APIs outside jaggc/_compat.py (add a named wrapper there):\n" + "\n".join(found)
+
+
+def test_the_check_sees_each_kind_of_private_use(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text(textwrap.dedent("""\
+        import torch._dynamo
+        from torch.fx.graph import _PyTreeCodeGen
+        x = torch.utils._pytree.tree_map
+        v = p._version
+        slot = "_compiled_call_impl"
+        ok = torch.__version__, torch.autograd.Function.__dict__
+    """))
+    lines = sorted({int(use.split(":")[1]) for use in private_torch_uses(bad)})
+    assert lines == [1, 2, 3, 4, 5], private_torch_uses(bad)
+
+
+def test_documented_exceptions_are_in_the_compat_docstring():
+    doc = jaggc._compat.__doc__
+    assert all(f"``{name}``" in doc for name in DOCUMENTED_EXCEPTIONS), doc
+
+
+def test_every_compat_name_is_used():
+    """A name in _compat that nobody uses is a private API kept alive for nothing."""
+    tree = ast.parse(COMPAT.read_text())
+    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    defined |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    defined = {name for name in defined if not name.startswith("_")}
+    users = "\n".join(p.read_text() for p in _outside_compat().values())
+    unused = sorted(name for name in defined if not re.search(rf"\b{name}\b", users))
+    assert not unused, f"jaggc/_compat.py names nobody in jaggc/, passes/, verify/ uses: {unused}"
+
+
+# ---------------------------------------------------------------------------------------------
+# import cycles, statically
+
+
+def _module_level_imports(tree: ast.Module):
+    """Import statements that run when the module is imported: the module body, including ``if``
+    / ``try`` / ``with`` blocks and class bodies, but not function bodies nor ``if TYPE_CHECKING:``."""
+    stack = list(tree.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, ast.If):
+            if not (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"):
+                stack += node.body + node.orelse
+        elif isinstance(node, (ast.Try, ast.With, ast.ClassDef)):
+            stack += node.body + getattr(node, "orelse", []) + getattr(node, "finalbody", [])
+            for handler in getattr(node, "handlers", []):
+                stack += handler.body
+
+
+def _package_of(module: str) -> str:
+    return module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+
+
+def _with_parents(module: str) -> list[str]:
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+def import_edges(module: str) -> set[str]:
+    """The jaggc modules ``module`` runs at import time: each imported module, the packages above
+    it (their ``__init__`` runs first) except those above ``module`` itself (already running),
+    and for ``from P import x`` the submodule ``P.x`` where x is one."""
+    own_parents = set(_with_parents(module)[:-1])
+    edges: set[str] = set()
+
+    def add(target: str, explicit: bool) -> None:
+        for name in _with_parents(target):
+            if name in MODULES and (name not in own_parents or (explicit and name == target)):
+                edges.add(name)
+
+    for node in _module_level_imports(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name, explicit=True)
+            continue
+        if node.level:
+            base = _package_of(module).split(".")
+            base = base[:len(base) - (node.level - 1)]
+            target = ".".join(base + ([node.module] if node.module else []))
+        else:
+            target = node.module or ""
+        submodules = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in MODULES]
+        # ``from P import x`` reads P's namespace unless every name is a submodule of P
+        add(target, explicit=len(submodules) < len(node.names))
+        for sub in submodules:
+            add(sub, explicit=True)
+    edges.discard(module)
+    return edges
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as a path [a, b, ..., a], or None."""
+    state: dict[str, int] = {}      # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start)):
+            return found
+    return None
+
+
+def test_the_cycle_finder_finds_a_cycle_and_its_path():
+    assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert import_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_relative_imports_resolve_to_modules():
+    assert "jaggc._compat" in import_edges("jaggc.frontends.fx")            # from .. import _compat
+    assert "jaggc.runtime" in import_edges("jaggc.bench.config")            # from ..runtime import ...
+    assert "jaggc.bench.problems" in import_edges("jaggc.bench.config")     # from .problems import ...
+    assert "jaggc.bench" not in import_edges("jaggc.bench.runner")          # its own package: running
+    assert "jaggc.passes.context" in import_edges("jaggc.passes.pipeline")  # passes/ is jaggc.passes
+
+
+def test_no_import_cycles():
+    graph = {module: import_edges(module) for module in MODULES}
+    cycle = import_cycle(graph)
+    assert cycle is None, "module-level import cycle: " + " -> ".join(cycle or [])
+
+
+# ---------------------------------------------------------------------------------------------
+# import cycles, for real: each module first in a fresh interpreter
+
+# One child process per chunk of modules. It forks a scout that imports every jaggc module and
+# reports which other modules (torch's subsystems, diffusers, ...) that loaded; the child imports
+# those, then forks once per module of its chunk, and each fork imports its module as the first
+# jaggc module it has ever seen. A fork is a fresh interpreter as far as jaggc goes (sys.modules
+# holds no jaggc module), at a tenth of a second instead of the seconds torch's own imports take.
+_CHILD = textwrap.dedent("""\
+    import importlib, os, sys, traceback
+
+    def in_fork(body):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            try:
+                out, code = body(), 0
+            except BaseException:
+                out, code = traceback.format_exc(), 1
+            os.write(w, out.encode())
+            os._exit(code)
+        os.close(w)
+        with os.fdopen(r) as f:
+            out = f.read()
+        return os.waitpid(pid, 0)[1] == 0, out
+
+    def is_jaggc(name):
+        return name == "jaggc" or name.startswith("jaggc.")
+
+    every, mine = sys.argv[1].split(","), sys.argv[2].split(",")
+
+    def scout():
+        for module in every:
+            importlib.import_module(module)
+        return ",".join(m for m in list(sys.modules) if not is_jaggc(m))
+
+    ok, loaded = in_fork(scout)
+    for name in loaded.split(",") if ok else ():
+        try:
+            importlib.import_module(name)
+        except BaseException:
+            pass
+    assert not [m for m in sys.modules if is_jaggc(m)], "a jaggc module was imported before the checks"
+    failed = []
+    for module in mine:
+        ok, out = in_fork(lambda: importlib.import_module(module).__name__ and "")
+        if not ok:
+            failed.append(f"{module}:\\n{out}")
+    print("\\n".join(failed))
+    sys.exit(1 if failed else 0)
+""")
+
+
+def first_import_failures(modules: list[str], chunks: int = 2) -> list[str]:
+    procs = [subprocess.Popen([sys.executable, "-c", _CHILD, ",".join(modules), ",".join(modules[i::chunks])],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(chunks)]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    return [out for p, out in zip(procs, outputs) if p.returncode != 0]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_every_module_imports_first_in_a_fresh_interpreter():
+    failures = first_import_failures(sorted(MODULES))
+    assert not failures, "modules that fail when imported first:\n" + "\n".join(failures)
