@@ -34,7 +34,7 @@ from .strategies import compiled_loss, runtime_loss
 # runtime functions wrapped in a named range while profiling: (module, attribute, range name)
 _RANGES = (
     ("jaggc.graph_ops", "run_window", "jagg::run_window"),        # the compiled graph's node
-    ("jaggc.runtime.window", "run_window", "jagg::run_window"),   # jagg_calls
+    ("jaggc.runtime.trajectory", "run_window", "jagg::run_window"),   # jagg_calls
     ("jaggc.runtime.window", "nograd_outputs", "jagg::interior_outputs"),
     ("jaggc.runtime.window", "check_calls", "jagg::check_calls"),
     ("jaggc.runtime.window", "check_compatible", "jagg::check_compatible"),

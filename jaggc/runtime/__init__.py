@@ -5,9 +5,10 @@ from .calls import DitCall, concat_calls, split_output
 from .counters import PassCounts, count_dit_passes
 from .rollout_cache import RolloutCache
 from .routing import Routing
+from .trajectory import jagg_calls
 from .transaction import atomic_step
 from .weights import Basis, hat_matrix, lagrange_matrix, resolve_basis
-from .window import WindowOptions, jagg_calls, partition, run_exact, run_window
+from .window import WindowOptions, partition, run_exact, run_window
 
 __all__ = [
     "atomic_step",
