@@ -8,10 +8,11 @@ import torch
 
 import jaggc
 from jaggc.fidelity import estimators as E
-from jaggc.fidelity.calibrate import calibrate
+from jaggc.fidelity.calibrate import calibrate, format_table
 from jaggc.verify.fields import AffineJacobianField, CurvedField
 
-torch.set_num_threads(1)
+# one intra-op thread for this module only (conftest.one_thread restores the count after it)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 S, B, D = 9, 3, 4
 
@@ -237,3 +238,52 @@ def test_new_bases_through_jagg_compile(curved):
         got = E._flat(torch.autograd.grad(compiled(dit, batch), E.trainable(dit)), E.trainable(dit))
         assert rel(got, ref) < 1e-12
         assert compiled.report.windows[0].basis.startswith(make().kind)
+
+
+def test_calibrate_flags_a_setting_whose_error_does_not_average_out(curved):
+    """The same batch six times: plain JAGG's error is identical every time (bias, zero spread:
+    flagged however good its cosine), the control-variate correction's draws scatter around zero
+    (not flagged), and the note names the flagged setting."""
+    dit, batch, _ = curved
+    cands = [dict(variant="jagg", window=4), dict(variant="control", window=4, p=0.5, per="step")]
+    res = calibrate(toy_loss, dit, [batch] * 6, target_cosine=0.5, candidates=cands, draws=4)
+    by = {r["label"]: r for r in res["settings"]}
+    jagg, control = by["jagg/W4/t"], by["control/W4/t/p0.5/step"]
+    assert jagg["cosine_mean"] > 0.5 and jagg["biased"] and jagg["bias_over_floor"] > 100
+    assert not control["biased"] and control["bias_over_floor"] < 1.5
+    assert res["recommended"] is None or res["recommended"]["label"] != "jagg/W4/t"
+    assert "biased" in res["note"] and "jagg/W4/t" in res["note"]
+    assert "BIASED" in format_table(res)
+
+
+def test_calibrate_recommends_by_the_default_rule():
+    """Cheapest setting with cosine >= target that beats its subsampling baseline and is not biased."""
+    from jaggc.fidelity.calibrate import _recommend
+
+    def row(label, b, cos, sub, biased=False):
+        return dict(label=label, backward_fraction=b, cosine_mean=cos, subsample_cosine_mean=sub,
+                    beats_subsample=cos > sub, biased=biased)
+
+    rows = [row("cheap_biased", 0.5, 0.99, 0.8, biased=True), row("cheap_loses", 0.55, 0.96, 0.97),
+            row("ok", 0.66, 0.96, 0.9), row("ok_dearer", 0.78, 0.999, 0.99), row("below_target", 0.4, 0.9, 0.5)]
+    assert _recommend(rows, [], 0.95, 4)["recommended"]["label"] == "ok"
+    assert "cheap_biased" in _recommend(rows, [], 0.95, 4)["note"]
+    assert _recommend(rows[:2], [], 0.95, 4)["recommended"] is None
+
+
+def test_calibrate_one_batch_has_no_floor_and_states_are_loaded(curved):
+    dit, batch, _ = curved
+    cands = [dict(variant="jagg", window=4)]
+    plain = calibrate(toy_loss, dit, batch, target_cosine=0.5, candidates=cands)
+    row = plain["settings"][0]
+    assert row["floor"] == float("inf") and not row["biased"]
+    state = {k: v.clone() for k, v in dit.state_dict().items()}
+    moved = {k: v + 0.05 for k, v in state.items()}
+    try:
+        at_moved = calibrate(toy_loss, dit, [batch], 0.5, cands, states=[moved])
+        assert all(torch.equal(v, moved[k]) for k, v in dit.state_dict().items())
+        assert at_moved["settings"][0]["cosine_mean"] != row["cosine_mean"]
+    finally:
+        dit.load_state_dict(state)
+    with pytest.raises(ValueError, match="2 state dicts for 1 batches"):
+        calibrate(toy_loss, dit, [batch], 0.5, cands, states=[state, state])

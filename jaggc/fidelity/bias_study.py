@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from . import estimators as E
+from .calibrate import BIAS_LIMIT
 from .study import named_base, run_study
 
 S = E.Setting
@@ -42,7 +43,6 @@ CANDIDATES = {
     "control_step_w6": S("control", 6, "t", p=0.25, per="step"),
 }
 CONDITIONS = ("on", "off1", "off4")
-BIAS_LIMIT = 1.5
 
 
 def settings(names=None) -> list[E.Setting]:
