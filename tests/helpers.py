@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence, Union
 
 import torch
 from torch import nn
@@ -22,16 +22,33 @@ def zero_grads(model: nn.Module) -> None:
         p.grad = None
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """‖a − b‖ / ‖b‖ (‖a − b‖ itself when b is zero)."""
-    a, b = a.detach().double().reshape(-1), b.detach().double().reshape(-1)
+Tensors = Union[torch.Tensor, Mapping[str, torch.Tensor]]
+
+
+def flat(x: Tensors) -> torch.Tensor:
+    """One flat float64 vector: a tensor, or tensors by name (gradients by parameter name) in name
+    order."""
+    if isinstance(x, Mapping):
+        return torch.cat([t.detach().reshape(-1).double() for _, t in sorted(x.items())])
+    return x.detach().double().reshape(-1)
+
+
+def _flat_pair(a: Tensors, b: Tensors) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(a, Mapping) or isinstance(b, Mapping):
+        assert set(a) == set(b), sorted(set(a) ^ set(b))
+    return flat(a), flat(b)
+
+
+def rel_err(a: Tensors, b: Tensors) -> float:
+    """‖a − b‖ / ‖b‖ (‖a − b‖ itself when b is zero), of two tensors or two dicts of named tensors."""
+    a, b = _flat_pair(a, b)
     den = b.norm()
     num = (a - b).norm()
     return float(num / den) if den > 0 else float(num)
 
 
-def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double().reshape(-1), b.detach().double().reshape(-1)
+def cosine(a: Tensors, b: Tensors) -> float:
+    a, b = _flat_pair(a, b)
     return float(torch.nn.functional.cosine_similarity(a, b, dim=0))
 
 

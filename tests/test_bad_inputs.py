@@ -63,6 +63,8 @@ import jaggc
 from jaggc import JaggError, JaggGraphError, JaggInputError, example_losses as el
 from jaggc.runtime import DitCall, jagg_calls
 
+from helpers import grads as flat_grad, rel_err
+
 T = 6
 B = 2
 WINDOWS = (3, 4)
@@ -128,16 +130,6 @@ def calls_of(batch: dict, steps=None) -> list[DitCall]:
                              encoder_hidden_states=batch["prompt_embeds"],
                              pooled_projections=batch["pooled_prompt_embeds"], return_dict=False))
             for j in steps]
-
-
-def flat_grad(model: nn.Module) -> torch.Tensor:
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                      for p in model.parameters()])
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm())
 
 
 def linear_loss(outs, gs) -> torch.Tensor:

@@ -39,13 +39,9 @@ B = 2
 NAMES = list(example_losses.EXAMPLES)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    # every test compiles the same few functions again: keep Dynamo's per-code cache (and its
-    # recompile limit) from carrying over between tests
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+# every test compiles the same few functions again: keep Dynamo's per-code cache (and its
+# recompile limit) from carrying over between tests
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 class _Ref:

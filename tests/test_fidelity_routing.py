@@ -16,7 +16,8 @@ from torch import nn
 from jaggc.fidelity import estimators as E
 from jaggc.fidelity.routing_study import correlations, ranks, spearman, window_fidelity
 
-torch.set_num_threads(1)
+# one intra-op thread for this module only (conftest.one_thread restores the count after it)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 B, D, W = 3, 4, 4
 S = 12   # three windows of 4 steps

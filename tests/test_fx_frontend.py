@@ -44,11 +44,7 @@ from helpers import grads, rel_err, zero_grads
 NAMES = list(example_losses.EXAMPLES)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _loss_and_grad(compiled, ex):
