@@ -35,19 +35,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import datetime
-import os
 import types
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import jaggc
 from jaggc import example_losses as el
 
-from multiproc import run_ranks
+from ranks import run_ranks
 
 
 WORLD = 2
@@ -119,67 +115,58 @@ def params_of(model) -> dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------- rank process
 
 
-def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        from accelerate import Accelerator
-        from accelerate.state import AcceleratorState, GradientState
+def run_rank(rank: int, world: int) -> dict:
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
 
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
-        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=K)
-        assert accelerator.num_processes == world and accelerator.distributed_type.name == "MULTI_CPU"
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=K)
+    assert accelerator.num_processes == world and accelerator.distributed_type.name == "MULTI_CPU"
 
-        ex = rollout()
-        base = ex.model
-        batches = [micro_batch(ex.batch, i, rank * LOCAL_B, LOCAL_B) for i in range(MICRO)]
-        results: dict = {}
-        for name in SCENARIOS:
-            kind = name.split("_", 1)[1]
-            fn = loss_fn(kind)
-            model = copy.deepcopy(base)
-            counts: list[int] = []
-            syncs: list[bool] = []
-            if name.startswith("acc"):
-                model, opt = accelerator.prepare(model, optimizer_for(model))
-                counter = StepCounter(opt.optimizer)
-                model.register_comm_hook(None, counting_hook(counts))
-                for i, mb in enumerate(batches):
-                    counter.micro = i
-                    counts.append(0)
-                    with accelerator.accumulate(model):
-                        loss = fn(model, mb)
-                        accelerator.backward(loss)
-                        syncs.append(accelerator.sync_gradients)
-                        opt.step()
-                        opt.zero_grad()
-                inner = accelerator.unwrap_model(model)
-            else:
-                ddp = torch.nn.parallel.DistributedDataParallel(model)
-                opt = optimizer_for(model)
-                counter = StepCounter(opt)
-                ddp.register_comm_hook(None, counting_hook(counts))
-                for i, mb in enumerate(batches):
-                    counter.micro = i
-                    counts.append(0)
-                    sync = (i + 1) % K == 0
-                    with contextlib.nullcontext() if sync else ddp.no_sync():
-                        (fn(ddp, mb) / K).backward()
-                    syncs.append(sync)
-                    if sync:
-                        opt.step()
-                        opt.zero_grad()
-                inner = model
-            results[name] = dict(allreduces=counts, syncs=syncs, steps=counter.steps, params=params_of(inner),
-                                 path=getattr(getattr(fn, "report", None), "path", "uncompiled"))
-        dist.barrier()
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    ex = rollout()
+    base = ex.model
+    batches = [micro_batch(ex.batch, i, rank * LOCAL_B, LOCAL_B) for i in range(MICRO)]
+    results: dict = {}
+    for name in SCENARIOS:
+        kind = name.split("_", 1)[1]
+        fn = loss_fn(kind)
+        model = copy.deepcopy(base)
+        counts: list[int] = []
+        syncs: list[bool] = []
+        if name.startswith("acc"):
+            model, opt = accelerator.prepare(model, optimizer_for(model))
+            counter = StepCounter(opt.optimizer)
+            model.register_comm_hook(None, counting_hook(counts))
+            for i, mb in enumerate(batches):
+                counter.micro = i
+                counts.append(0)
+                with accelerator.accumulate(model):
+                    loss = fn(model, mb)
+                    accelerator.backward(loss)
+                    syncs.append(accelerator.sync_gradients)
+                    opt.step()
+                    opt.zero_grad()
+            inner = accelerator.unwrap_model(model)
+        else:
+            ddp = torch.nn.parallel.DistributedDataParallel(model)
+            opt = optimizer_for(model)
+            counter = StepCounter(opt)
+            ddp.register_comm_hook(None, counting_hook(counts))
+            for i, mb in enumerate(batches):
+                counter.micro = i
+                counts.append(0)
+                sync = (i + 1) % K == 0
+                with contextlib.nullcontext() if sync else ddp.no_sync():
+                    (fn(ddp, mb) / K).backward()
+                syncs.append(sync)
+                if sync:
+                    opt.step()
+                    opt.zero_grad()
+            inner = model
+        results[name] = dict(allreduces=counts, syncs=syncs, steps=counter.steps, params=params_of(inner),
+                             path=getattr(getattr(fn, "report", None), "path", "uncompiled"))
+    return results
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -15,78 +15,32 @@ Negative controls document the silent-desync traps of spec §4: running the wind
 ``ddp.module`` (no DDP forward, hence no all-reduce) and two separate ``backward()`` calls after two
 DDP forwards both finish without error and leave wrong, rank-dependent gradients.
 
-The ranks are forked from the test process (which has torch and diffusers imported already: a cold
-``import diffusers`` costs 10-20 s per process on a 2-core machine); they write their gradients,
-or their traceback, to a temporary folder.
+The ranks are forked from the test process by ``ranks.run_ranks`` (the test process has torch and
+diffusers imported already: a cold ``import diffusers`` costs 10-20 s per process on a 2-core
+machine); they write their gradients, or their traceback, to a temporary folder.
 """
 
 from __future__ import annotations
 
-import datetime
-from pathlib import Path
-
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from jaggc import models
-from jaggc.runtime import DitCall, WindowOptions, count_dit_passes, jagg_calls, run_window
+from jaggc.runtime import WindowOptions, count_dit_passes, jagg_calls, run_window
 
-from multiproc import run_ranks
+from helpers import rel_err
+from ranks import GLOBAL_B, assert_grads_match, global_inputs, loss_of, run_ranks, shard, window_slices
 
 WORLD = 2
-GLOBAL_B = 4
-T = 7  # steps 0..3 are a W=4 window, 4..6 a W=3 window
-START = 3
-OFFSETS = (0, 1, 0, 2)  # per-sample schedule offset: per-sample timesteps, hence per-sample α
 SCENARIOS = ("w4", "w3", "traj", "traj_pw", "traj_pw_ungrouped", "traj_lowmem", "nosync", "two_backward")
 PER_WINDOW = WindowOptions(backward="per_window")
 TIMEOUT_S = 240
 
 
 # --------------------------------------------------------------------------- shared inputs
-
-
-def _sigmas() -> torch.Tensor:
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    sched = FlowMatchEulerDiscreteScheduler(shift=3.0)
-    sched.set_timesteps(16)
-    return sched.sigmas.to(torch.float32)
-
-
-def global_inputs(model):
-    """T DiT calls on stored states of the full global batch, and the upstream signals g_k."""
-    sigmas = _sigmas()
-    cond = models.sd3_conditioning(model, GLOBAL_B, seed=1).kwargs
-    shape = models.sd3_latent_shape(model, GLOBAL_B)
-    g = torch.Generator().manual_seed(2)
-    calls = []
-    for k in range(T):
-        t = torch.stack([sigmas[START + off + k] for off in OFFSETS]) * 1000.0
-        calls.append(DitCall((), dict(hidden_states=torch.randn(shape, generator=g), timestep=t,
-                                      return_dict=False, **cond)))
-    gs = [torch.randn(shape, generator=g) for _ in range(T)]
-    return calls, gs
-
-
-def shard(calls, gs, rank: int, world: int):
-    """The rank's contiguous half of every batched input (conditioning included)."""
-    per = GLOBAL_B // world
-    sl = slice(rank * per, (rank + 1) * per)
-
-    def cut(v):
-        return v[sl] if isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == GLOBAL_B else v
-
-    return ([DitCall(c.args, {k: cut(v) for k, v in c.kwargs.items()}) for c in calls],
-            [g[sl] for g in gs])
-
-
-def loss_of(outs, gs, world: int) -> torch.Tensor:
-    """world/GLOBAL_B * Σ <v_k, g_k>: DDP's average over ranks gives the global-batch mean."""
-    return sum((o[0] * g).sum() for o, g in zip(outs, gs)) * (world / GLOBAL_B)
+# global_inputs, shard, loss_of, window_slices: tests/ranks.py (test_fsdp.py uses the same)
 
 
 def compiled_loss(dit, zs, ts, cond, gs, scale: float):
@@ -108,98 +62,87 @@ def grads_of(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def window_slices():
-    return {"w4": slice(0, 4), "w3": slice(4, 7)}
-
-
 # --------------------------------------------------------------------------- rank process
 
 
-def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        model = models.sd3(seed=0)
-        ddp = DDP(model)
-        allreduces = [0]
+def run_rank(rank: int, world: int) -> dict:
+    model = models.sd3(seed=0)
+    ddp = DDP(model)
+    allreduces = [0]
 
-        def counting_allreduce(state, bucket):
-            allreduces[0] += 1
-            return default_hooks.allreduce_hook(None, bucket)
+    def counting_allreduce(state, bucket):
+        allreduces[0] += 1
+        return default_hooks.allreduce_hook(None, bucket)
 
-        ddp.register_comm_hook(None, counting_allreduce)
-        calls, gs = shard(*global_inputs(model), rank, world)
-        results: dict = {}
+    ddp.register_comm_hook(None, counting_allreduce)
+    calls, gs = shard(*global_inputs(model), rank, world)
+    results: dict = {}
 
-        for name, sl in window_slices().items():
-            ddp.zero_grad(set_to_none=True)
-            with count_dit_passes(ddp) as counts:
-                outs = run_window(ddp, calls[sl])
-                loss_of(outs, gs[sl], world).backward()
-            results[name] = grads_of(model)
-            results[name + "_counts"] = (counts.grad_forward_batches, counts.nograd_forward_batches,
-                                         counts.backward_batches)
-
-        # a whole trajectory: two windows (W=4 and W=3), two knot forwards through DDP, ONE backward
+    for name, sl in window_slices().items():
         ddp.zero_grad(set_to_none=True)
-        allreduces[0] = 0
-        outs = jagg_calls(ddp, calls, window=4)
-        loss_of(outs, gs, world).backward()
-        results["traj"] = grads_of(model)
-        results["traj_allreduces"] = allreduces[0]
+        with count_dit_passes(ddp) as counts:
+            outs = run_window(ddp, calls[sl])
+            loss_of(outs, gs[sl], world).backward()
+        results[name] = grads_of(model)
+        results[name + "_counts"] = (counts.grad_forward_batches, counts.nograd_forward_batches,
+                                     counts.backward_batches)
 
-        # per-window backward mode: each window's knot forward+backward runs inside loss.backward();
-        # all but the last are no_sync'd, so the trajectory still syncs once
-        ddp.zero_grad(set_to_none=True)
-        allreduces[0] = 0
-        outs = jagg_calls(ddp, calls, window=4, options=PER_WINDOW)
-        loss_of(outs, gs, world).backward()
-        results["traj_pw"] = grads_of(model)
-        results["traj_pw_allreduces"] = allreduces[0]
+    # a whole trajectory: two windows (W=4 and W=3), two knot forwards through DDP, ONE backward
+    ddp.zero_grad(set_to_none=True)
+    allreduces[0] = 0
+    outs = jagg_calls(ddp, calls, window=4)
+    loss_of(outs, gs, world).backward()
+    results["traj"] = grads_of(model)
+    results["traj_allreduces"] = allreduces[0]
 
-        # the same windows run one by one (no shared group): every window syncs, and the result is
-        # still right, since each all-reduce averages that window's own contribution
-        ddp.zero_grad(set_to_none=True)
-        allreduces[0] = 0
-        outs = [o for sl in window_slices().values() for o in run_window(ddp, calls[sl], options=PER_WINDOW)]
-        loss_of(outs, gs, world).backward()
-        results["traj_pw_ungrouped"] = grads_of(model)
-        results["traj_pw_ungrouped_allreduces"] = allreduces[0]
+    # per-window backward mode: each window's knot forward+backward runs inside loss.backward();
+    # all but the last are no_sync'd, so the trajectory still syncs once
+    ddp.zero_grad(set_to_none=True)
+    allreduces[0] = 0
+    outs = jagg_calls(ddp, calls, window=4, options=PER_WINDOW)
+    loss_of(outs, gs, world).backward()
+    results["traj_pw"] = grads_of(model)
+    results["traj_pw_allreduces"] = allreduces[0]
 
-        # low-memory mode: each window's backward but the last runs inside the loss's forward (its knot
-        # forward no_sync'd), into a buffer that loss.backward() hands to the parameters with the last
-        # window's backward: one all-reduce, as in the joint mode
-        import jaggc
+    # the same windows run one by one (no shared group): every window syncs, and the result is
+    # still right, since each all-reduce averages that window's own contribution
+    ddp.zero_grad(set_to_none=True)
+    allreduces[0] = 0
+    outs = [o for sl in window_slices().values() for o in run_window(ddp, calls[sl], options=PER_WINDOW)]
+    loss_of(outs, gs, world).backward()
+    results["traj_pw_ungrouped"] = grads_of(model)
+    results["traj_pw_ungrouped_allreduces"] = allreduces[0]
 
-        lowmem = jaggc.jagg_compile(compiled_loss, dit=ddp, window=4, backward="lowmem")
-        ddp.zero_grad(set_to_none=True)
-        allreduces[0] = 0
-        lowmem(ddp, *as_batch(calls, gs), world / GLOBAL_B).backward()
-        results["traj_lowmem"] = grads_of(model)
-        results["traj_lowmem_allreduces"] = allreduces[0]
-        results["traj_lowmem_path"] = lowmem.report.path
+    # low-memory mode: each window's backward but the last runs inside the loss's forward (its knot
+    # forward no_sync'd), into a buffer that loss.backward() hands to the parameters with the last
+    # window's backward: one all-reduce, as in the joint mode
+    import jaggc
 
-        # negative control 1: the window bypasses DDP's forward, so nothing is all-reduced
-        ddp.zero_grad(set_to_none=True)
-        sl = window_slices()["w4"]
-        outs = run_window(ddp.module, calls[sl])
-        loss_of(outs, gs[sl], world).backward()
-        results["nosync"] = grads_of(model)
+    lowmem = jaggc.jagg_compile(compiled_loss, dit=ddp, window=4, backward="lowmem")
+    ddp.zero_grad(set_to_none=True)
+    allreduces[0] = 0
+    lowmem(ddp, *as_batch(calls, gs), world / GLOBAL_B).backward()
+    results["traj_lowmem"] = grads_of(model)
+    results["traj_lowmem_allreduces"] = allreduces[0]
+    results["traj_lowmem_path"] = lowmem.report.path
 
-        # negative control 2 (spec §4): two DDP forwards, then two separate backward calls
-        ddp.zero_grad(set_to_none=True)
-        losses = []
-        for sl in window_slices().values():
-            losses.append(loss_of(run_window(ddp, calls[sl]), gs[sl], world))
-        for loss in losses:
-            loss.backward()
-        results["two_backward"] = grads_of(model)
+    # negative control 1: the window bypasses DDP's forward, so nothing is all-reduced
+    ddp.zero_grad(set_to_none=True)
+    sl = window_slices()["w4"]
+    outs = run_window(ddp.module, calls[sl])
+    loss_of(outs, gs[sl], world).backward()
+    results["nosync"] = grads_of(model)
 
-        dist.barrier()
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    # negative control 2 (spec §4): two DDP forwards, then two separate backward calls
+    ddp.zero_grad(set_to_none=True)
+    losses = []
+    for sl in window_slices().values():
+        losses.append(loss_of(run_window(ddp, calls[sl]), gs[sl], world))
+    for loss in losses:
+        loss.backward()
+    results["two_backward"] = grads_of(model)
+
+    return results
 
 
 # --------------------------------------------------------------------------- test side
@@ -228,23 +171,6 @@ def reference():
     # the sum of both windows' gradients: what two correctly synced backward calls would give
     ref["w4+w3"] = {n: ref["w4"][n] + ref["w3"][n] for n in ref["w4"]}
     return ref
-
-
-def _flat(grads: dict[str, torch.Tensor]) -> torch.Tensor:
-    return torch.cat([g.reshape(-1).double() for _, g in sorted(grads.items())])
-
-
-def rel_err(a: dict, b: dict) -> float:
-    assert set(a) == set(b), sorted(set(a) ^ set(b))
-    fa, fb = _flat(a), _flat(b)
-    return float((fa - fb).norm() / fb.norm())
-
-
-def assert_grads_match(got: dict, want: dict, tol: float = 1e-5):
-    assert rel_err(got, want) < tol, f"relative error {rel_err(got, want):.3g}"
-    for n in want:
-        torch.testing.assert_close(got[n], want[n], rtol=tol, atol=tol * float(want[n].abs().max()) + 1e-12,
-                                   msg=n)
 
 
 @pytest.mark.parametrize("name", ["w4", "w3", "traj", "traj_pw", "traj_pw_ungrouped", "traj_lowmem"])

@@ -18,13 +18,11 @@ root: 3 FSDP parameter groups) and every rank holds half of a global batch, as i
     while the Flow-GRPO per-step loop (one backward per step) makes 3 per STEP; one backward over
     the whole trajectory (default joint mode) makes 3 for all its windows.
 
-The ranks are forked from the test process (imports already warm) like test_ddp.py.
+The ranks are forked from the test process (imports already warm) by ``ranks.run_ranks``, with the
+inputs test_ddp.py uses (tests/ranks.py).
 """
 
 from __future__ import annotations
-
-import datetime
-from pathlib import Path
 
 import pytest
 import torch
@@ -33,8 +31,7 @@ import torch.distributed as dist
 from jaggc import jagg_compile, models
 from jaggc.runtime import jagg_calls, run_window
 
-from multiproc import run_ranks
-from test_ddp import GLOBAL_B, T, assert_grads_match, global_inputs, loss_of, shard, window_slices
+from ranks import GLOBAL_B, T, assert_grads_match, global_inputs, loss_of, run_ranks, shard, window_slices
 
 WORLD = 2
 TIMEOUT_S = 240
@@ -113,62 +110,55 @@ def as_batch(calls, gs, world: int) -> dict:
 # --------------------------------------------------------------------------- rank process
 
 
-def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        model = sharded_model()
-        params = list(model.named_parameters())   # the sharded (DTensor) parameters
-        calls, gs = shard(*global_inputs(model), rank, world)
-        res: dict = {}
+def run_rank(rank: int, world: int) -> dict:
+    model = sharded_model()
+    params = list(model.named_parameters())   # the sharded (DTensor) parameters
+    calls, gs = shard(*global_inputs(model), rank, world)
+    res: dict = {}
 
-        def record(name, fn):
-            zero_sharded(params)
-            with Collectives() as c:
-                fn()
-            res[name] = full_grads(params)
-            res[name + "_collectives"] = (c.rs, c.ag)
-
-        for name, sl in window_slices().items():                          # one window, one backward
-            record(name, lambda sl=sl: loss_of(run_window(model, calls[sl]), gs[sl], world).backward())
-        record("traj", lambda: loss_of(jagg_calls(model, calls, window=4), gs, world).backward())
-
-        def per_window_loop():                                            # backward once per window
-            for sl in WINDOWS:
-                loss_of(run_window(model, calls[sl]), gs[sl], world).backward()
-        record("window_loop", per_window_loop)
-
-        def exact_loop():                                                 # Flow-GRPO: once per step
-            for c, g in zip(calls, gs):
-                loss_of([c(model)], [g], world).backward()
-        record("exact_loop", exact_loop)
-
-        batch = as_batch(calls, gs, world)
-        for mode in ("joint", "per_window"):
-            compiled = jagg_compile(compiled_linear_loss, window=4, backward=mode)
-            # capture first with a forward only, after the backward passes above: Dynamo's trace
-            # must not disturb FSDP's state (frontends.dynamo.real_run_as_fake)
-            compiled(model, batch)
-            record("compiled_" + mode, lambda: compiled(model, batch).backward())
-            res["compiled_" + mode + "_path"] = compiled.report.path
-
-        # negative control, plain FSDP2: a forward without backward, then model.zero_grad()
-        w4 = window_slices()["w4"]
+    def record(name, fn):
         zero_sharded(params)
-        loss_of(run_window(model, calls[w4]), gs[w4], world).backward()
-        with torch.no_grad():
-            calls[0](model)
-        registered = dict(model.named_parameters())
-        res["after_forward_only"] = (type(registered["proj_out.weight"]).__name__,
-                                     type(registered["transformer_blocks.0.attn.to_q.weight"]).__name__)
-        model.zero_grad(set_to_none=True)
-        loss_of(run_window(model, calls[w4]), gs[w4], world).backward()
-        res["zero_grad_trap"] = full_grads(params)
-        dist.barrier()
-        torch.save(res, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+        with Collectives() as c:
+            fn()
+        res[name] = full_grads(params)
+        res[name + "_collectives"] = (c.rs, c.ag)
+
+    for name, sl in window_slices().items():                          # one window, one backward
+        record(name, lambda sl=sl: loss_of(run_window(model, calls[sl]), gs[sl], world).backward())
+    record("traj", lambda: loss_of(jagg_calls(model, calls, window=4), gs, world).backward())
+
+    def per_window_loop():                                            # backward once per window
+        for sl in WINDOWS:
+            loss_of(run_window(model, calls[sl]), gs[sl], world).backward()
+    record("window_loop", per_window_loop)
+
+    def exact_loop():                                                 # Flow-GRPO: once per step
+        for c, g in zip(calls, gs):
+            loss_of([c(model)], [g], world).backward()
+    record("exact_loop", exact_loop)
+
+    batch = as_batch(calls, gs, world)
+    for mode in ("joint", "per_window"):
+        compiled = jagg_compile(compiled_linear_loss, window=4, backward=mode)
+        # capture first with a forward only, after the backward passes above: Dynamo's trace
+        # must not disturb FSDP's state (frontends.dynamo.real_run_as_fake)
+        compiled(model, batch)
+        record("compiled_" + mode, lambda: compiled(model, batch).backward())
+        res["compiled_" + mode + "_path"] = compiled.report.path
+
+    # negative control, plain FSDP2: a forward without backward, then model.zero_grad()
+    w4 = window_slices()["w4"]
+    zero_sharded(params)
+    loss_of(run_window(model, calls[w4]), gs[w4], world).backward()
+    with torch.no_grad():
+        calls[0](model)
+    registered = dict(model.named_parameters())
+    res["after_forward_only"] = (type(registered["proj_out.weight"]).__name__,
+                                 type(registered["transformer_blocks.0.attn.to_q.weight"]).__name__)
+    model.zero_grad(set_to_none=True)
+    loss_of(run_window(model, calls[w4]), gs[w4], world).backward()
+    res["zero_grad_trap"] = full_grads(params)
+    return res
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
