@@ -20,7 +20,7 @@ from torch import nn
 
 from .. import grpo
 from .._compat import dynamo_recompile_limits
-from ..example_losses import ADV_CLIP_MAX, ppo_clip
+from ..example_losses import ADV_CLIP_MAX, flux_step, ppo_clip
 from ..runtime import DitCall, count_dit_passes, jagg_calls
 from .harness import DT, _gen, rel_err, shift_sigmas
 
@@ -63,18 +63,8 @@ def dance_flux_loss(transformer, batch, num_steps: int):
     for j in range(num_steps):
         latents = batch["latents"][:, j]
         model_output = transformer(latents, timestep=batch["timesteps"][:, j])
-        sigma = batch["sigmas"][:, j].view(-1, 1)
-        sigma_next = batch["sigmas_next"][:, j].view(-1, 1)
-        dsigma = sigma_next - sigma
-        prev_sample_mean = latents + dsigma * model_output
-        pred_original_sample = latents - sigma * model_output
-        std_dev_t = ETA * torch.sqrt(sigma - sigma_next)
-        score_estimate = -(latents - pred_original_sample * (1 - sigma)) / sigma**2
-        log_term = -0.5 * ETA**2 * score_estimate
-        prev_sample_mean = prev_sample_mean + log_term * dsigma
-        log_prob = (-((batch["next_latents"][:, j] - prev_sample_mean) ** 2) / (2 * std_dev_t**2)
-                    - torch.log(std_dev_t) - _LOG_SQRT_2PI)
-        log_prob = log_prob.mean(dim=1)
+        log_prob = flux_step(model_output, latents, ETA, batch["sigmas"][:, j], batch["sigmas_next"][:, j],
+                             batch["next_latents"][:, j], log_dtype=latents.dtype)
         total = total + ppo_clip(log_prob, batch["log_probs"][:, j], batch["advantages"][:, j],
                                   batch["clip_range"])
     return total / num_steps
