@@ -90,6 +90,15 @@ class _Stats:
         return "; ".join(p for p in parts if p)
 
 
+def _exact_with_stats(name: str, strategy, check, examples: int, seed: int) -> PropertyResult:
+    """``run_exact_property`` with ``check(case, seed, stats)``; the result's detail says which
+    loss kinds and capture paths the examples covered."""
+    stats = _Stats()
+    result = run_exact_property(name, strategy, lambda case, s: check(case, s, stats), examples, seed)
+    result.detail = stats.detail()
+    return result
+
+
 def _draw_batch(draw) -> dict:
     """What every GRPO case draws besides its windows: samples B, latent dim D, the σ grid (shift,
     start index: 0 is σ = 1, extra grid steps; or one random grid per sample), the PPO clip range
@@ -169,11 +178,7 @@ def _check_window2(case, seed, stats: _Stats) -> float:
 
 
 def grpo_window2_identity(examples: int, seed: int = 0) -> PropertyResult:
-    stats = _Stats()
-    result = run_exact_property("grpo_window2_identity", _rollout_case(2, 2, 5),
-                                lambda case, s: _check_window2(case, s, stats), examples, seed)
-    result.detail = stats.detail()
-    return result
+    return _exact_with_stats("grpo_window2_identity", _rollout_case(2, 2, 5), _check_window2, examples, seed)
 
 
 @st.composite
@@ -212,11 +217,7 @@ def _check_linearity(case, seed, stats: _Stats) -> float:
 
 
 def grpo_advantage_linearity(examples: int, seed: int = 0) -> PropertyResult:
-    stats = _Stats()
-    result = run_exact_property("grpo_advantage_linearity", _linearity_case(),
-                                lambda case, s: _check_linearity(case, s, stats), examples, seed)
-    result.detail = stats.detail()
-    return result
+    return _exact_with_stats("grpo_advantage_linearity", _linearity_case(), _check_linearity, examples, seed)
 
 
 def _knot_jvps(field: nn.Module, rollout: Rollout, tangent: list[torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -265,11 +266,7 @@ def _check_dot_product(case, seed, stats: _Stats) -> float:
 
 
 def grpo_dot_product(examples: int, seed: int = 0) -> PropertyResult:
-    stats = _Stats()
-    result = run_exact_property("grpo_dot_product", _rollout_case(3, 6, 6),
-                                lambda case, s: _check_dot_product(case, s, stats), examples, seed)
-    result.detail = stats.detail()
-    return result
+    return _exact_with_stats("grpo_dot_product", _rollout_case(3, 6, 6), _check_dot_product, examples, seed)
 
 
 # ----------------------------------------------------------------------------- counterexample properties
