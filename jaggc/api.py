@@ -346,6 +346,7 @@ def build_report(frontend: str, gm: fx.GraphModule, stages, ctx, traces: int) ->
     report.reference_calls = sum(1 for n in gm.graph.nodes
                                  if getattr(n.meta.get("jagg_call"), "role", None) == "reference")
     report._plans = [w.plan for w in ctx.windows]
+    report._basis = ctx.config.options.basis
     report.splits = [f"{s.source or 'a DiT call'}: chunks {list(s.no_grad)} of {s.chunks} run without grad ({s.reason})"
                      for s in ctx.splits]
     _refresh_times(report)
@@ -361,7 +362,7 @@ def intercept_report(loss: InterceptedLoss, cfg, traces: int) -> Report:
             jagg = loss.decision.modes[i] == "jagg"
         rows.append(WindowRow(window=i, steps=list(steps), mode="jagg" if jagg else "exact",
                               knots=list(basis.knot_positions(len(steps))) if jagg else [],
-                              basis=f"{basis.kind}/{basis.by}" if jagg else "",
+                              basis=basis.label() if jagg else "",
                               timesteps=observed_times([loss.recorded[k] for k in steps], cfg.options.time_arg),
                               backward_before=len(steps), backward_after=1 if jagg else len(steps)))
     return Report(path="intercept", windows=rows, traces=traces, notes=[
@@ -384,6 +385,11 @@ def _refresh_times(report: Report | None) -> None:
                 row.backward_after = 1 if plan.decision.modes[i] == "jagg" else len(row.steps)
         elif plan is not None and plan.observed_times:
             row.timesteps = list(plan.observed_times)
+            basis = getattr(report, "_basis", None)
+            if row.mode.startswith("jagg") and basis is not None and basis.exact_below is not None:
+                exact = basis.runs_exact(torch.tensor(row.timesteps, dtype=torch.float64)[:, None])
+                row.mode = "jagg:σ-exact" if exact else "jagg"
+                row.knots = list(range(len(row.steps))) if exact else list(basis.knot_positions(len(row.steps)))
 
 
 def _structure_key(arguments: dict):

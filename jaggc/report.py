@@ -25,7 +25,7 @@ class WindowRow:
     score: float | None = None   # routing score of the latest run (routed windows only)
 
     def roles(self) -> str:
-        if self.mode not in ("jagg", "routed", "routed:jagg"):
+        if self.mode not in ("jagg", "jagg:σ-exact", "routed", "routed:jagg"):
             return "exact per step"
         return " ".join("K" if i in self.knots else "i" for i in range(len(self.steps)))
 

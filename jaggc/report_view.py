@@ -19,7 +19,7 @@ from torch import fx
 from .graph_ops import dit_call, is_runtime_target, jagg_lowmem_window, jagg_trajectory, jagg_window
 
 ROLE_LETTER = {"knot": "K", "interior": "i", "exact": "E"}
-_JAGG_MODES = ("jagg", "routed", "routed:jagg")     # the modes WindowRow.roles() draws as K/i
+_JAGG_MODES = ("jagg", "jagg:σ-exact", "routed", "routed:jagg")     # the modes WindowRow.roles() draws as K/i
 # colours: knots carry the backward (strong blue), interiors borrow it (pale blue), exact steps
 # pay their own (amber); everything that is not a DiT call stays grey
 _FILL = {"knot": "#1d4ed8", "interior": "#dbeafe", "exact": "#fde68a"}
@@ -106,7 +106,7 @@ def _interior_weights(row) -> dict[int, dict[int, float]]:
         return {}
     from .runtime.weights import Basis
 
-    kind, by = row.basis.split("/", 1)
+    kind, by = row.basis.split("/")[:2]
     try:
         phi = Basis(kind=kind, by=by, knots=tuple(row.knots)).matrix(
             torch.tensor(row.timesteps, dtype=torch.float64)[:, None])[:, :, 0]

@@ -42,7 +42,7 @@ def compute_weights(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             if resolve_time_arg(node, w.time_arg) != w.time_arg:
                 raise JaggInputError(f"node {node.name}: timestep argument differs within window {w.index}")
         w.knots = basis.knot_positions(len(w.nodes))
-        w.basis = f"{basis.kind}/{basis.by}"
+        w.basis = basis.label()
         # a randomized basis draws its interior knot per call: only the endpoints are knots every time
         fixed = w.knots if basis.kind != "randomized" else (w.knots[0], w.knots[-1])
         for pos in fixed:

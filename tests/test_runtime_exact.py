@@ -535,3 +535,49 @@ def test_randomized_basis_draws_from_its_own_seeded_stream():
     assert torch.equal(torch.get_rng_state(), state), "the user's RNG stream was consumed"
     assert a[0] == a[1] == seq[0] and len({k[1] for k in seq}) > 1
     assert all(k[0] == 0 and k[2] == 7 and 1 <= k[1] <= 6 for k in seq)
+
+
+def test_noise_levels_follow_the_timestep_convention():
+    from jaggc.runtime.weights import noise_levels
+
+    t1000 = torch.tensor([[900.0], [450.0]], dtype=torch.float64)
+    t1 = t1000 / 1000
+    torch.testing.assert_close(noise_levels(t1000), t1)
+    torch.testing.assert_close(noise_levels(t1), t1)
+    basis = Basis(exact_below=0.5)
+    assert basis.runs_exact(t1000) and basis.runs_exact(t1)
+    assert not basis.runs_exact(t1000[:1]) and not Basis().runs_exact(t1000)
+    knots, phi = basis.sample(t1000.expand(2, 3))
+    assert knots == (0, 1) and torch.equal(phi, torch.eye(2, dtype=torch.float64)[:, :, None].expand(2, 2, 3))
+    assert basis.label() == "linear/t/σ<0.5"
+    with pytest.raises(jaggc.JaggInputError, match="noise level"):
+        Basis(exact_below=500)
+
+
+@pytest.mark.parametrize("backward", ["joint", "per_window", "lowmem"])
+@pytest.mark.parametrize("scale", [1000.0, 1.0])
+def test_sigma_aware_basis_runs_low_noise_windows_exactly(backward, scale):
+    """Basis(exact_below=0.5) on a curved field, 8 steps from σ 0.95 to 0.1, windows of 4: the
+    second window reaches σ < 0.5 and runs exactly (its gradient is the exact one), the first is
+    plain JAGG; in every backward mode and either timestep convention."""
+    field = CurvedField(3, seed=6)
+    gen = torch.Generator().manual_seed(3)
+    T, B = 8, 2
+    zs = torch.randn(T, B, 3, generator=gen, dtype=torch.float64)
+    ts = (scale * torch.linspace(0.95, 0.1, T, dtype=torch.float64))[:, None].expand(T, B).contiguous()
+    gs = torch.randn(T, B, 3, generator=gen, dtype=torch.float64)
+
+    def loss(dit, zs, ts, gs, steps):
+        return sum((dit(zs[k], ts[k]) * gs[k]).sum() for k in steps)
+
+    first, second = range(4), range(4, 8)
+    args = (field, zs, ts, gs)
+    grad = lambda fn, steps: loss_and_grad(fn, args + (steps,), field)[1]
+    exact_second = grad(loss, second)
+    plain_first = grad(jaggc.jagg_compile(loss, window=4, weights="t"), first)
+    compiled = jaggc.jagg_compile(loss, window=4, weights=Basis(exact_below=0.5), backward=backward)
+    assert rel_err(grad(compiled, range(8)), plain_first + exact_second) < 1e-12
+    assert rel_err(plain_first, grad(loss, first)) > 1e-4        # the first window is JAGG, not exact
+    rows = compiled.report.windows
+    assert [w.basis for w in rows] == ["linear/t/σ<0.5"] * 2
+    assert [(w.mode, w.roles()) for w in rows] == [("jagg", "K i i K"), ("jagg:σ-exact", "K K K K")]

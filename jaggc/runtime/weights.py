@@ -42,11 +42,16 @@ class Basis:
     the window's gradient is JAGG + (exact − JAGG) / p; ``per="step"``: each interior step
     independently, with probability ``p``, becomes a knot and adds (its exact term − its JAGG
     term) / p. Both cost 2 + p (W − 2) knots per window on average; per step, the corrections of
-    neighbouring steps (whose errors are alike) are drawn apart, which lowers the variance. ``seed`` seeds the random kinds' own generator, so the
-    user's RNG stream is untouched and the same seed gives the same gradients.
+    neighbouring steps (whose errors are alike) are drawn apart, which lowers the variance.
+    ``seed`` seeds the random kinds' own generator, so the user's RNG stream is untouched and the
+    same seed gives the same gradients.
     by: "t" interpolates in timestep value, "index" in step position (the first author's code).
     knots: positions of the knot steps within the window; None means the window's two endpoints
     (or its first step for "constant").
+    exact_below: σ-aware placement: a window call whose noise level σ falls below this anywhere runs
+    every step as a knot with identity weights, i.e. exactly, in the same one joint backward.
+    σ is the timestep where the DiT takes it in [0, 1] (Flux, Qwen-Image), else timestep / 1000
+    (SD3's 0..1000); decided per call from the call's timesteps, so it works in every backward mode.
     """
 
     kind: str = "linear"
@@ -55,6 +60,7 @@ class Basis:
     seed: int = 0
     p: float = 0.25
     per: str = "window"       # "control": correct whole windows or single interior steps
+    exact_below: float | None = None   # σ-aware placement (σ units)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -67,6 +73,8 @@ class Basis:
             raise JaggInputError(f"Basis('control', p={self.p!r}): the correction probability must be in (0, 1]")
         if self.per not in ("window", "step"):
             raise JaggInputError(f"Basis(per={self.per!r}): use per='window' or per='step'")
+        if self.exact_below is not None and not 0 < self.exact_below <= 1:
+            raise JaggInputError(f"Basis(exact_below={self.exact_below!r}) is a noise level σ: use a value in (0, 1]")
         # the randomized basis's draws; a frozen dataclass, so set past __setattr__
         object.__setattr__(self, "_generator", None)
 
@@ -74,6 +82,9 @@ class Basis:
         """(knot positions, Φ) for one window call; the same as (knot_positions, matrix) for
         every kind but "randomized", which draws a new interior knot on each call."""
         num_steps = times.shape[0]
+        if self.runs_exact(times):
+            eye = torch.eye(num_steps, dtype=torch.float64, device=times.device)
+            return tuple(range(num_steps)), eye[:, :, None].expand(num_steps, num_steps, times.shape[1]).clone()
         if self.kind not in ("randomized", "control") or num_steps <= (3 if self.kind == "randomized" else 2):
             return self.knot_positions(num_steps), self.matrix(times)
         if self._generator is None:
@@ -91,6 +102,19 @@ class Basis:
             return (0,) + corrected + (num_steps - 1,), control_matrix(self._x(times), self.p, corrected)
         pos = 1 + int(torch.randint(num_steps - 2, (1,), generator=self._generator))
         return (0, pos, num_steps - 1), randomized_matrix(self._x(times), pos)
+
+    def runs_exact(self, times: torch.Tensor) -> bool:
+        """σ-aware placement: whether a window call with these (S, B) timesteps runs exactly."""
+        return self.exact_below is not None and bool((noise_levels(times) < self.exact_below).any())
+
+    def label(self) -> str:
+        """``kind/by`` plus what else shapes the weights, e.g. ``control/t/p0.25/step``, ``linear/t/σ<0.5``."""
+        parts = [self.kind, self.by]
+        if self.kind == "control":
+            parts.append(f"p{self.p:g}" + ("/step" if self.per == "step" else ""))
+        if self.exact_below is not None:
+            parts.append(f"σ<{self.exact_below:g}")
+        return "/".join(parts)
 
     def _x(self, times: torch.Tensor) -> torch.Tensor:
         num_steps, batch = times.shape
@@ -194,6 +218,12 @@ def randomized_matrix(x: torch.Tensor, pos: int) -> torch.Tensor:
     phi[pos, 2] = (1 - m) * linear[pos, 1]
     phi[pos, 1] = m
     return phi
+
+
+def noise_levels(times: torch.Tensor) -> torch.Tensor:
+    """σ of timesteps: the timesteps themselves where they lie in [0, 1] (a DiT that takes σ, as
+    Flux and Qwen-Image do), else timestep / 1000 (SD3 and diffusers' 0..1000 convention)."""
+    return times if float(times.max()) <= 1.0 else times / 1000.0
 
 
 def control_matrix(x: torch.Tensor, p: float, corrected: Sequence[int] | None = None) -> torch.Tensor:
