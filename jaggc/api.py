@@ -26,7 +26,13 @@ from .graph_ops import TrajectoryPlan, observed_times
 from .report import Report, WindowRow
 from .runtime.module_state import module_state
 from .runtime.routing import Routing
+from .runtime.weights import Basis
 from .runtime.window import WindowOptions
+
+#: jagg_compile's default weights: plain JAGG (t-weights) with σ-aware placement, windows reaching
+#: σ < 0.5 run exactly; the cheapest setting whose bias stayed within 1.5x its noise floor on
+#: every base and cell of the bias study (README, Fidelity). weights="t" is the paper's plain JAGG.
+DEFAULT_WEIGHTS = Basis("linear", "t", exact_below=0.5)
 
 _CAPTURES = ("auto", "dynamo", "fx", "intercept")
 # capture="auto" tries these in order. FX first: its first call on a 50-step Flow-GRPO loss is
@@ -51,7 +57,7 @@ def _passes():
 class JaggCompiled:
     """A GRPO loss whose DiT calls run in JAGG windows. Call it like the original function."""
 
-    def __init__(self, fn: Callable, *, dit: nn.Module | None = None, window: int = 4, weights="t",
+    def __init__(self, fn: Callable, *, dit: nn.Module | None = None, window: int = 4, weights=DEFAULT_WEIGHTS,
                  jagg_frac: float = 1.0, time_arg: str | int | None = None, capture: str = "auto",
                  backend: str | None = None, on_unsupported: str = "raise", interior_chunk: int | None = None,
                  batch_knots: bool = True, check_inputs: bool = True, backward: str = "joint",

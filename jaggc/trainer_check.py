@@ -9,8 +9,9 @@ loss, a loss on ``jaggc.grpo``'s helpers), compiled with ``capture="auto"``:
   * the loss value against the undecorated loss, the W=2 gradient against the exact one and the
     W=4 gradient against the hand-computed reference JAGG (``jaggc.verify.reference``);
   * DanceGRPO: ``--subsets`` fresh random 60% subsets through one compiled loss (traces taken);
-  * the author's shape: ``@jagg_compile(window=4)`` against the author's two-backward JAGG
-    (``trainer_shapes.author_two_backward``), forward + backward, interleaved rounds, CPU time.
+  * the author's shape: ``@jagg_compile(window=4, weights="t")`` (the same estimator) against the
+    author's two-backward JAGG (``trainer_shapes.author_two_backward``), forward + backward,
+    interleaved rounds, CPU time.
 
     jaggc trainers [--names a,b] [--steps 8] [--first-call-steps 50] [--subsets 50]
                    [--speed-size 10m] [--speed-steps 16] [--rounds 5] [--json PATH]
@@ -27,7 +28,7 @@ from typing import Callable
 import torch
 
 from . import trainer_shapes
-from .api import jagg_compile
+from .api import DEFAULT_WEIGHTS, jagg_compile
 from .runtime.module_state import module_state, set_state
 from .verify.reference import reference_jagg
 
@@ -85,7 +86,9 @@ def gradient_check(name: str, steps: int) -> dict:
         if window == 2:
             out["w2_rel_err_vs_exact"] = _rel(grad, exact)
         else:
-            _, ref = reference_jagg(shape.loss_fn, shape.args, shape.model, window)
+            # the default weights: plain JAGG with windows reaching σ < DEFAULT_WEIGHTS.exact_below exact
+            _, ref = reference_jagg(shape.loss_fn, shape.args, shape.model, window,
+                                    exact_below=DEFAULT_WEIGHTS.exact_below)
             out[f"w{window}_rel_err_vs_reference_jagg"] = _rel(grad, ref)
             out[f"w{window}_rel_err_vs_exact"] = _rel(grad, exact)
     return out
@@ -114,14 +117,16 @@ def dance_subsets(count: int) -> dict:
 
 
 def author_speed(size: str, steps: int, rounds: int, batch: int = 2) -> dict:
-    """Forward + backward of the author's two-backward JAGG against ``@jagg_compile(window=4)`` on
-    the same loss, interleaved, one thread, process CPU time; ratios per round."""
+    """Forward + backward of the author's two-backward JAGG against
+    ``@jagg_compile(window=4, weights="t")`` on the same loss, interleaved, one thread, process CPU
+    time; ratios per round."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         shape = trainer_shapes.jagg_author_qwen(num_steps=steps, batch=batch, size=size)
         model = shape.model
-        compiled = jagg_compile(shape.loss_fn, dit=model, window=WINDOW)
+        # the author's algorithm is plain JAGG: compare the same estimator (weights="t")
+        compiled = jagg_compile(shape.loss_fn, dit=model, window=WINDOW, weights="t")
         entry = module_state(model)
 
         def jaggc_step():

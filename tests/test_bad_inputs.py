@@ -92,7 +92,8 @@ class Env:
     def __init__(self):
         ex = el.build_example("flow_grpo_sd3", num_steps=T, batch=B, seed=0)
         self.model, self.batch = ex.model, ex.batch
-        self.compiled = {w: jaggc.jagg_compile(fresh(el.flow_grpo_sd3_loss), window=w) for w in WINDOWS}
+        self.compiled = {w: jaggc.jagg_compile(fresh(el.flow_grpo_sd3_loss), window=w, weights="t")
+                         for w in WINDOWS}   # plain JAGG: the values are checked against hand_jagg
         for c in self.compiled.values():   # capture once on clean data (forward only)
             c(self.model, self.batch)
         g = torch.Generator().manual_seed(5)

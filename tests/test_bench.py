@@ -299,3 +299,21 @@ def test_variant_maps_in_results():
     table = format_table(out | dict(compile_overhead_s={}, recompiles=0, clock="fake", threads=1,
                                     torch_version="x", model_params=1, batch=4, repeats=3))
     assert "fast path" in table and "per-window" in table
+
+
+def test_default_weights_mode_counts_what_its_cost_model_says():
+    """jagg_default@W: the library default (σ-aware); the windows of the problem's schedule that reach
+    σ < 0.5 run all their steps as knots: counted backward samples and the cost model agree."""
+    from jaggc.bench.strategies import STRATEGIES, default_cost, sigma_exact_windows
+
+    problem = build_problem("sd3", "tiny", num_steps=NUM_STEPS, batch=BATCH)
+    exact_windows = sigma_exact_windows(problem, 4)
+    assert any(exact_windows) and not all(exact_windows)      # the schedule has both kinds
+    step = STRATEGIES["jagg_default"].build(problem, 4)
+    with count_dit_passes(problem.model) as counts:
+        step.run(lambda: 0.0)
+    samples = sum(4 * BATCH if exact else 2 * BATCH for exact in exact_windows)
+    assert counts.backwards == len(exact_windows) and counts.backward_samples == samples
+    cost = default_cost(problem, 4)
+    assert cost.backward == sum(8 if exact else 4 for exact in exact_windows)
+    assert STRATEGIES["jagg_default"].cost_for(problem, 4) == cost

@@ -2,7 +2,8 @@
 
 Two rollouts of the digits base: every cell has each candidate's row and its matched subsampling
 row, the rows of a second run merge into the first, and ``verdicts``/``choose`` apply the rule
-(bias within 1.5x the floor in every cell and cosine above subsampling in every cell; cheapest wins).
+(bias within 1.5x the floor in every cell, with a margin, and cosine above subsampling in every
+cell; cheapest wins).
 """
 
 from __future__ import annotations
@@ -56,8 +57,11 @@ def test_choose_applies_the_rule(runs):
             rows[label[n]].update(bias=1.0, floor=1.0, cos_mean=0.99)
             rows[sub[n]].update(cos_mean=0.5)
     assert B.choose(results) == "jagg"
-    next(iter(results["cells"].values()))[label["jagg"]]["bias"] = 1.6
+    cell = next(iter(results["cells"].values()))
+    cell[label["jagg"]]["bias"] = B.BIAS_LIMIT - B.MARGIN / 2      # meets the rule, not with the margin
+    assert B.verdicts(results)["jagg"]["meets_rule"] and B.choose(results) == "control_step_w4"
+    cell[label["jagg"]]["bias"] = 1.6
     assert B.choose(results) == "control_step_w4"
     next(iter(results["cells"].values()))[label["control_step_w4"]]["cos_mean"] = 0.4
     assert B.choose(results) is None
-    assert "Chosen (cheapest meeting the rule): **none**" in B.to_markdown(results)
+    assert f"Chosen (cheapest meeting the rule with {B.MARGIN} to spare): **none**" in B.to_markdown(results)

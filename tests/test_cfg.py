@@ -50,8 +50,8 @@ def test_split_equals_unsplit_float64(cfg64, backward, capture):
 
 def test_split_float32_backward_on_half_the_batch():
     ex = example_losses.build_example("cfg_sd3", num_steps=8, batch=2, seed=0)
-    split = jagg_compile(ex.loss_fn, window=4)
-    unsplit = jagg_compile(ex.loss_fn, window=4, split_batches=False)
+    split = jagg_compile(ex.loss_fn, window=4, weights="t")
+    unsplit = jagg_compile(ex.loss_fn, window=4, weights="t", split_batches=False)
     split(ex.model, ex.batch), unsplit(ex.model, ex.batch)                 # traces
     counts = {}
     grads = {}
@@ -68,20 +68,20 @@ def test_split_float32_backward_on_half_the_batch():
 
 def test_split_with_routing_and_the_rollout_cache():
     ex = example_losses.build_example("cfg_sd3", num_steps=8, batch=2, seed=0)
-    _, ref = loss_and_grad(jagg_compile(ex.loss_fn, window=4, jagg_frac=0.5, split_batches=False),
+    _, ref = loss_and_grad(jagg_compile(ex.loss_fn, window=4, weights="t", jagg_frac=0.5, split_batches=False),
                            (ex.model, ex.batch), ex.model)
-    _, got = loss_and_grad(jagg_compile(ex.loss_fn, window=4, jagg_frac=0.5), (ex.model, ex.batch), ex.model)
+    _, got = loss_and_grad(jagg_compile(ex.loss_fn, window=4, weights="t", jagg_frac=0.5), (ex.model, ex.batch), ex.model)
     assert rel_err(got, ref) < 1e-6
     cache = jaggc.RolloutCache(ex.model)
     with torch.no_grad(), cache.record():
         ex.loss_fn(ex.model, ex.batch)                    # the rollout's [uncond; cond] calls
-    fast = jagg_compile(ex.loss_fn, window=4, rollout_cache=cache)
+    fast = jagg_compile(ex.loss_fn, window=4, weights="t", rollout_cache=cache)
     fast(ex.model, ex.batch)
     with count_dit_passes(ex.model) as counts:
         _, got = loss_and_grad(fast, (ex.model, ex.batch), ex.model)
     # the uncond halves and the interior cond halves all come from the rollout
     assert counts.nograd_forwards == 0 and counts.grad_forward_batches == [4, 4]
-    _, plain = loss_and_grad(jagg_compile(ex.loss_fn, window=4), (ex.model, ex.batch), ex.model)
+    _, plain = loss_and_grad(jagg_compile(ex.loss_fn, window=4, weights="t"), (ex.model, ex.batch), ex.model)
     assert rel_err(got, plain) < 1e-6
 
 
@@ -182,7 +182,7 @@ def two_call_cfg(dit, zs, ts, g, uncond_grad):
 def test_two_call_cfg_windows_per_stream(uncond_grad, window):
     model = CondField(seed=2)
     args = (model, *_field_inputs(seed=1), uncond_grad)
-    compiled = jagg_compile(two_call_cfg, window=window)
+    compiled = jagg_compile(two_call_cfg, window=window, weights="t")
     _, got = loss_and_grad(compiled, args, model)
     _, ref = reference_jagg(two_call_cfg, args, model, window, time_arg=1, streams=2 if uncond_grad else 1)
     assert compiled.report.path == "fx"

@@ -305,7 +305,7 @@ def test_affine_jacobian_collinear_states_exact_float64():
     exact_loss.backward()
     exact = grads(field).clone()
 
-    compiled = jagg_compile(grpo_like_loss, window=window)
+    compiled = jagg_compile(grpo_like_loss, window=window, weights="t")     # the paper's plain JAGG (E1)
     zero_grads(field)
     with count_dit_passes(field) as counts:
         loss = compiled(field, zs, times, g)
@@ -445,7 +445,7 @@ def test_no_recompile_across_optimizer_steps(refs):
 def test_report_table_diff_exports(tmp_path):
     field = AffineJacobianField(3, seed=6)
     zs, ts, gs = _fx_friendly_inputs(6)
-    compiled = jagg_compile(fx_friendly_loss, window=3, capture="dynamo")
+    compiled = jagg_compile(fx_friendly_loss, window=3, weights="t", capture="dynamo")
     compiled(field, zs, ts, gs, 6).backward()
     report = compiled.report
     assert len(report.windows) == 2

@@ -43,7 +43,7 @@ def data_dependent_loss(dit, zs, ts, g):
 def test_auto_falls_back_to_intercept_with_the_runtime_gradient():
     model = AffineJacobianField(3, seed=1)
     zs, ts, gs = inputs()
-    compiled = jagg_compile(data_dependent_loss, window=3)
+    compiled = jagg_compile(data_dependent_loss, window=3, weights="t")
     zero_grads(model)
     with count_dit_passes(model) as counts:
         loss = compiled(model, zs, ts, gs)

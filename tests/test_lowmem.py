@@ -83,8 +83,8 @@ def test_one_window_of_activations_and_the_joint_pass_counts():
     ex = example_losses.build_example("flow_grpo_sd3", num_steps=16, batch=2, seed=0)
     args = (ex.model, ex.batch)
     peaks, counts = {}, {}
-    for mode, fn in (("joint", jagg_compile(ex.loss_fn, window=4)),
-                     ("lowmem", jagg_compile(ex.loss_fn, window=4, backward="lowmem"))):
+    for mode, fn in (("joint", jagg_compile(ex.loss_fn, window=4, weights="t")),
+                     ("lowmem", jagg_compile(ex.loss_fn, window=4, weights="t", backward="lowmem"))):
         fn(*args)                                    # trace outside the measurement
         zero_grads(ex.model)
         with track_saved_tensors() as stats, count_dit_passes(ex.model) as c:

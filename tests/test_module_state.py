@@ -5,7 +5,7 @@ with the same inputs. For each kind of state change (peft adapter disabled, anot
 adapter, eval mode, a forward hook registered around the call, another module of the same class,
 autocast), at W=4 and on every capture path (``auto``, ``fx``, ``dynamo`` where it captures,
 ``intercept``): the loss value equals the eager loss's and the gradient equals a reference JAGG
-computed by hand. Where a path cannot replay a change it refuses with a ``JaggCaptureError``
+computed by hand (plain JAGG, ``weights="t"``: every window interpolates, none runs exactly). Where a path cannot replay a change it refuses with a ``JaggCaptureError``
 naming it, and ``auto`` moves on (with a warning).
 
 Also: a rollout cache recorded in one state never answers a lookup in another; the module is left
@@ -163,7 +163,7 @@ def test_state_changes_are_replayed_or_refused(loss, capture):
     before = module_state(model)
     ref_loss, ref_grad = reference_jagg(loss, args, model, 4, time_arg=1)
     assert module_state(model) == before
-    compiled = jagg_compile(loss, dit=model, window=4, capture=capture)
+    compiled = jagg_compile(loss, dit=model, window=4, weights="t", capture=capture)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -198,7 +198,7 @@ def test_autocast_reference_call(capture):
     model = peft_field(5, torch.float32)
     args = (model, *inputs(dtype=torch.float32))
     ref_loss, ref_grad = reference_jagg(autocast_reference, args, model, 4, time_arg=1)
-    compiled = jagg_compile(autocast_reference, dit=model, window=4, capture=capture)
+    compiled = jagg_compile(autocast_reference, dit=model, window=4, weights="t", capture=capture)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         loss, grad = loss_and_grad(compiled, args, model)
@@ -232,7 +232,7 @@ def test_net_state_change_of_the_loss_is_replayed():
     args = (model, *inputs())
     model.eval()
     ref_loss, ref_grad = reference_jagg(trains, args, model, 4, time_arg=1)
-    compiled = jagg_compile(trains, dit=model, window=4, capture="fx")
+    compiled = jagg_compile(trains, dit=model, window=4, weights="t", capture="fx")
     for _ in range(2):
         model.eval()
         loss, grad = loss_and_grad(compiled, args, model)

@@ -77,7 +77,8 @@ class Env:
         self.b = {k: v.clone() for k, v in ex.batch.items()}
         self.b["advantages"] = -self.b["advantages"].flip(0)   # another micro-batch: other signs
         self.b["log_probs"] = self.b["log_probs"] + 0.01
-        self.compiled = {m: jaggc.jagg_compile(fresh(el.flow_grpo_sd3_loss), window=W, backward=m) for m in MODES}
+        self.compiled = {m: jaggc.jagg_compile(fresh(el.flow_grpo_sd3_loss), window=W, weights="t", backward=m)
+                         for m in MODES}
         self.reference = {}
         for m, c in self.compiled.items():
             self.model.zero_grad(set_to_none=True)
@@ -272,7 +273,7 @@ def test_same_seed_bitwise_identical_gradients():
         ex = el.build_example("flow_grpo_sd3", num_steps=4, batch=B, seed=3)
         run = []
         for mode in MODES:
-            compiled = jaggc.jagg_compile(fresh(el.flow_grpo_sd3_loss), window=W, backward=mode)
+            compiled = jaggc.jagg_compile(fresh(el.flow_grpo_sd3_loss), window=W, weights="t", backward=mode)
             ex.model.zero_grad(set_to_none=True)
             loss = compiled(ex.model, ex.batch)
             loss.backward()

@@ -58,7 +58,7 @@ def test_compiled_jagg_is_exact_with_per_token_timesteps():
     model = TokenTimeField(1)
     args = (model, *inputs())
     exact_loss, exact = loss_and_grad(loss, args, model)
-    compiled = jagg_compile(loss, window=4)
+    compiled = jagg_compile(loss, window=4, weights="t")
     got_loss, got = loss_and_grad(compiled, args, model)
     assert compiled.report.path == "fx" and [w.mode for w in compiled.report.windows] == ["jagg", "jagg"]
     torch.testing.assert_close(got_loss, exact_loss, rtol=1e-14, atol=1e-14)

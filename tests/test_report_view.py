@@ -30,6 +30,7 @@ def reports():
         key = (name, window, tuple(sorted(options.items())))
         if key not in cache:
             ex = build_example(name, num_steps=8, batch=2, seed=0)
+            options.setdefault("weights", "t")     # the CLI's default: plain JAGG
             cache[key] = jaggc.explain(ex.loss_fn, ex.model, ex.batch, window=window, **options)
         return cache[key]
 

@@ -112,7 +112,7 @@ def test_compiled_routing_matches_runtime_and_reports_decisions():
     def loss_fn(dit, zs, ts, gs):
         return sum((dit(zs[k], ts[k]) * gs[k]).sum() for k in range(zs.shape[0]))
 
-    compiled = jaggc.jagg_compile(loss_fn, window=4, jagg_frac=0.5, exact_below_t=0.3)
+    compiled = jaggc.jagg_compile(loss_fn, window=4, weights="t", jagg_frac=0.5, exact_below_t=0.3)
     zero_grads(model)
     compiled(model, zs, ts, gs).backward()
     got = grads(model).clone()

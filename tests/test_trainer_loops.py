@@ -164,7 +164,8 @@ def test_dance_grpo_loop_and_recipe():
     assert float((results["recipe_w2"] - results["trainer"]).norm()) < 1e-4 * moved
 
     # W=3: the accumulated gradient of K samples equals the reference JAGG's sum
-    compiled = jagg_compile(trainer_shapes.dance_grpo_loss, dit=transformer, window=3, backward="lowmem")
+    compiled = jagg_compile(trainer_shapes.dance_grpo_loss, dit=transformer, window=3, weights="t",
+                            backward="lowmem")
     transformer.zero_grad(set_to_none=True)
     for sample_i, perm in zip(samples[:K], perms[:K]):
         compiled(transformer, sample_i, perm, sigmas, args).backward()

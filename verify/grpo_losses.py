@@ -265,13 +265,14 @@ def _dynamo_room():
 
 
 def compile_loss(rollout: Rollout, capture: str, per_step: bool = False):
-    """``@jagg_compile(window=W, capture=...)`` of the rollout's GRPO loss; ``per_step``: every DiT
-    forward of a window as its own call (``interior_chunk=1, batch_knots=False``), under which the
-    forward values are bit-identical to the uncompiled loss (README)."""
+    """``@jagg_compile(window=W, weights="t", capture=...)`` of the rollout's GRPO loss (plain JAGG,
+    the estimator the exactness theorems are about); ``per_step``: every DiT forward of a window as
+    its own call (``interior_chunk=1, batch_knots=False``), under which the forward values are
+    bit-identical to the uncompiled loss (README)."""
     from ..api import jagg_compile
 
     options = dict(interior_chunk=1, batch_knots=False) if per_step else {}
-    return jagg_compile(LOSSES[rollout.kind], window=rollout.window, capture=capture, **options)
+    return jagg_compile(LOSSES[rollout.kind], window=rollout.window, weights="t", capture=capture, **options)
 
 
 def compiled(rollout: Rollout, field: nn.Module, capture: str, loss=None,

@@ -74,7 +74,7 @@ def _compiled_loss(window: int):
     if window not in _COMPILED:
         from ..api import jagg_compile
 
-        @jagg_compile(window=window, capture="fx")
+        @jagg_compile(window=window, weights="t", capture="fx")
         def loss(field, z, t, g, n: int):
             total = 0
             for k in range(n):

@@ -16,7 +16,7 @@ from torch import nn
 
 def reference_jagg(loss_fn: Callable, args: tuple, dit: nn.Module, window: int, *, weights: str = "t",
                    time_arg: str | int = "timestep", time_of: Callable | None = None,
-                   streams: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                   streams: int = 1, exact_below: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, flat parameter gradient) of plain JAGG computed by hand, independently of jaggc.
 
     The loss runs eagerly; a forward hook on ``dit`` keeps every grad-enabled call's output and
@@ -26,7 +26,9 @@ def reference_jagg(loss_fn: Callable, args: tuple, dit: nn.Module, window: int, 
     gradient is J_a^T G_a + J_b^T G_b through the eager run's own graph of the knot outputs.
     ``time_of(t)`` turns a call's timestep argument into per-sample times (default: as given).
     ``streams``: the loss makes this many grad-enabled calls per sampling step (two-call CFG); call
-    k belongs to stream k % streams and windows are cut per stream."""
+    k belongs to stream k % streams and windows are cut per stream. ``exact_below``: σ-aware
+    placement, a window whose noise level σ (the timestep if all of the window's are in [0, 1],
+    else timestep / 1000) falls below it anywhere is exact: every call its own knot."""
     outs, times = [], []
 
     def keep(module, a, kw, output):
@@ -50,9 +52,11 @@ def reference_jagg(loss_fn: Callable, args: tuple, dit: nn.Module, window: int, 
         members = list(range(stream, len(outs), streams))
         windows += [members[start:start + window] for start in range(0, len(members), window)]
     for idx in windows:
-        if len(idx) == 1:
-            knots.append(outs[idx[0]])
-            composites.append(upstream[idx[0]])
+        scale = 1.0 if max(float(times[k].max()) for k in idx) <= 1.0 else 1000.0
+        low_noise = exact_below is not None and any(bool((times[k] / scale < exact_below).any()) for k in idx)
+        if len(idx) == 1 or low_noise:
+            knots += [outs[k] for k in idx]
+            composites += [upstream[k] for k in idx]
             continue
         a, b = idx[0], idx[-1]
         g_a, g_b = torch.zeros_like(upstream[a]), torch.zeros_like(upstream[b])

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..api import jagg_compile
+from ..api import DEFAULT_WEIGHTS, jagg_compile
 from ..runtime import RolloutCache, WindowOptions, jagg_calls, partition
 from .problems import Problem, own_code
 
@@ -182,7 +182,32 @@ class PerStepBackward:
 
 
 def compiled_loss(problem: Problem, window: int, **options) -> Callable:
+    """``@jagg_compile`` of the problem's loss; plain JAGG (``weights="t"``, what the cost model
+    describes) unless ``options`` say otherwise (``jagg_default`` passes the library default)."""
+    options.setdefault("weights", "t")
     return jagg_compile(own_code(problem.loss_fn), window=window, **options)
+
+
+def sigma_exact_windows(problem: Problem, window: int) -> list[bool]:
+    """Per window of the partition: whether the default weights run it exactly (σ-aware placement)."""
+    from ..runtime.calls import get_time, resolve_time_arg
+
+    calls = problem.dit_calls(problem.batch)
+    times = [get_time(c, resolve_time_arg(c, None)).to(torch.float64).reshape(-1) for c in calls]
+    return [DEFAULT_WEIGHTS.runs_exact(torch.stack([times[k] for k in steps])) for steps in
+            partition(problem.num_steps, window)]
+
+
+def default_cost(problem: Problem, window: int) -> Cost:
+    """The default weights: windows reaching σ < 0.5 run all their steps as knots (3F per step,
+    as exact), the others as plain JAGG."""
+    forward = backward = 0
+    for steps, exact in zip(partition(problem.num_steps, window), sigma_exact_windows(problem, window)):
+        forward += len(steps)
+        backward += 2 * len(steps) if exact or len(steps) <= 2 else 4
+    if problem.cfg:     # the split uncond halves: one no-grad forward per step
+        forward += problem.num_steps
+    return Cost(forward, backward)
 
 
 class RolloutCachedStep(LossStep):
@@ -245,8 +270,11 @@ class Strategy:
     windowed: bool
     about: str
     cfg_cost: Callable[[int, int | None], Cost] | None = None
+    problem_cost: Callable[[Problem, int | None], Cost] | None = None   # a cost that depends on the data
 
     def cost_for(self, problem: Problem, window: int | None) -> Cost:
+        if self.problem_cost is not None:
+            return self.problem_cost(problem, window)
         if problem.cfg:
             return (self.cfg_cost or cfg_unsplit(self.cost))(problem.num_steps, window)
         return self.cost(problem.num_steps, window)
@@ -262,7 +290,10 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              False, "@jagg_compile with every window exact: only the CFG split applies",
              cfg_cost=cfg_split(exact_compiled_cost)),
     Strategy("jagg", lambda p, w: LossStep(p, compiled_loss(p, w)), jagg_cost, True,
-             "@jagg_compile(window=W)", cfg_cost=cfg_split(jagg_cost)),
+             "@jagg_compile(window=W, weights='t'): plain JAGG", cfg_cost=cfg_split(jagg_cost)),
+    Strategy("jagg_default", lambda p, w: LossStep(p, compiled_loss(p, w, weights=DEFAULT_WEIGHTS)), jagg_cost, True,
+             "@jagg_compile(window=W) with the default weights (windows reaching σ < 0.5 exact)",
+             problem_cost=default_cost),
     Strategy("jagg_split_knots", lambda p, w: LossStep(p, compiled_loss(p, w, batch_knots=False)), jagg_cost, True,
              "@jagg_compile(window=W, batch_knots=False): knots as separate passes", cfg_cost=cfg_split(jagg_cost)),
     Strategy("runtime", lambda p, w: LossStep(p, runtime_loss(p, w)), jagg_cost, True,

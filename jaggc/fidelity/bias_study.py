@@ -10,13 +10,15 @@ attention projections or every parameter trained, in three conditions: on-policy
 step), after one and after four real optimizer steps. Candidates, each with step subsampling at
 its own expected backward budget:
 
-  plain JAGG (W=4); σ-aware placement (exact below t = 500); the randomized third knot at W = 6;
+  plain JAGG (W=4, and W=3); σ-aware placement (exact below t = 500) at W = 4, 5 and 6; the
+  randomized third knot at W = 6;
   the control-variate correction (``Basis("control")``: JAGG, plus (exact − JAGG)/p on a random
   fraction p of windows) at W = 4, p = 0.25 and W = 6, p = 0.25; the same correction drawn per
   interior step (``per="step"``) at W = 4 and W = 6, p = 0.25.
 
 ``choose`` applies the default's rule: the cheapest candidate whose bias is within 1.5x its noise
-floor in every cell and whose mean cosine beats its subsampling baseline in every cell.
+floor in every cell (with ``MARGIN`` to spare) and whose mean cosine beats its subsampling
+baseline in every cell.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ S = E.Setting
 CANDIDATES = {
     "jagg": S("jagg", 4, "t"),
     "sigma_aware": S("jagg", 4, "t", exact_below=500.0),
+    "jagg_w3": S("jagg", 3, "t"),
+    "sigma_aware_w5": S("jagg", 5, "t", exact_below=500.0),
+    "sigma_aware_w6": S("jagg", 6, "t", exact_below=500.0),
     "random3_w6": S("random3", 6, "t"),
     "control_w4": S("control", 4, "t", p=0.25),
     "control_w6": S("control", 6, "t", p=0.25),
@@ -43,6 +48,10 @@ CANDIDATES = {
     "control_step_w6": S("control", 6, "t", p=0.25, per="step"),
 }
 CONDITIONS = ("on", "off1", "off4")
+# The default must meet the bias rule with this many floors to spare: a bias/floor ratio is itself
+# measured with noise (a few tenths at N = 64), and a resolved bias's ratio grows as sqrt(N), so a
+# candidate at the limit would fail the next measurement as often as not.
+MARGIN = 0.1
 
 
 def settings(names=None) -> list[E.Setting]:
@@ -104,13 +113,14 @@ def verdicts(results: dict) -> dict:
                 losses.append(cell)
         out[name] = dict(setting=s.label(), worst_bias_over_floor=worst, loses_to_subsampling=losses,
                          backward_fraction=sum(fractions) / len(fractions),
-                         meets_rule=worst <= BIAS_LIMIT and not losses)
+                         meets_rule=worst <= BIAS_LIMIT and not losses,
+                         meets_rule_with_margin=worst <= BIAS_LIMIT - MARGIN and not losses)
     return out
 
 
 def choose(results: dict) -> str | None:
-    """The cheapest candidate meeting the rule (None: none does)."""
-    ok = {n: v for n, v in verdicts(results).items() if v["meets_rule"]}
+    """The cheapest candidate meeting the rule with ``MARGIN`` to spare (None: none does)."""
+    ok = {n: v for n, v in verdicts(results).items() if v["meets_rule_with_margin"]}
     return min(ok, key=lambda n: ok[n]["backward_fraction"]) if ok else None
 
 
@@ -131,12 +141,15 @@ def to_markdown(results: dict) -> str:
             parts += [f"{row['cos_mean']:.3f} ({sub['cos_mean']:.3f})", f"{row['bias'] / row['floor']:.2f}",
                       f"{row['backward_fraction']:.2f}"]
         lines.append(f"| {cell} | " + " | ".join(parts) + " |")
-    lines += ["", "| candidate | worst bias/floor | loses to subsampling in | b | meets the rule |", "|---|---|---|---|---|"]
+    lines += ["", f"| candidate | worst bias/floor | loses to subsampling in | b | meets the rule (≤ {BIAS_LIMIT}) | "
+                  f"with {MARGIN} to spare |", "|---|---|---|---|---|---|"]
     for name, v in verdicts(results).items():
-        lines.append(f"| {name} ({v['setting']}) | {v['worst_bias_over_floor']:.2f} | "
-                     f"{', '.join(v['loses_to_subsampling']) or '—'} | {v['backward_fraction']:.2f} | "
-                     f"{'yes' if v['meets_rule'] else 'no'} |")
-    lines += ["", f"Chosen (cheapest meeting the rule): **{choose(results) or 'none'}**", ""]
+        losses = v["loses_to_subsampling"]
+        lost = "every cell" if len(losses) == len(results["cells"]) else ", ".join(losses) or "—"
+        lines.append(f"| {name} ({v['setting']}) | {v['worst_bias_over_floor']:.2f} | {lost} | "
+                     f"{v['backward_fraction']:.2f} | {'yes' if v['meets_rule'] else 'no'} | "
+                     f"{'yes' if v['meets_rule_with_margin'] else 'no'} |")
+    lines += ["", f"Chosen (cheapest meeting the rule with {MARGIN} to spare): **{choose(results) or 'none'}**", ""]
     return "\n".join(lines)
 
 
