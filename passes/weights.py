@@ -39,7 +39,9 @@ def compute_weights(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             continue
         w.time_arg = resolve_time_arg(w.nodes[0], ctx.config.time_arg)
         for node in w.nodes[1:]:
-            if resolve_time_arg(node, w.time_arg) != w.time_arg:
+            # each call resolved on its own: a call that passes the timestep elsewhere must not be
+            # read at the first call's position
+            if resolve_time_arg(node, ctx.config.time_arg) != w.time_arg:
                 raise JaggInputError(f"node {node.name}: timestep argument differs within window {w.index}")
         w.knots = basis.knot_positions(len(w.nodes))
         w.basis = basis.label()

@@ -112,7 +112,8 @@ def assign_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if len(by_stream) > 1:
         ctx.notes.append(f"{len(by_stream)} DiT calls per sampling step (classifier-free guidance with separate "
                          f"calls): one window per stream, never mixing streams")
-    for run in [r for stream in by_stream for r in batch_compatible_runs(stream)]:
+    runs_per_stream = [batch_compatible_runs(stream) for stream in by_stream]
+    for run in [r for runs in runs_per_stream for r in runs]:
         for idx in partition(len(run), cfg.window):
             nodes = [run[i] for i in idx]
             if len(nodes) <= 2:
@@ -128,6 +129,6 @@ def assign_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 site = n.meta["jagg_call"]
                 site.window = w.index
                 site.role = "exact" if mode == "exact" else "interior"
-    if len(by_stream) == 1 and len(ctx.windows) > len(partition(len(trained), cfg.window)):
+    if any(len(runs) > 1 for runs in runs_per_stream):
         ctx.notes.append("some DiT calls differ in argument structure; windows were cut at those calls")
     return gm

@@ -18,8 +18,8 @@ Covered here:
     the path; detached or no-grad dataflow is accepted.
   * assign_windows: windows of W with a shorter tail (exact at <= 2 steps), spanning reference calls,
     cut at a change of call structure, one window set per CFG stream; modes under jagg_frac/routing;
-    refusals for a window larger than the calls or fewer than 2 trained calls (xfail: the note that
-    windows were cut is missing when the cut keeps the window count).
+    refusals for a window larger than the calls or fewer than 2 trained calls; the report notes every
+    cut, also one that keeps the window count.
 
 tests/test_passes_unit_rewrite.py covers compute_weights, rewrite_windows, cleanup, place_grad_modes
 and place_lowmem_terms, with numerics.
@@ -391,10 +391,6 @@ def test_assign_windows_cuts_runs_where_the_call_structure_changes(n, window, cu
         assert any("windows were cut" in note for note in ctx.notes)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "assign_windows notes 'windows were cut at those calls' only when the cut raises the window count "
-    "(len(ctx.windows) > len(partition(...))): 6 calls at W=4 cut after step 2 give [0,1,2], [3,4,5] "
-    "instead of [0..3], [4,5], the same count, and the report says nothing"))
 def test_assign_windows_notes_every_cut_at_a_structure_change():
     gm, _ = affine_loss(6, kwargs_from=3)
     ctx = context(4)

@@ -3,7 +3,7 @@ the invariant each module docstring states, and the rewritten graphs run against
 
 Covered here:
   * compute_weights: knots, basis and time_arg per JAGG window, knot roles; refusal of a call without
-    the timestep argument (xfail: of a window whose calls read the timestep from different places).
+    the timestep argument and of a window whose calls read the timestep from different places.
   * rewrite_windows: each JAGG window's calls become one ``jagg_window`` node whose getitems feed the
     old users and carry the CallSites; exact tails keep their ``dit_call`` (now with ``step=``),
     reference calls stay as they are; routed windows become one ``jagg_trajectory``; with
@@ -116,13 +116,6 @@ def _mixed_time_window():
     return gm, ctx
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "compute_weights re-resolves each later call with the window's time_arg (resolve_time_arg(node, "
-    "w.time_arg)), which returns that same time_arg or raises, so `!= w.time_arg` can never hold and the "
-    "'timestep argument differs within window' refusal is dead: a window whose call 0 passes the timestep "
-    "at position 1 and whose later calls pass it as timestep= (their position 1 holding a guidance scale) "
-    "is accepted with time_arg=1. Unreachable through assign_windows, which cuts windows at such a "
-    "structure change (next test)."))
 def test_compute_weights_refuses_timestep_argument_that_differs_within_a_window():
     gm, ctx = _mixed_time_window()
     with pytest.raises(JaggInputError, match=r"node dit_call_1: timestep argument differs within window 0"):
