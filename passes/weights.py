@@ -27,8 +27,8 @@ def resolve_time_arg(node: fx.Node, time_arg):
     if not present:
         site = node.meta["jagg_call"]
         raise JaggInputError(
-            f"step {site.step} (node {node.name}, {site.source}): the DiT call has no timestep argument "
-            f"{time_arg!r}; pass jagg_compile(time_arg=<keyword name or position of the timestep>)")
+            f"step {site.step} (node {node.name}{', ' + site.source if site.source else ''}): the DiT call has "
+            f"no timestep argument {time_arg!r}; pass jagg_compile(time_arg=<keyword name or position of the timestep>)")
     return time_arg
 
 
