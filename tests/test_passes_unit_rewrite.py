@@ -97,7 +97,7 @@ def test_compute_weights_refuses_calls_without_timestep_naming_step_and_node():
         total = c.fn(operator.add, total, c.term(c.dit(c.at(c.x.zs, k)), k))
     ctx = context(3)
     gm = run(c.build(total), ctx, find_dit_calls, assign_windows)
-    with pytest.raises(JaggInputError, match=r"step 0 \(node dit_call, \): the DiT call has no timestep argument 1"):
+    with pytest.raises(JaggInputError, match=r"step 0 \(node dit_call\): the DiT call has no timestep argument 1"):
         compute_weights(gm, ctx)
 
 
