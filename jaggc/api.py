@@ -30,8 +30,9 @@ from .runtime.weights import Basis
 from .runtime.window import WindowOptions
 
 #: jagg_compile's default weights: plain JAGG (t-weights) with σ-aware placement, windows reaching
-#: σ < 0.5 run exactly; the cheapest setting whose bias stayed within 1.5x its noise floor on
-#: every base and cell of the bias study (README, Fidelity). weights="t" is the paper's plain JAGG.
+#: σ < 0.5 run exactly; the cheapest candidate whose bias stayed within 1.5x its noise floor (with
+#: a margin) and whose cosine beat subsampling in every cell of the bias study (README, Fidelity;
+#: docs/bias_study.md). weights="t" is the paper's plain JAGG.
 DEFAULT_WEIGHTS = Basis("linear", "t", exact_below=0.5)
 
 _CAPTURES = ("auto", "dynamo", "fx", "intercept")
