@@ -20,6 +20,7 @@ a few minutes on 2 CPU cores; ``out`` receives the sample grids and reward curve
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import os
 import statistics
@@ -167,22 +168,14 @@ def run_seed(base: torch.nn.Module, options: DemoOptions, seed: int, start_eval:
             eval_start={k: v for k, v in start_eval.items() if k != "reward"},
             eval_end={k: v for k, v in end_eval.items() if k != "reward"},
             rollout_reward=[h["reward_mean"] for h in history],
-            cpu_curve=_cumulative(h["cpu_s"] for h in history),
-            wall_curve=_cumulative(h["wall_s"] for h in history),
+            cpu_curve=list(itertools.accumulate(h["cpu_s"] for h in history)),
+            wall_curve=list(itertools.accumulate(h["wall_s"] for h in history)),
             cache_hits=sum(h["cache_hits"] for h in history),
             clipfrac=[h["clipfrac"] for h in history], approx_kl=[h["approx_kl"] for h in history],
             train_steps=[h["train_steps"] for h in history],
             first_gradient_s=first_grad_s[name])
         results[name]["_samples"] = grid_samples(models[name], options.trainer_config(name, seed))
     return results
-
-
-def _cumulative(values) -> list[float]:
-    out, total = [], 0.0
-    for v in values:
-        total += v
-        out.append(total)
-    return out
 
 
 def combine_seeds(per_seed: list[dict]) -> dict:
