@@ -27,7 +27,7 @@ from .report import Report, WindowRow
 from .runtime.module_state import module_state
 from .runtime.routing import Routing
 from .runtime.weights import Basis
-from .runtime.window import WindowOptions
+from .runtime.window import WindowOptions, check_window_size
 
 #: jagg_compile's default weights: plain JAGG (t-weights) with σ-aware placement, windows reaching
 #: σ < 0.5 run exactly; the cheapest candidate whose bias stayed within 1.5x its noise floor (with
@@ -74,13 +74,9 @@ class JaggCompiled:
             raise JaggUnsupportedError(
                 f"backend={backend!r} compiles the glue of a Dynamo-captured graph; capture={capture!r} "
                 f"has no such graph. Use capture='dynamo' (or 'auto'), or backend=None")
-        if not isinstance(window, int) or window < 2:
-            raise JaggInputError(f"window={window!r}: a JAGG window needs an int of at least 2 steps")
+        check_window_size(window)
         routing = Routing(jagg_frac=float(jagg_frac), threshold=jagg_threshold, exact_below_t=exact_below_t)
-        if routing.active and backward != "joint":
-            raise JaggUnsupportedError(
-                f"routing (jagg_frac={jagg_frac}, jagg_threshold={jagg_threshold}, exact_below_t={exact_below_t}) "
-                f"needs backward='joint': windows are scored before any is chosen")
+        routing.check_backward(backward)
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.dit = dit

@@ -21,7 +21,7 @@ from torch import fx
 
 from jaggc._compat import tree_flatten
 from jaggc.errors import JaggInputError
-from jaggc.runtime.window import partition
+from jaggc.runtime.window import check_window_size, partition
 
 from .context import PassContext, Window
 
@@ -93,8 +93,7 @@ def batch_compatible_runs(calls: list[fx.Node]) -> list[list[fx.Node]]:
 
 def assign_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     cfg = ctx.config
-    if not isinstance(cfg.window, int) or cfg.window < 2:
-        raise JaggInputError(f"window={cfg.window!r}: a JAGG window needs an int of at least 2 steps")
+    check_window_size(cfg.window)
     trained = ctx.trained_calls(gm)
     if len(trained) < 2:
         raise JaggInputError(

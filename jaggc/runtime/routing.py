@@ -51,6 +51,14 @@ class Routing:
         if self.threshold is not None and not -1.0 <= float(self.threshold) <= 1.0:
             raise JaggInputError(f"jagg_threshold={self.threshold!r} is a cosine score: use a value in [-1, 1]")
 
+    def check_backward(self, backward: str) -> None:
+        """The one check that routing runs in the joint mode (jagg_compile and the runtime)."""
+        if self.active and backward != "joint":
+            raise JaggUnsupportedError(
+                f"routing (jagg_frac={self.jagg_frac}, jagg_threshold={self.threshold}, "
+                f"exact_below_t={self.exact_below_t}) needs backward='joint': it scores every window before "
+                f"choosing, which the per-window and low-memory modes' deferred knot work cannot do")
+
     @property
     def active(self) -> bool:
         """Whether windows are chosen at run time (else every window of > 2 steps is JAGG)."""
@@ -118,11 +126,7 @@ def _exact_from_prepared(dit: nn.Module, prepared: PreparedWindow, options: Wind
 def run_routed(dit: nn.Module, windows: Sequence[Sequence[DitCall]], steps: Sequence[Sequence[int]],
                options: WindowOptions, routing: Routing) -> tuple[list[list[Any]], RoutingDecision]:
     """Run a trajectory's windows, each as JAGG or exact by ``routing``; outputs per window."""
-    if options.backward != "joint":
-        raise JaggUnsupportedError(
-            f"routing (jagg_frac={routing.jagg_frac}, jagg_threshold={routing.threshold}, "
-            f"exact_below_t={routing.exact_below_t}) needs backward='joint': it scores every window "
-            f"before choosing, which the per-window mode's deferred knot forwards cannot do")
+    routing.check_backward(options.backward)
     if not torch.is_grad_enabled():
         return [run_exact(dit, w, steps=s, options=options) for w, s in zip(windows, steps)], RoutingDecision()
     prepared: list[PreparedWindow | None] = []

@@ -14,7 +14,7 @@ from ..errors import JaggInputError
 from .calls import DitCall
 from .deferred import BackwardGroup
 from .routing import Routing, run_routed
-from .window import WindowOptions, deferred_grad_forwards, partition, run_exact, run_window
+from .window import WindowOptions, check_window_size, deferred_grad_forwards, partition, run_exact, run_window
 
 
 def jagg_calls(dit: nn.Module, calls: Sequence[DitCall], *, window: int = 4,
@@ -28,8 +28,7 @@ def jagg_calls(dit: nn.Module, calls: Sequence[DitCall], *, window: int = 4,
     """
     if not calls:
         raise JaggInputError("no DiT calls to run: the trajectory is empty")
-    if window < 2:
-        raise JaggInputError(f"window={window}: a JAGG window needs at least 2 steps")
+    check_window_size(window)
     if len(calls) < 2:
         raise JaggInputError(
             f"window={window}: the trajectory has 1 step and a JAGG window needs at least 2, so there is nothing "

@@ -196,10 +196,15 @@ def _assemble(phi, knot_out, knots, interior_out, num_steps, batch) -> list[Any]
     return [tree_unflatten(leaves, spec) for leaves in per_step]
 
 
+def check_window_size(window) -> None:
+    """The one check of a ``window=`` option (jagg_compile, jagg_calls, the window pass, partition)."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 2:
+        raise JaggInputError(f"window={window!r}: a JAGG window needs an int of at least 2 steps")
+
+
 def partition(num_steps: int, window: int) -> list[list[int]]:
     """Consecutive windows of ``window`` steps; a shorter tail is its own (shorter) window."""
-    if window < 2:
-        raise JaggInputError(f"window={window}: a JAGG window needs at least 2 steps")
+    check_window_size(window)
     return [list(range(lo, min(lo + window, num_steps))) for lo in range(0, num_steps, window)]
 
 
