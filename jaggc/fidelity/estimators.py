@@ -46,6 +46,7 @@ from torch import nn
 
 from .._compat import tree_flatten, tree_unflatten
 from ..errors import JaggInputError
+from ..frontends.intercept import DitProxy
 from ..runtime import Basis, DitCall, WindowOptions, jagg_calls, partition
 from ..runtime.calls import concat_calls, per_sample_time, primary_input, resolve_time_arg, set_time
 
@@ -83,31 +84,26 @@ def _first_float_leaf(out) -> int:
     raise JaggInputError("the DiT returned no floating-point tensor")
 
 
-class _Proxy(nn.Module):
-    """Stands in for the DiT: returns the real output (no grad) with its primary tensor replaced
-    by a fresh leaf that requires grad (recording), or by given tensors (replay)."""
-
-    def __init__(self, dit, replay: Sequence[Any] | None = None):
-        super().__init__()
-        self.dit = dit
-        self.replay = list(replay) if replay is not None else None
-        self.calls: list[DitCall] = []
-        self.leaves: list[torch.Tensor] = []
-
-    def forward(self, *args, **kwargs):
-        if self.replay is not None:
-            out = self.replay[len(self.calls)]
-            self.calls.append(DitCall(tuple(args), dict(kwargs)))
-            return out
+def _recording_proxy(dit: nn.Module, calls: list, leaves: list) -> DitProxy:
+    """The intercept path's DiT stand-in, recording: each grad-mode call runs the DiT without grad
+    and returns its output with the primary tensor replaced by a fresh leaf that requires grad."""
+    def on_call(call: DitCall):
         with torch.no_grad():
-            out = self.dit(*args, **kwargs)
-        leaves, spec = tree_flatten(out)
+            out = call(dit)
+        flat, spec = tree_flatten(out)
         i = _first_float_leaf(out)
-        leaf = leaves[i].detach().requires_grad_(True)
-        leaves[i] = leaf
-        self.calls.append(DitCall(tuple(args), dict(kwargs)))
-        self.leaves.append(leaf)
-        return tree_unflatten(leaves, spec)
+        flat[i] = flat[i].detach().requires_grad_(True)
+        calls.append(call)
+        leaves.append(flat[i])
+        return tree_unflatten(flat, spec)
+
+    return DitProxy(dit, on_call)
+
+
+def _replaying_proxy(dit: nn.Module, outs: Sequence[Any]) -> DitProxy:
+    """The same stand-in, replaying: the k-th grad-mode call returns ``outs[k]``."""
+    served = iter(outs)
+    return DitProxy(dit, lambda call: next(served))
 
 
 def _scalar_loss(result) -> torch.Tensor:
@@ -116,16 +112,16 @@ def _scalar_loss(result) -> torch.Tensor:
 
 def record(loss_fn: Callable, dit: nn.Module, batch: Any, *, time_arg: str | int | None = None) -> Recording:
     """Run ``loss_fn(dit, batch)`` once; return its DiT calls, outputs and ∂loss/∂output."""
-    proxy = _Proxy(dit)
+    calls, leaves = [], []
     with torch.enable_grad():
-        loss = _scalar_loss(loss_fn(proxy, batch))
-        if not proxy.calls:
+        loss = _scalar_loss(loss_fn(_recording_proxy(dit, calls, leaves), batch))
+        if not calls:
             raise JaggInputError("the loss made no DiT call")
-        grads = torch.autograd.grad(loss, proxy.leaves, allow_unused=True)
-    upstream = [torch.zeros_like(v) if g is None else g.detach() for v, g in zip(proxy.leaves, grads)]
-    targ = resolve_time_arg(proxy.calls[0], time_arg)
-    times = torch.stack([per_sample_time(c, targ, s).to(torch.float64) for s, c in enumerate(proxy.calls)])
-    return Recording(proxy.calls, [v.detach() for v in proxy.leaves], upstream, times, float(loss.detach()), targ)
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    upstream = [torch.zeros_like(v) if g is None else g.detach() for v, g in zip(leaves, grads)]
+    targ = resolve_time_arg(calls[0], time_arg)
+    times = torch.stack([per_sample_time(c, targ, s).to(torch.float64) for s, c in enumerate(calls)])
+    return Recording(calls, [v.detach() for v in leaves], upstream, times, float(loss.detach()), targ)
 
 
 def runtime_gradient(loss_fn: Callable, dit: nn.Module, batch: Any, *, window: int,
@@ -137,7 +133,7 @@ def runtime_gradient(loss_fn: Callable, dit: nn.Module, batch: Any, *, window: i
     params = trainable(dit)
     outs = jagg_calls(dit, rec.calls, window=window, options=WindowOptions(weights=weights),
                       exact_windows=tuple(exact_windows))
-    loss = _scalar_loss(loss_fn(_Proxy(dit, replay=outs), batch))
+    loss = _scalar_loss(loss_fn(_replaying_proxy(dit, outs), batch))
     grads = torch.autograd.grad(loss, params, allow_unused=True)
     return _flat(grads, params)
 
