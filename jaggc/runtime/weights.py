@@ -79,8 +79,9 @@ class Basis:
         object.__setattr__(self, "_generator", None)
 
     def sample(self, times: torch.Tensor) -> tuple[tuple[int, ...], torch.Tensor]:
-        """(knot positions, Φ) for one window call; the same as (knot_positions, matrix) for
-        every kind but "randomized", which draws a new interior knot on each call."""
+        """(knot positions, Φ) for one window call: (knot_positions, matrix) for the deterministic
+        kinds; a fresh draw for "randomized" and "control"; every step a knot with identity weights
+        when σ-aware placement (``exact_below``) runs the call exactly."""
         num_steps = times.shape[0]
         if self.runs_exact(times):
             eye = torch.eye(num_steps, dtype=torch.float64, device=times.device)
