@@ -46,7 +46,7 @@ def intercept_report(loss: InterceptedLoss, cfg, traces: int) -> Report:
                               backward_before=len(steps), backward_after=1 if jagg else len(steps)))
     return Report(path="intercept", windows=rows, traces=traces, notes=[
         "no graph was captured: the loss ran twice with the DiT argument replaced by a recording proxy "
-        "(one extra forward per step compared with a captured graph)"])
+        "(one extra forward per step compared with a captured graph)", *loss.notes])
 
 
 def refresh_times(report: Report | None) -> None:

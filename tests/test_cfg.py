@@ -179,13 +179,16 @@ def two_call_cfg(dit, zs, ts, g, uncond_grad):
 
 @pytest.mark.parametrize("uncond_grad", [True, False])
 @pytest.mark.parametrize("window", [2, 4])
-def test_two_call_cfg_windows_per_stream(uncond_grad, window):
+@pytest.mark.parametrize("capture", ["fx", "dynamo", "intercept"])
+def test_two_call_cfg_windows_per_stream(uncond_grad, window, capture):
+    """Every capture path cuts windows by the one grouping rule (the intercept path used to mix
+    the uncond and cond calls of consecutive steps in one window)."""
     model = CondField(seed=2)
     args = (model, *_field_inputs(seed=1), uncond_grad)
-    compiled = jagg_compile(two_call_cfg, window=window, weights="t")
+    compiled = jagg_compile(two_call_cfg, window=window, weights="t", capture=capture)
     _, got = loss_and_grad(compiled, args, model)
     _, ref = reference_jagg(two_call_cfg, args, model, window, time_arg=1, streams=2 if uncond_grad else 1)
-    assert compiled.report.path == "fx"
+    assert compiled.report.path == capture
     assert rel_err(got, ref) < 1e-12
     steps = [w.steps for w in compiled.report.windows]
     if uncond_grad:     # stream 0 (uncond) = even steps, stream 1 (cond) = odd steps
@@ -194,6 +197,26 @@ def test_two_call_cfg_windows_per_stream(uncond_grad, window):
     if window == 2:
         _, exact = loss_and_grad(two_call_cfg, args, model)
         assert rel_err(got, exact) < 1e-12
+
+
+def test_two_call_cfg_eager_drivers_share_the_windows():
+    """jagg_calls on the recorded calls and the fidelity estimators (runtime_gradient, the basis
+    estimate of plain JAGG) cut the interleaved calls into the same per-stream windows."""
+    from jaggc.fidelity import estimators as E
+    from jaggc.runtime import jagg_calls
+
+    model = CondField(seed=2)
+    zs, ts, g = _field_inputs(seed=1)
+    args = (model, zs, ts, g, True)
+    _, ref = reference_jagg(two_call_cfg, args, model, 4, time_arg=1, streams=2)
+    rec = E.record(lambda dit, b: two_call_cfg(dit, *b, True), model, (zs, ts, g), time_arg=1)
+    assert E.windows_of(rec, 4) == [[0, 2, 4, 6], [8, 10, 12, 14], [1, 3, 5, 7], [9, 11, 13, 15]]
+    params = [p for p in model.parameters()]
+    outs = jagg_calls(model, rec.calls, window=4, options=jaggc.runtime.WindowOptions(weights="t", time_arg=1))
+    driven = torch.autograd.grad(sum((o * u).sum() for o, u in zip(outs, rec.upstream)), params)
+    assert rel_err(torch.cat([x.reshape(-1) for x in driven]), ref) < 1e-12
+    assert rel_err(E.jagg(rec, model, window=4).grad, ref) < 1e-12
+    assert rel_err(E.runtime_gradient(lambda dit, b: two_call_cfg(dit, *b, True), model, (zs, ts, g), window=4), ref) < 1e-12
 
 
 def three_way_loss(dit, zs, ts, g):

@@ -47,7 +47,8 @@ from torch import nn
 from .._compat import tree_flatten, tree_unflatten
 from ..errors import JaggInputError
 from ..frontends.intercept import DitProxy
-from ..runtime import Basis, DitCall, WindowOptions, jagg_calls, partition
+from ..runtime import Basis, DitCall, WindowOptions, jagg_calls
+from ..runtime.grouping import group_calls, runs, structure
 from ..runtime.calls import concat_calls, per_sample_time, primary_input, resolve_time_arg, set_time
 
 VARIANTS = ("exact", "jagg", "causal", "lagrange", "hat", "extrapolate", "denoised", "random3", "control",
@@ -70,6 +71,7 @@ class Recording:
     loss: float
     time_arg: str | int
     extra: dict = field(default_factory=dict)   # e.g. step means / end time for ``denoised``
+    windows: dict = field(default_factory=dict, repr=False)   # window size -> windows_of's answer
 
     @property
     def num_steps(self) -> int:
@@ -170,12 +172,14 @@ def with_state(call: DitCall, state: torch.Tensor, time: torch.Tensor, time_arg)
 
 def vjp_sum(dit: nn.Module, pairs: Sequence[tuple[DitCall, torch.Tensor]], time_arg, *, chunk: int = 16,
             params: list[torch.Tensor] | None = None) -> torch.Tensor:
-    """Σ_i J(call_i)ᵀ c_i as one flat vector (calls batched ``chunk`` at a time)."""
+    """Σ_i J(call_i)ᵀ c_i as one flat vector (consecutive calls of one argument structure batched
+    ``chunk`` at a time)."""
     params = params if params is not None else trainable(dit)
     total = torch.zeros(sum(p.numel() for p in params), dtype=torch.float64)
     pairs = [(c, g) for c, g in pairs if g is not None and bool(torch.any(g != 0))]
-    for lo in range(0, len(pairs), chunk):
-        part = pairs[lo:lo + chunk]
+    parts = [[pairs[k] for k in run[lo:lo + chunk]]
+             for run in runs(range(len(pairs)), lambda k: structure(pairs[k][0])) for lo in range(0, len(run), chunk)]
+    for part in parts:
         call = concat_calls([c for c, _ in part], time_arg)
         with torch.enable_grad():
             out = call(dit)
@@ -244,8 +248,13 @@ def exact(rec: Recording, dit: nn.Module) -> Estimate:
     return plan.run(dit, "exact")
 
 
-def _windows(rec: Recording, window: int) -> list[list[int]]:
-    return partition(rec.num_steps, window)
+def windows_of(rec: Recording, window: int) -> list[list[int]]:
+    """The recorded calls' windows by jaggc's one grouping rule (runtime/grouping.py), so that every
+    estimator, ``exact_windows`` index and ``runtime_gradient`` see the windows the runtime runs."""
+    if window not in rec.windows:
+        rec.windows[window] = group_calls(rec.calls, window, time_arg=rec.time_arg,
+                                          calls_named="recorded DiT calls").windows
+    return rec.windows[window]
 
 
 def basis_estimate(rec: Recording, dit: nn.Module, *, window: int, basis: Basis | str = "t",
@@ -254,7 +263,7 @@ def basis_estimate(rec: Recording, dit: nn.Module, *, window: int, basis: Basis 
     (Basis("constant")), Lagrange (Basis("lagrange")). Same weights as ``jaggc.runtime``."""
     basis = Basis("linear", basis) if isinstance(basis, str) else basis
     plan = _Plan(rec)
-    for w, idx in enumerate(_windows(rec, window)):
+    for w, idx in enumerate(windows_of(rec, window)):
         if w in exact_windows or len(idx) <= 2 or len(basis.knot_positions(len(idx))) >= len(idx):
             plan.exact_steps(idx)
         else:
@@ -321,10 +330,13 @@ def denoised(rec: Recording, dit: nn.Module, *, window: int, weights: str = "t",
     if means is None or end_time is None:
         raise JaggInputError("denoised needs the step means μ_k and the end time (see flow_grpo_extras)")
     plan = _Plan(rec)
-    for w, idx in enumerate(_windows(rec, window)):
+    for w, idx in enumerate(windows_of(rec, window)):
         if w in exact_windows or len(idx) <= 2:
             plan.exact_steps(idx)
             continue
+        if idx != list(range(idx[0], idx[-1] + 1)):
+            raise JaggInputError(f"denoised needs each window's steps consecutive in the recording; window {w} holds "
+                                 f"calls {idx} (two-call guidance): record one call per step")
         a, r = idx[0], idx[-1] + 1
         z_a = primary_input(rec.calls[a])
         z_star = z_a + sum(means[k] - primary_input(rec.calls[k]) for k in idx)
@@ -349,7 +361,7 @@ def random3(rec: Recording, dit: nn.Module, *, window: int, weights: str = "t", 
     ``picks`` {window index: interior position} overrides the draw (for enumerating k*)."""
     basis = Basis("linear", weights)
     plan = _Plan(rec)
-    for w, idx in enumerate(_windows(rec, window)):
+    for w, idx in enumerate(windows_of(rec, window)):
         if w in exact_windows or len(idx) <= 3:
             plan.exact_steps(idx)
             continue
@@ -374,7 +386,7 @@ def subsample(rec: Recording, dit: nn.Module, *, window: int, k: float = 2, exac
     replacement, each scaled n/k (unbiased). A fractional k draws floor(k) + Bernoulli(frac) steps
     per window (each draw unbiased, the expected count k). ``picks`` {window: positions} overrides."""
     plan = _Plan(rec)
-    for w, idx in enumerate(_windows(rec, window)):
+    for w, idx in enumerate(windows_of(rec, window)):
         n = len(idx)
         if w in exact_windows or n <= k or n <= 2:
             plan.exact_steps(idx)
@@ -391,7 +403,7 @@ def subsample(rec: Recording, dit: nn.Module, *, window: int, k: float = 2, exac
 
 def windows_below(rec: Recording, window: int, t0: float) -> tuple[int, ...]:
     """Windows with any timestep < t0 (in the DiT's timestep units): the σ-aware exact set."""
-    return tuple(w for w, idx in enumerate(_windows(rec, window)) if bool((rec.times[idx] < t0).any()))
+    return tuple(w for w, idx in enumerate(windows_of(rec, window)) if bool((rec.times[idx] < t0).any()))
 
 
 def routing_scores(rec: Recording, window: int, weights: str = "t") -> list[float]:
@@ -399,7 +411,7 @@ def routing_scores(rec: Recording, window: int, weights: str = "t") -> list[floa
     flattened batch (nan for windows of ≤ 2 steps: always exact)."""
     basis = Basis("linear", weights)
     scores = []
-    for idx in _windows(rec, window):
+    for idx in windows_of(rec, window):
         if len(idx) <= 2:
             scores.append(float("nan"))
             continue
@@ -419,7 +431,7 @@ def routed_exact_windows(rec: Recording, window: int, *, jagg_frac: float = 1.0,
                          exact_below: float | None = None) -> tuple[int, ...]:
     """The exact windows under routing: windows below ``exact_below`` are exact; of the others,
     the top ⌊jagg_frac · #windows⌋ by score go JAGG, the rest exact."""
-    windows = _windows(rec, window)
+    windows = windows_of(rec, window)
     forced = set(windows_below(rec, window, exact_below)) if exact_below is not None else set()
     scores = routing_scores(rec, window, weights)
     eligible = [w for w in range(len(windows)) if w not in forced and not math.isnan(scores[w])]
@@ -559,4 +571,4 @@ __all__ = ["Estimate", "RANDOM_VARIANTS", "Recording", "Setting", "VARIANTS", "b
            "estimate", "exact", "extrapolate", "flow_grpo_extras", "hat", "jagg", "lagrange", "matched_subsample",
            "matched_subsample_setting", "random3",
            "record", "rel_error", "routed_exact_windows", "routing_scores", "runtime_gradient", "subsample",
-           "trainable", "vjp_sum", "windows_below", "with_state"]
+           "trainable", "vjp_sum", "windows_below", "windows_of", "with_state"]

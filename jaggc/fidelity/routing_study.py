@@ -73,7 +73,7 @@ def window_fidelity(rec: E.Recording, dit, *, window: int, weights: str = "t") -
     scores = E.routing_scores(rec, window, weights)
     basis = Basis("linear", weights)
     out = []
-    for w, idx in enumerate(E.partition(rec.num_steps, window)):
+    for w, idx in enumerate(E.windows_of(rec, window)):
         if len(idx) <= 2:
             continue
         exact_plan, jagg_plan = E._Plan(rec), E._Plan(rec)

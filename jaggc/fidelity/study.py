@@ -293,7 +293,7 @@ def window_positions(*, rollouts: int = 8, window: int = 4, draws: int = 2, warm
     trainer = GRPOTrainer(dit, cfg, **(trainer_kwargs or {}))
     frozen = FrozenStart(trainer, warmup)
     gen = torch.Generator().manual_seed(seed + 5)
-    wins = E.partition(cfg.num_steps - 1, window)
+    wins: list[list[int]] = []
     acc: dict = {}
     for r in range(rollouts):
         mbs = frozen.minibatches(1000 + r)
@@ -302,6 +302,7 @@ def window_positions(*, rollouts: int = 8, window: int = 4, draws: int = 2, warm
                 trainer._optimize(mbs[0])
             rec = E.record(grpo_loss, dit, mbs[0] if cond == "on" else mbs[-1])
             ex = E.exact(rec, dit).grad
+            wins = E.windows_of(rec, window)
             for w, idx in enumerate(wins):
                 gw = E.vjp_sum(dit, [(rec.calls[k], rec.upstream[k]) for k in idx], rec.time_arg)
                 others = tuple(i for i in range(len(wins)) if i != w)

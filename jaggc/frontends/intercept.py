@@ -8,10 +8,10 @@ interceptor finds out by running the loss:
      records its inputs and returns the output as a fresh leaf that requires grad, so a later call
      whose input was computed from it is caught (the calls must be gradient-independent, like in a
      graph: states are stored, not recomputed). The outputs are kept in a ``RolloutCache``.
-  2. **replay**: the recorded calls are cut into windows and run with ``jagg_calls`` (interior
-     outputs come from the cache, so only the knot forwards run again), then the loss runs a
-     second time and the proxy hands back the window outputs in call order, refusing any call
-     whose inputs differ from the recording (the loss must be deterministic given its inputs).
+  2. **replay**: the recorded calls are cut into windows by jaggc's one grouping rule
+     (``runtime/grouping.py``) and run by the eager driver ``run_trajectory`` (interior outputs
+     come from the cache, so only the knot forwards run again), then the loss runs a second time
+     and the proxy hands back the window outputs in call order, refusing any call whose inputs differ from the recording (the loss must be deterministic given its inputs).
 
 It costs one extra forward of every step compared with a captured graph (the knots are computed
 twice: once without grad in the recording, once with grad) and runs the loss's Python twice. No-grad
@@ -38,10 +38,11 @@ from ..errors import JaggCaptureError, JaggGraphError, JaggInputError
 from ..runtime.calls import DitCall
 from ..runtime.checks import check_placement
 from ..runtime.rollout_cache import RolloutCache
-from ..runtime.routing import Routing, run_routed
-from ..runtime.deferred import BackwardGroup
-from ..runtime.module_state import ModuleState, applied, difference, module_state
-from ..runtime.window import WindowOptions, deferred_grad_forwards, partition, run_exact, run_window
+from ..runtime.grouping import group_calls
+from ..runtime.module_state import ModuleState, difference, module_state
+from ..runtime.routing import Routing
+from ..runtime.trajectory import run_trajectory
+from ..runtime.window import WindowOptions
 
 
 class DitProxy:
@@ -97,24 +98,6 @@ def _same_inputs(a: DitCall, b: DitCall) -> bool:
     return True
 
 
-def _structure(call: DitCall):
-    flat, spec = tree_flatten((call.args, call.kwargs))
-    return str(spec), tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x) for x in flat)
-
-
-def window_groups(calls: Sequence[DitCall], window: int, states: Sequence[ModuleState] | None = None) -> list[list[int]]:
-    """Consecutive calls with one argument structure and module state, cut into windows (a shorter
-    tail is its own)."""
-    runs: list[list[int]] = []
-    same_state = (lambda a, b: True) if states is None else (lambda a, b: states[a] == states[b])
-    for k, call in enumerate(calls):
-        if runs and _structure(calls[runs[-1][-1]]) == _structure(call) and same_state(runs[-1][-1], k):
-            runs[-1].append(k)
-        else:
-            runs.append([k])
-    return [[run[i] for i in idx] for run in runs for idx in partition(len(run), window)]
-
-
 class InterceptedLoss:
     """Runs ``fn`` with the DiT argument ``dit_arg`` replaced (module docstring)."""
 
@@ -124,6 +107,7 @@ class InterceptedLoss:
         self.routing = routing
         self.decision = None
         self.windows: list[list[int]] = []
+        self.notes: list[str] = []
         self.recorded: list[DitCall] = []
         self.states: list[ModuleState] = []
 
@@ -132,32 +116,18 @@ class InterceptedLoss:
         if not recorded:
             raise JaggGraphError(
                 f"the loss made no grad-enabled call of its DiT argument {self.dit_arg!r}; nothing to rewrite")
-        if self.window > len(recorded):
-            raise JaggInputError(f"window={self.window} is larger than the {len(recorded)} grad-enabled DiT calls "
-                                 f"in the loss; use window <= {len(recorded)}")
-        self.windows = window_groups(recorded, self.window, states)
+        grouping = group_calls(recorded, self.window, time_arg=self.options.time_arg, states=states)
+        self.windows, self.notes = grouping.windows, grouping.notes()
         self.recorded, self.states = recorded, states
         options = dataclasses.replace(self.options, rollout_cache=cache)
-        if self.routing is not None and self.routing.active and not self.exact:
-            if len(set(states)) > 1:
-                raise JaggCaptureError(
-                    f"routing scores all windows together, but the loss's trained DiT calls run in "
-                    f"{len(set(states))} module states ({difference(states[0], next(s for s in states if s != states[0]))}); "
-                    f"use jagg_frac=1 without routing, or keep the trained calls in one state", path="intercept")
-            with applied(dit, states[0]):
-                routed, self.decision = run_routed(dit, [[recorded[k] for k in idx] for idx in self.windows],
-                                                   self.windows, options, self.routing)
-            return self._replay(dit, bound, recorded, [o for window_outs in routed for o in window_outs])
-        exact = range(len(self.windows)) if self.exact else ()
-        group = BackwardGroup(deferred_grad_forwards(self.windows, options, exact))
-        outs: list[Any] = [None] * len(recorded)
-        for w, idx in enumerate(self.windows):
-            calls = [recorded[k] for k in idx]
-            with applied(dit, states[idx[0]]):
-                window_outs = (run_exact(dit, calls, steps=idx, options=options) if self.exact
-                               else run_window(dit, calls, steps=idx, options=options, group=group))
-            for k, o in zip(idx, window_outs):
-                outs[k] = o
+        routing = self.routing if self.routing is not None and self.routing.active and not self.exact else None
+        if routing is not None and len(set(states)) > 1:
+            raise JaggCaptureError(
+                f"routing scores all windows together, but the loss's trained DiT calls run in "
+                f"{len(set(states))} module states ({difference(states[0], next(s for s in states if s != states[0]))}); "
+                f"use jagg_frac=1 without routing, or keep the trained calls in one state", path="intercept")
+        outs, self.decision = run_trajectory(dit, recorded, self.windows, options=options, routing=routing, states=states,
+                              exact_windows=range(len(self.windows)) if self.exact else ())
         return self._replay(dit, bound, recorded, outs)
 
     def _run(self, bound: inspect.BoundArguments, proxy: DitProxy):

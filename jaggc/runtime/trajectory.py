@@ -1,30 +1,81 @@
-"""Run a whole trajectory of DiT calls window by window: ``jagg_calls``.
+"""Run a whole trajectory of DiT calls window by window: the eager driver.
 
-It sits above both ``window.py`` (one window) and ``routing.py`` (windows chosen as JAGG or exact
-by their score, which itself runs windows), so that neither of those imports the other back.
+``run_trajectory`` runs given windows (plain, routed or all exact, each in its calls' module
+state) and is shared by ``jagg_calls`` and the intercept path; the windows themselves come from
+the one grouping rule (``grouping.py``), which the window pass applies to graphs. It sits above
+both ``window.py`` (one window) and ``routing.py`` (windows chosen as JAGG or exact by their
+score, which itself runs windows), so that neither of those imports the other back.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Hashable, Sequence
 
 from torch import nn
 
 from ..errors import JaggInputError
 from .calls import DitCall
 from .deferred import BackwardGroup
-from .routing import Routing, run_routed
-from .window import WindowOptions, check_window_size, deferred_grad_forwards, partition, run_exact, run_window
+from .grouping import group_calls
+from .module_state import applied
+from .routing import Routing, RoutingDecision, run_routed
+from .window import WindowOptions, check_window_size, deferred_grad_forwards, run_exact, run_window
+
+
+def run_trajectory(dit: nn.Module, calls: Sequence[DitCall], windows: Sequence[Sequence[int]], *,
+                   options: WindowOptions = WindowOptions(), exact_windows: Sequence[int] = (),
+                   routing: Routing | None = None, states: Sequence[Hashable] | None = None
+                   ) -> tuple[list[Any], RoutingDecision | None]:
+    """The outputs of ``calls`` (in call order), run as ``windows`` (lists of call indices), and
+    the routing decision (None without routing).
+
+    Windows listed in ``exact_windows`` (by index) run as plain per-step calls; ``routing`` (a
+    ``Routing``) chooses JAGG windows at run time by score, over the other windows together;
+    ``states`` (one module state per call) puts the DiT in each window's state while it runs
+    (routing needs one state: its windows are scored together)."""
+    outs: list[Any] = [None] * len(calls)
+
+    def put(idx, window_outs):
+        for k, o in zip(idx, window_outs):
+            outs[k] = o
+
+    def state_of(idx):
+        return states[idx[0]] if states is not None else None
+
+    def exact(idx):
+        with applied(dit, state_of(idx)):
+            put(idx, run_exact(dit, [calls[k] for k in idx], steps=list(idx), options=options))
+
+    if routing is not None and routing.active:
+        kept = [list(w) for i, w in enumerate(windows) if i not in exact_windows]
+        with applied(dit, state_of(kept[0]) if kept else None):
+            routed, decision = run_routed(dit, [[calls[k] for k in w] for w in kept], kept, options, routing)
+        for idx, window_outs in zip(kept, routed):
+            put(idx, window_outs)
+        for i, idx in enumerate(windows):
+            if i in exact_windows:
+                exact(idx)
+        return outs, decision
+    group = BackwardGroup(deferred_grad_forwards(windows, options, exact_windows))
+    for i, idx in enumerate(windows):
+        if i in exact_windows:
+            exact(idx)
+            continue
+        with applied(dit, state_of(idx)):
+            put(idx, run_window(dit, [calls[k] for k in idx], steps=list(idx), options=options, group=group))
+    return outs, None
 
 
 def jagg_calls(dit: nn.Module, calls: Sequence[DitCall], *, window: int = 4,
                options: WindowOptions = WindowOptions(), exact_windows: Sequence[int] = (),
                routing: Routing | None = None) -> list[Any]:
-    """Run a trajectory's DiT calls in consecutive windows of ``window`` steps.
+    """Run a trajectory's DiT calls in windows of ``window`` steps, cut by jaggc's one grouping rule
+    (``grouping.py``): consecutive calls, a shorter tail a JAGG window of its own length (exact
+    when it has <= 2 steps), two-call CFG (calls on the same state and timestep) one window per
+    stream, a change of argument structure a cut.
 
-    Windows listed in ``exact_windows`` (by index) run as plain per-step calls. A tail shorter
-    than ``window`` is a JAGG window of its own length (exact when it has <= 2 steps).
-    ``routing`` (a ``Routing``) chooses JAGG windows at run time by score.
+    Windows listed in ``exact_windows`` (by index) run as plain per-step calls. ``routing`` (a
+    ``Routing``) chooses JAGG windows at run time by score.
     """
     if not calls:
         raise JaggInputError("no DiT calls to run: the trajectory is empty")
@@ -34,21 +85,7 @@ def jagg_calls(dit: nn.Module, calls: Sequence[DitCall], *, window: int = 4,
             f"window={window}: the trajectory has 1 step and a JAGG window needs at least 2, so there is nothing "
             f"to aggregate; run the call uncompiled (run_exact or plain autograd: one backward per step is the "
             f"minimum)")
-    if window > len(calls):
-        raise JaggInputError(f"window={window} is larger than the {len(calls)} steps of the trajectory; "
-                             f"use window <= {len(calls)}")
-    windows = partition(len(calls), window)
-    if routing is not None and routing.active:
-        kept = [w for i, w in enumerate(windows) if i not in exact_windows]
-        routed, _ = run_routed(dit, [[calls[i] for i in w] for w in kept], kept, options, routing)
-        by_window = dict(zip([tuple(w) for w in kept], routed))
-        return [o for w in windows for o in (by_window.get(tuple(w)) or run_exact(
-            dit, [calls[i] for i in w], steps=w, options=options))]
-    group = BackwardGroup(deferred_grad_forwards(windows, options, exact_windows))
-    outs: list[Any] = []
-    for w, idx in enumerate(windows):
-        if w in exact_windows:
-            outs.extend(run_exact(dit, [calls[i] for i in idx], steps=idx, options=options))
-        else:
-            outs.extend(run_window(dit, [calls[i] for i in idx], steps=idx, options=options, group=group))
+    grouping = group_calls(calls, window, time_arg=options.time_arg, calls_named="steps of the trajectory")
+    outs, _ = run_trajectory(dit, calls, grouping.windows, options=options, exact_windows=exact_windows,
+                             routing=routing)
     return outs
