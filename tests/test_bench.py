@@ -317,3 +317,19 @@ def test_default_weights_mode_counts_what_its_cost_model_says():
     cost = default_cost(problem, 4)
     assert cost.backward == sum(8 if exact else 4 for exact in exact_windows)
     assert STRATEGIES["jagg_default"].cost_for(problem, 4) == cost
+
+
+def test_profile_ranges_record_every_runtime_piece():
+    """``jaggc bench --profile``'s named ranges sit where the runtime calls each function, so every
+    range records on a compiled step and on jagg_calls (they once patched a module that only
+    imported concat_calls, and the range stayed empty)."""
+    from jaggc.bench.profile import _RANGES, _profiled_step
+    from jaggc.bench.strategies import compiled_loss, runtime_loss
+
+    problem = build_problem("sd3", "tiny", num_steps=8, batch=2)
+    for loss in (compiled_loss(problem, 4), runtime_loss(problem, 4)):
+        loss(problem.model, problem.batch).backward()          # trace first: the profile is of a step
+        ranges = _profiled_step(problem, loss)["ranges"]
+        expected = {name for _, _, name in _RANGES}
+        assert expected <= set(ranges), sorted(expected - set(ranges))
+        assert {"dit::forward_grad", "dit::forward_nograd"} <= set(ranges)

@@ -31,7 +31,8 @@ from ..runtime.calls import concat_calls
 from .problems import build_problem
 from .strategies import compiled_loss, runtime_loss
 
-# runtime functions wrapped in a named range while profiling: (module, attribute, range name)
+# runtime functions wrapped in a named range while profiling: (module, attribute, range name). A
+# function is patched where it is CALLED: the module whose global name the caller looks up.
 _RANGES = (
     ("jaggc.graph_ops", "run_window", "jagg::run_window"),        # the compiled graph's node
     ("jaggc.runtime.trajectory", "run_window", "jagg::run_window"),   # jagg_calls
@@ -39,7 +40,8 @@ _RANGES = (
     ("jaggc.runtime.window", "check_calls", "jagg::check_calls"),
     ("jaggc.runtime.window", "check_compatible", "jagg::check_compatible"),
     ("jaggc.runtime.window", "check_times", "jagg::check_times"),
-    ("jaggc.runtime.window", "concat_calls", "jagg::concat_calls"),
+    ("jaggc.runtime.forwards", "concat_calls", "jagg::concat_calls"),
+    ("jaggc.runtime.forwards", "split_output", "jagg::split_output"),
     ("jaggc.runtime.window", "split_output", "jagg::split_output"),
     ("jaggc.runtime.window", "_assemble", "jagg::assemble"),
 )
@@ -152,9 +154,7 @@ def _named_ranges(model):
     patched = []
     for module_name, attr, name in _RANGES:
         module = importlib.import_module(module_name)
-        fn = getattr(module, attr, None)
-        if fn is None:
-            continue
+        fn = getattr(module, attr)   # a name that moved must fail here, not leave a range empty
         setattr(module, attr, _ranged(fn, name))
         patched.append((module, attr, fn))
     stack: list = []

@@ -20,7 +20,7 @@ from torch import nn
 from .._compat import tree_flatten, tree_unflatten
 from ..errors import JaggInputError
 from .aggregate import aggregate_knots
-from .calls import (DitCall, batch_size, check_compatible, check_token_times, concat_calls, per_sample_time,
+from .calls import (DitCall, batch_size, check_compatible, check_token_times, per_sample_time,
                     resolve_time_arg, split_output)
 from .checks import check_calls, check_times
 from .deferred import BackwardGroup, DeferredWindow
