@@ -11,7 +11,8 @@ interceptor finds out by running the loss:
   2. **replay**: the recorded calls are cut into windows by jaggc's one grouping rule
      (``runtime/grouping.py``) and run by the eager driver ``run_trajectory`` (interior outputs
      come from the cache, so only the knot forwards run again), then the loss runs a second time
-     and the proxy hands back the window outputs in call order, refusing any call whose inputs differ from the recording (the loss must be deterministic given its inputs).
+     and the proxy hands back the window outputs in call order, refusing any call whose inputs
+     differ from the recording (the loss must be deterministic given its inputs).
 
 It costs one extra forward of every step compared with a captured graph (the knots are computed
 twice: once without grad in the recording, once with grad) and runs the loss's Python twice. No-grad
@@ -28,13 +29,13 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from .._compat import tree_flatten, tree_map
-from ..errors import JaggCaptureError, JaggGraphError, JaggInputError
+from ..errors import JaggCaptureError, JaggGraphError
 from ..runtime.calls import DitCall
 from ..runtime.checks import check_placement
 from ..runtime.rollout_cache import RolloutCache
@@ -126,8 +127,8 @@ class InterceptedLoss:
                 f"routing scores all windows together, but the loss's trained DiT calls run in "
                 f"{len(set(states))} module states ({difference(states[0], next(s for s in states if s != states[0]))}); "
                 f"use jagg_frac=1 without routing, or keep the trained calls in one state", path="intercept")
-        outs, self.decision = run_trajectory(dit, recorded, self.windows, options=options, routing=routing, states=states,
-                              exact_windows=range(len(self.windows)) if self.exact else ())
+        outs, self.decision = run_trajectory(dit, recorded, self.windows, options=options, routing=routing,
+                                             states=states, exact_windows=range(len(self.windows)) if self.exact else ())
         return self._replay(dit, bound, recorded, outs)
 
     def _run(self, bound: inspect.BoundArguments, proxy: DitProxy):
