@@ -223,8 +223,10 @@ def randomized_matrix(x: torch.Tensor, pos: int) -> torch.Tensor:
 
 def noise_levels(times: torch.Tensor) -> torch.Tensor:
     """σ of timesteps: the timesteps themselves where they lie in [0, 1] (a DiT that takes σ, as
-    Flux and Qwen-Image do), else timestep / 1000 (SD3 and diffusers' 0..1000 convention)."""
-    return times if float(times.max()) <= 1.0 else times / 1000.0
+    Flux and Qwen-Image do), else timestep / 1000 (SD3 and diffusers' 0..1000 convention). The
+    scale is picked on the device: ``runs_exact`` runs per window call, so its one host sync is the
+    final ``bool``."""
+    return times / torch.where(times.max() <= 1.0, 1.0, 1000.0)
 
 
 def control_matrix(x: torch.Tensor, p: float, corrected: Sequence[int] | None = None) -> torch.Tensor:
