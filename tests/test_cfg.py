@@ -186,10 +186,11 @@ def test_two_call_cfg_windows_per_stream(uncond_grad, window, capture):
     model = CondField(seed=2)
     args = (model, *_field_inputs(seed=1), uncond_grad)
     compiled = jagg_compile(two_call_cfg, window=window, weights="t", capture=capture)
-    _, got = loss_and_grad(compiled, args, model)
-    _, ref = reference_jagg(two_call_cfg, args, model, window, time_arg=1, streams=2 if uncond_grad else 1)
+    loss, got = loss_and_grad(compiled, args, model)
+    ref_loss, ref = reference_jagg(two_call_cfg, args, model, window, time_arg=1, streams=2 if uncond_grad else 1)
     assert compiled.report.path == capture
     assert rel_err(got, ref) < 1e-12
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-14)
     steps = [w.steps for w in compiled.report.windows]
     if uncond_grad:     # stream 0 (uncond) = even steps, stream 1 (cond) = odd steps
         assert all(len({s % 2 for s in w}) == 1 for w in steps)
@@ -213,6 +214,8 @@ def test_two_call_cfg_eager_drivers_share_the_windows():
     assert E.windows_of(rec, 4) == [[0, 2, 4, 6], [8, 10, 12, 14], [1, 3, 5, 7], [9, 11, 13, 15]]
     params = [p for p in model.parameters()]
     outs = jagg_calls(model, rec.calls, window=4, options=jaggc.runtime.WindowOptions(weights="t", time_arg=1))
+    for out, recorded in zip(outs, rec.outputs):          # values exact, in call order
+        torch.testing.assert_close(out.detach(), recorded, rtol=1e-12, atol=1e-14)
     driven = torch.autograd.grad(sum((o * u).sum() for o, u in zip(outs, rec.upstream)), params)
     assert rel_err(torch.cat([x.reshape(-1) for x in driven]), ref) < 1e-12
     assert rel_err(E.jagg(rec, model, window=4).grad, ref) < 1e-12

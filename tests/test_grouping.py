@@ -114,12 +114,14 @@ def test_every_path_cuts_the_same_windows():
     args = (model, *_inputs())
     expected = [[0, 1, 2, 3], [4], [5, 6, 7, 8]]
     grads = {}
+    eager_loss = scale_change_loss(*args).detach()
     for capture in ("fx", "dynamo", "intercept"):
         compiled = jagg_compile(scale_change_loss, window=4, weights="t", capture=capture)
         loss = compiled(*args)
         assert compiled.report.path == capture
         assert [w.steps for w in compiled.report.windows] == expected, capture
         assert any("cut" in note for note in compiled.report.notes), capture
+        torch.testing.assert_close(loss.detach(), eager_loss, rtol=1e-12, atol=1e-14)
         grads[capture] = torch.autograd.grad(loss, list(model.parameters()))
     rec = E.record(lambda dit, b: scale_change_loss(dit, *b), model, args[1:], time_arg=1)
     assert E.windows_of(rec, 4) == expected
