@@ -8,7 +8,8 @@ loss's per-step terms give its upstream gradients (runtime/lowmem.py, passes/low
   * ``grad_output`` scales everything (a GradScaler's scale, a manual factor); micro-batches
     accumulate in ``.grad``; the rollout cache serves interior steps as in the joint mode;
   * refused, naming the node: a loss that mixes steps otherwise than by +/-/number factors, a tensor
-    coefficient, a term with another trainable input, a non-tensor return; FSDP; routing.
+    coefficient, a term with another trainable input, a non-tensor return; routing;
+  * FSDP2 on one rank equals the plain module (2 ranks, FSDP1 and FSDP2: test_sharded.py).
 """
 
 from __future__ import annotations
@@ -195,19 +196,47 @@ def test_another_trainable_input_is_refused():
         jagg_compile(loss, window=4, backward="lowmem")(model, *chord_inputs(), scale)
 
 
-def test_routing_and_fsdp_are_refused():
+def test_routing_is_refused():
     with pytest.raises(JaggUnsupportedError, match="needs backward='joint'"):
         jagg_compile(grpo_like, window=4, backward="lowmem", jagg_frac=0.5)
+
+
+def test_fsdp2_in_one_process_equals_the_plain_module():
+    """FSDP2 on a 1-rank group: the windows' backward runs through FSDP into its sharded gradient
+    storage (runtime/sharded_grads.py), scaled by grad_output at loss.backward(); the 2-rank cases
+    are in test_sharded.py."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    store = dist.HashStore()
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    plain = AffineJacobianField(3, seed=3)
+    args = chord_inputs()
+    _, want = loss_and_grad(jagg_compile(grpo_like, window=4, backward="lowmem"), (plain, *args), plain)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        model = AffineJacobianField(3, seed=3).float()
+        model = AffineJacobianField(3, seed=3)
         fully_shard(model)
-        zs, ts, g = (x.float() for x in chord_inputs())
-        with pytest.raises(JaggUnsupportedError, match=r"backward='lowmem' .* FSDP .* backward='per_window'"):
-            jagg_compile(grpo_like, dit=model, window=4, backward="lowmem")(model, zs, ts, g)
+        low = jagg_compile(grpo_like, dit=model, window=4, backward="lowmem")
+        (low(model, *args) * 8.0).backward()
+        got = torch.cat([p.grad.full_tensor().reshape(-1) for p in model.parameters()])
+        assert low.report.path == "fx"
+        assert rel_err(got, 8.0 * want) < 1e-12
     finally:
         dist.destroy_process_group()
+
+
+def test_a_parameter_the_graph_reaches_through_a_stand_in_is_refused():
+    """A weight swapped for a trainable copy during the forward (what FSDP's gathered parameters
+    look like to autograd): autograd.grad over the parameters would return None for it and drop its
+    gradient; the window's backward refuses instead, naming the parameter, and .grad stays clean."""
+    ex = example_losses.build_example("flow_grpo_sd3", num_steps=8, batch=2, seed=0)
+    proj = ex.model.proj_out
+    stand_in = torch.nn.Parameter(proj.weight.detach().clone())
+    forward = proj.forward
+    proj.forward = lambda x: torch.nn.functional.linear(x, stand_in, proj.bias)
+    low = jagg_compile(ex.loss_fn, window=4, backward="lowmem")
+    with pytest.raises(JaggUnsupportedError, match=r"window 0: the graph computes with 1 trainable tensor\(s\) that "
+                                                   r"are not the DiT's parameters .*proj_out.weight"):
+        low(ex.model, ex.batch)
+    assert all(p.grad is None for p in ex.model.parameters())
+    proj.forward = forward
+    low(ex.model, ex.batch).backward()                   # the same loss without the swap runs

@@ -1,7 +1,7 @@
 """A reference JAGG gradient computed by hand from an eager run, independently of jaggc.
 
 The oracle for "does the compiled loss compute JAGG?": it shares no code with the window runtime
-or the passes. The loss runs eagerly; a forward hook on the DiT keeps every grad-enabled call's
+or the passes (only the guard against silently dropped parameter gradients, runtime/param_grads.py). The loss runs eagerly; a forward hook on the DiT keeps every grad-enabled call's
 output and timestep; autograd gives each step's upstream gradient g_k; the knots' composites are
 formed here, and the gradient flows through the eager run's own graph of the knot outputs.
 """
@@ -71,7 +71,11 @@ def reference_jagg(loss_fn: Callable, args: tuple, dit: nn.Module, window: int, 
         knots += [outs[a], outs[b]]
         composites += [g_a, g_b]
     params = [p for p in dit.parameters() if p.requires_grad]
-    parts = torch.autograd.grad(knots, params, grad_outputs=composites, allow_unused=True)
+    # a None is an unused parameter, never one the graph reached through a stand-in (FSDP's
+    # gathered copies, a swapped weight): that guard, not JAGG math, is the one jaggc code used here
+    from jaggc.runtime.param_grads import parameter_grads
+
+    parts = parameter_grads(knots, params, composites, what="reference_jagg")
     by_param = {id(p): g for p, g in zip(params, parts)}
     flat = torch.cat([(by_param.get(id(p)) if by_param.get(id(p)) is not None else torch.zeros_like(p)).reshape(-1)
                       for p in dit.parameters()])

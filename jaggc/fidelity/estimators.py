@@ -50,6 +50,7 @@ from ..frontends.intercept import DitProxy
 from ..runtime import Basis, DitCall, WindowOptions, jagg_calls
 from ..runtime.grouping import group_calls, runs, structure
 from ..runtime.calls import concat_calls, per_sample_time, primary_input, resolve_time_arg, set_time
+from ..runtime.param_grads import parameter_grads
 
 VARIANTS = ("exact", "jagg", "causal", "lagrange", "hat", "extrapolate", "denoised", "random3", "control",
             "subsample")
@@ -136,7 +137,7 @@ def runtime_gradient(loss_fn: Callable, dit: nn.Module, batch: Any, *, window: i
     outs = jagg_calls(dit, rec.calls, window=window, options=WindowOptions(weights=weights),
                       exact_windows=tuple(exact_windows))
     loss = _scalar_loss(loss_fn(_replaying_proxy(dit, outs), batch))
-    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    grads = parameter_grads([loss], params, what="runtime_gradient", dit_outputs=False)
     return _flat(grads, params)
 
 
@@ -186,7 +187,7 @@ def vjp_sum(dit: nn.Module, pairs: Sequence[tuple[DitCall, torch.Tensor]], time_
             leaves, _ = tree_flatten(out)
             v = leaves[_first_float_leaf(out)]
             cot = torch.cat([g.to(v.dtype) for _, g in part], 0)
-            grads = torch.autograd.grad(v, params, cot, allow_unused=True)
+            grads = parameter_grads([v], params, [cot], what="vjp_sum")
         total += _flat(grads, params).to(torch.float64)
     return total
 

@@ -19,6 +19,10 @@ Under DDP the nested backwards are the DDP backwards: each window's knot forward
 DDP module. A ``BackwardGroup`` shared by the windows of one loss evaluation wraps every knot
 forward but the last one to run in ``no_sync()``, so the gradients are all-reduced once per loss
 (and not at all inside the user's own ``no_sync``/accumulation micro-steps, which we leave as is).
+Under FSDP (1 and 2) each nested backward is a whole FSDP backward: it reduce-scatters its window's
+gradient into the sharded ``.grad`` (once per FSDP unit or parameter group per window), so no rank
+ever holds a full unsharded gradient; inside the user's own no-sync micro-steps FSDP keeps
+unsharded gradients and communicates nothing, as it does for any backward.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .._compat import tree_flatten, tree_unflatten
+from .._compat import fsdp_version, tree_flatten, tree_unflatten
 from ..errors import JaggUnsupportedError
 from .aggregate import knot_composites
 from .calls import DitCall, concat_calls
@@ -37,14 +41,18 @@ from .forwards import nograd_outputs
 
 
 class BackwardGroup:
-    """The grad forwards of one loss evaluation's deferred windows; all but the last are no_sync'd."""
+    """The grad forwards of one loss evaluation's deferred windows; under DDP all but the last are
+    no_sync'd. Not under FSDP1 (whose ``no_sync`` also has the method): there it would keep a full
+    unsharded gradient per rank until the last window, which is what FSDP exists to avoid; each
+    window's backward reduce-scatters its own gradient instead (one reduce-scatter per FSDP unit
+    per window, into the sharded gradient)."""
 
     def __init__(self, num_grad_forwards: int):
         self.remaining = num_grad_forwards
 
     def sync_context(self, dit: nn.Module):
         self.remaining -= 1
-        if self.remaining <= 0 or not hasattr(dit, "no_sync"):
+        if self.remaining <= 0 or not hasattr(dit, "no_sync") or fsdp_version(dit):
             return contextlib.nullcontext()
         return dit.no_sync()
 

@@ -30,11 +30,13 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .._compat import tree_flatten, tree_unflatten
-from ..errors import JaggGraphError, JaggUnsupportedError
+from .._compat import fsdp_version, tree_flatten, tree_unflatten
+from ..errors import JaggGraphError
 from .aggregate import knot_composites
 from .calls import DitCall, split_output
 from .deferred import BackwardGroup
+from .param_grads import parameter_grads
+from .sharded_grads import ShardedGradBuffer
 
 
 def trainable_parameters(dit: nn.Module) -> list[nn.Parameter]:
@@ -54,15 +56,12 @@ class LowMemRun:
     """One execution of a low-memory loss (module docstring)."""
 
     def __init__(self, dit: nn.Module, num_windows: int):
-        if any(type(m).__name__ in ("FullyShardedDataParallel", "FSDPModule") or
-               any(c.__name__ == "FSDPModule" for c in type(m).__mro__) for m in dit.modules()):
-            raise JaggUnsupportedError(
-                "backward='lowmem' computes each window's parameter gradient inside the loss's forward; "
-                "FSDP reduce-scatters inside every backward, so those gradients would be synced before "
-                "the loss's backward scales them. Use backward='per_window' (one window of activations, "
-                "two more forwards per window) or backward='joint' under FSDP")
         self.dit = dit
-        self.params = trainable_parameters(dit)
+        # under FSDP the windows' backward runs through FSDP and the buffer is sharded like the
+        # gradient (sharded_grads.py); otherwise it is autograd.grad into one gradient per parameter
+        self.sharded = ShardedGradBuffer(dit) if fsdp_version(dit) else None
+        self.params = trainable_parameters(dit) if self.sharded is None else []
+        self.names = {id(p): n for n, p in dit.named_parameters()} if self.sharded is None else {}
         self.buffer: list[torch.Tensor | None] = [None] * len(self.params)
         self.group = BackwardGroup(num_windows)     # DDP: every knot forward but the last in no_sync
         self.windows: dict[int, _Window] = {}
@@ -70,7 +69,10 @@ class LowMemRun:
 
     @property
     def buffer_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffer if b is not None)
+        """Bytes of the gradient buffer this rank holds (storage sizes, FSDP's padding included)."""
+        if self.sharded is not None:
+            return self.sharded.buffer_bytes
+        return sum(b.untyped_storage().nbytes() for b in self.buffer if b is not None)
 
     # --- a window --------------------------------------------------------------------------------
     def run_window(self, index: int, calls: Sequence[DitCall], steps: Sequence[int], options, *, exact: bool,
@@ -133,8 +135,14 @@ class LowMemRun:
         if window.last:
             self.last = (roots, root_grads)
             return
-        if roots and self.params:
-            grads = torch.autograd.grad(roots, self.params, root_grads, allow_unused=True)
+        if not roots:
+            return
+        if self.sharded is not None:
+            self.sharded.backward(roots, root_grads, what=f"backward='lowmem' under FSDP, window {index}")
+            return
+        if self.params:
+            grads = parameter_grads(roots, self.params, root_grads, names=self.names,
+                                    what=f"backward='lowmem', window {index}")
             for j, g in enumerate(grads):
                 if g is not None:
                     self.buffer[j] = g if self.buffer[j] is None else self.buffer[j].add_(g)
@@ -150,21 +158,28 @@ class LowMemRun:
                 "backward='joint'")
         roots, root_grads = self.last if self.last is not None else ([], [])
         with_buffer = [(p, b) for p, b in zip(self.params, self.buffer) if b is not None]
-        return _Inject.apply(loss, len(roots), root_grads, [b for _, b in with_buffer], *roots,
+        if self.sharded is not None and not roots and self.sharded.buffer_bytes:
+            # the last window's outputs carry no gradient: an anchor makes the loss differentiable,
+            # so that loss.backward() still adds the buffer
+            roots, root_grads = [torch.empty(0, requires_grad=True)], [torch.empty(0)]
+        return _Inject.apply(loss, len(roots), root_grads, [b for _, b in with_buffer], self.sharded, *roots,
                              *[p for p, _ in with_buffer])
 
 
 class _Inject(torch.autograd.Function):
     """Returns the loss value; its backward hands grad_output x composites to the last window's knot
-    outputs and grad_output x buffer to the parameters (module docstring)."""
+    outputs and grad_output x buffer to the parameters, or under FSDP to FSDP's gradient storage
+    once the backward has finished (module docstring)."""
 
     @staticmethod
-    def forward(ctx, loss, num_roots, root_grads, buffers, *roots_and_params):
-        ctx.num_roots, ctx.root_grads, ctx.buffers = num_roots, root_grads, buffers
+    def forward(ctx, loss, num_roots, root_grads, buffers, sharded, *roots_and_params):
+        ctx.num_roots, ctx.root_grads, ctx.buffers, ctx.sharded = num_roots, root_grads, buffers, sharded
         return loss.detach().clone()
 
     @staticmethod
     def backward(ctx, grad_output):
         scale = grad_output.sum()   # a scalar loss; a broadcast one adds up its elements' gradients
+        if ctx.sharded is not None:
+            ctx.sharded.add_after_backward(scale)
         grads = [g * scale for g in ctx.root_grads] + [b * scale for b in ctx.buffers]
-        return (None, None, None, None, *grads)
+        return (None, None, None, None, None, *grads)
