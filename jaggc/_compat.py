@@ -340,6 +340,14 @@ class GradSlot:
         """The tensor autograd accumulates this gradient into during a backward."""
         raise NotImplementedError
 
+    def shard(self) -> torch.Tensor:
+        """This rank's shard of the parameter (a synced backward leaves a gradient of its size)."""
+        raise NotImplementedError
+
+    def held(self) -> list[torch.Tensor]:
+        """The gradient tensors FSDP holds here now (for measurements; DTensors as they are)."""
+        raise NotImplementedError
+
 
 _NO_ATTR = object()
 
@@ -375,6 +383,12 @@ class _Fsdp1Slot(GradSlot):
     def graph_leaf(self):
         return self.flat
 
+    def held(self):
+        return [g for g in (self.flat.grad, getattr(self.flat, "_saved_grad_shard", None)) if g is not None]
+
+    def shard(self):
+        return getattr(self.flat, "_local_shard", self.flat)   # set at FSDP's lazy init
+
     def add(self, grad, alpha) -> None:
         if self.flat.grad is not None:
             _check_same_layout(self.name, self.flat.grad, grad)
@@ -398,6 +412,14 @@ class _Fsdp2Slot(GradSlot):
 
     def graph_leaf(self):
         return self._unsharded()
+
+    def shard(self):
+        return self.param.sharded_param
+
+    def held(self):
+        unsharded = self._unsharded()
+        return [g for g in (self.param.sharded_param.grad, self.param.unsharded_accumulated_grad,
+                            unsharded.grad if unsharded is not None else None) if g is not None]
 
     def stash(self):
         unsharded = self._unsharded()
@@ -491,3 +513,17 @@ def fsdp_gradient_slots(module) -> list[GradSlot]:
                     if p.sharded_param.requires_grad:
                         slots.append(_Fsdp2Slot(p._param_fqn or name or "<root>", p, group))
     return slots
+
+
+def apply_activation_checkpointing(model, check_fn) -> None:
+    """Wrap every submodule ``check_fn`` accepts in a non-reentrant checkpoint wrapper, in place:
+    what DanceGRPO's ``apply_fsdp_checkpointing`` and torchtitan do to transformer blocks (after an
+    FSDP1 wrap, or before ``fully_shard``). torch keeps it under the private package
+    ``torch.distributed.algorithms._checkpoint`` (there is no public name)."""
+    import functools
+
+    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
+
+    cw.apply_activation_checkpointing(
+        model, checkpoint_wrapper_fn=functools.partial(cw.checkpoint_wrapper, checkpoint_impl=cw.CheckpointImpl.NO_REENTRANT),
+        check_fn=check_fn)

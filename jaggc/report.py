@@ -42,6 +42,7 @@ class Report:
     capture_failures: list[str] = field(default_factory=list)   # capture="auto": why earlier paths failed
     guarded_reads: int = 0    # FX: tensor values read as Python numbers, re-checked every call
     splits: list[str] = field(default_factory=list)              # split_cfg_batches: the calls split
+    lowmem_buffer_bytes: int | None = None   # backward="lowmem": this rank's gradient buffer, latest run
 
     # --- stages -----------------------------------------------------------------------------
     def stage(self, name: str) -> str:

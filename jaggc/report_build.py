@@ -8,7 +8,7 @@ import torch
 from torch import fx
 
 from .frontends.intercept import InterceptedLoss
-from .graph_ops import TrajectoryPlan, observed_times
+from .graph_ops import LowMemWindowPlan, TrajectoryPlan, observed_times
 from .report import Report, WindowRow
 
 
@@ -53,6 +53,9 @@ def refresh_times(report: Report | None) -> None:
     """Timesteps and routing decisions of the latest run, copied into the report's rows."""
     if report is None:
         return
+    lowmem = [p.shared for p in getattr(report, "_plans", []) if isinstance(p, LowMemWindowPlan)]
+    if lowmem:
+        report.lowmem_buffer_bytes = lowmem[0].buffer_bytes
     for row, plan in zip(report.windows, getattr(report, "_plans", [])):
         if isinstance(plan, TrajectoryPlan):
             i = plan.window_indices.index(row.window)

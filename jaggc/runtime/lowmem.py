@@ -35,6 +35,7 @@ from ..errors import JaggGraphError
 from .aggregate import knot_composites
 from .calls import DitCall, split_output
 from .deferred import BackwardGroup
+from .memory import storage_bytes
 from .param_grads import parameter_grads
 from .sharded_grads import ShardedGradBuffer
 
@@ -72,7 +73,7 @@ class LowMemRun:
         """Bytes of the gradient buffer this rank holds (storage sizes, FSDP's padding included)."""
         if self.sharded is not None:
             return self.sharded.buffer_bytes
-        return sum(b.untyped_storage().nbytes() for b in self.buffer if b is not None)
+        return storage_bytes(self.buffer)
 
     # --- a window --------------------------------------------------------------------------------
     def run_window(self, index: int, calls: Sequence[DitCall], steps: Sequence[int], options, *, exact: bool,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass, field
+from typing import Callable, Iterable
 
 import torch
 
@@ -32,8 +33,12 @@ class _Saved:
 
 
 @contextlib.contextmanager
-def track_saved_tensors():
-    """Yields SavedTensorStats updated while graphs built inside the context are alive."""
+def track_saved_tensors(parameter_storages: Callable[[], Iterable[torch.Tensor]] | None = None):
+    """Yields SavedTensorStats updated while graphs built inside the context are alive.
+
+    ``parameter_storages``: called at each save, tensors whose storage holds parameters that are
+    not autograd leaves (FSDP1 computes with views of its unsharded FlatParameter, which it frees
+    after the forward whatever autograd saved): a saved view of one is not activation memory."""
     stats = SavedTensorStats()
 
     def release(key):
@@ -52,6 +57,9 @@ def track_saved_tensors():
         if (t.is_leaf and t.requires_grad) or type(t).__name__ == "FakeTensor":
             return box
         storage = t.untyped_storage()
+        if parameter_storages is not None and storage.data_ptr() in {
+                p.untyped_storage().data_ptr() for p in parameter_storages()}:
+            return box
         key = (t.device.type, storage.data_ptr())
         entry = stats._refs.setdefault(key, [0, storage.nbytes()])
         if entry[0] == 0:
@@ -63,3 +71,17 @@ def track_saved_tensors():
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.tensor):
         yield stats
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a DTensor counts its local shard): what
+    they take in memory, where several can be views of one allocation (FSDP2's reduce-scatter
+    output holds a whole parameter group's gradient shards)."""
+    seen: dict = {}
+    for t in tensors:
+        if t is None:
+            continue
+        local = t.to_local() if hasattr(t, "to_local") else t
+        storage = local.untyped_storage()
+        seen[(local.device, storage.data_ptr())] = storage.nbytes()
+    return sum(seen.values())

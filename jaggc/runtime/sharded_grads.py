@@ -31,6 +31,8 @@ import torch
 from torch import nn
 
 from .._compat import GradSlot, fsdp_gradient_slots, run_after_backward
+from ..errors import JaggUnsupportedError
+from .memory import storage_bytes
 from .param_grads import check_graph_leaves
 
 _FIX = ("Under FSDP every trainable parameter of the DiT must be managed by FSDP: wrap the root module "
@@ -44,10 +46,11 @@ class ShardedGradBuffer:
     def __init__(self, dit: nn.Module):
         self.slots: list[GradSlot] = fsdp_gradient_slots(dit)
         self.buffer: list[torch.Tensor | None] = [None] * len(self.slots)
+        self.added = False
 
     @property
     def buffer_bytes(self) -> int:
-        return sum(_local(b).untyped_storage().nbytes() for b in self.buffer if b is not None)
+        return storage_bytes(self.buffer)
 
     def backward(self, roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], *, what: str) -> None:
         """One window's backward through FSDP, its gradient added to the buffer."""
@@ -66,19 +69,22 @@ class ShardedGradBuffer:
                 slot.restore(saved)
 
     def add_after_backward(self, scale: torch.Tensor) -> None:
-        """From inside ``loss.backward()``: add ``scale`` x buffer once it has finished."""
+        """From inside ``loss.backward()``: add ``scale`` x buffer once it has finished, then free
+        the buffer (so a second backward of the same loss is refused: it would find it gone)."""
+        if self.added:
+            raise JaggUnsupportedError(
+                "a backward='lowmem' loss under FSDP was backpropagated twice (retain_graph=True): its windows' "
+                "gradients were added to FSDP's gradients by the first backward and freed. Use backward='joint' "
+                "to backpropagate the same loss more than once")
+        self.added = True
         if not any(b is not None for b in self.buffer):
             return
 
         def add():
-            alpha = float(scale)
+            alpha = float(scale)   # one host sync per loss
             for slot, b in zip(self.slots, self.buffer):
                 if b is not None:
                     slot.add(b, alpha)
+            self.buffer = [None] * len(self.slots)
 
         run_after_backward(add)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (the bytes this rank holds), else the tensor."""
-    return t.to_local() if hasattr(t, "to_local") else t
