@@ -372,13 +372,13 @@ class _Fsdp1Slot(GradSlot):
 
     def restore(self, stashed) -> None:
         grad, saved_shard, orig = stashed
-        self.flat.grad = grad
+        _assign_grad(self.flat, grad)
         if saved_shard is not _NO_ATTR:
             self.flat._saved_grad_shard = saved_shard
         elif hasattr(self.flat, "_saved_grad_shard"):
             del self.flat._saved_grad_shard
         for p, g in zip(self.orig, orig):
-            p.grad = g
+            _assign_grad(p, g)
 
     def graph_leaf(self):
         return self.flat
@@ -394,10 +394,22 @@ class _Fsdp1Slot(GradSlot):
             _check_same_layout(self.name, self.flat.grad, grad)
             self.flat.grad.add_(grad, alpha=alpha)   # in place: the original parameters view it
             return
-        self.flat.grad = grad.mul(alpha)
+        _assign_grad(self.flat, grad.mul(alpha))
         if self.orig:
             sharded = grad.shape == self.flat._local_shard.shape
             (self.handle._use_sharded_grad_views if sharded else self.handle._use_unsharded_grad_views)()
+
+
+def _assign_grad(param, grad) -> None:
+    """``param.grad = grad``, also for an unsharded gradient of a parameter that is sharded now
+    (FSDP1's no_sync state, on the FlatParameter and the original parameters' views):
+    ``.grad``'s setter checks the shape, ``.data`` does not (FSDP's own
+    ``_use_unsharded_grad_views`` does the same)."""
+    if grad is None or grad.shape == param.shape:
+        param.grad = grad
+        return
+    param.grad = torch.empty(param.shape, dtype=grad.dtype, device=grad.device)
+    param.grad.data = grad
 
 
 class _Fsdp2Slot(GradSlot):
