@@ -401,14 +401,14 @@ class _Fsdp1Slot(GradSlot):
 
 
 def _assign_grad(param, grad) -> None:
-    """``param.grad = grad``, also for an unsharded gradient of a parameter that is sharded now
-    (FSDP1's no_sync state, on the FlatParameter and the original parameters' views):
-    ``.grad``'s setter checks the shape, ``.data`` does not (FSDP's own
-    ``_use_unsharded_grad_views`` does the same)."""
-    if grad is None or grad.shape == param.shape:
+    """``param.grad = grad``, also for a gradient FSDP1 keeps in another shape or dtype than the
+    parameter has now (inside ``no_sync()`` an unsharded gradient of a resharded FlatParameter and
+    of the original parameters' views, in the low precision with mixed precision): ``.grad``'s
+    setter checks both, ``.data`` does not (FSDP's own ``_use_unsharded_grad_views`` does this)."""
+    if grad is None or (grad.shape == param.shape and grad.dtype == param.dtype):
         param.grad = grad
         return
-    param.grad = torch.empty(param.shape, dtype=grad.dtype, device=grad.device)
+    param.grad = torch.empty(param.shape, dtype=param.dtype, device=param.device)
     param.grad.data = grad
 
 
