@@ -155,6 +155,8 @@ def run_rank(problem, rank: int, world: int) -> dict:
             lowmem = case.pop("compiled")
             res[f"{key}/{mode}"] = case
         if wrapper == "ddp":
+            if not ac:
+                res[key + "/stand_in"] = stand_in_refused(dit, share)
             continue
         # on top of lowmem's own gradient (still in .grad, lowmem ran last): a quarter more, via grad_output
         (lowmem(dit, share) * 0.25).backward()
@@ -299,7 +301,7 @@ def test_lowmem_honours_no_sync_and_the_grad_scaler(rank_results, reference, wra
         assert rel_err(res[key + "/scaler"], reference) < 1e-4
 
 
-@pytest.mark.parametrize("wrapper", FSDP)
+@pytest.mark.parametrize("wrapper", FSDP + ("ddp",))
 def test_a_stand_in_parameter_is_refused(rank_results, wrapper):
     for res in rank_results:
         message, clean_grads = res[wrapper + "/stand_in"]

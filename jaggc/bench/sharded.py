@@ -14,7 +14,7 @@ trainers' own per-step loop (one ``backward()`` per step), one loss evaluation a
 
   * works, or the first line of the error;
   * collectives per loss, counted by wrapping the ``torch.distributed`` functions FSDP calls
-    (``reduce_scatter_single``, ``all_gather_single``, ``all_gather_into_tensor``) and with a
+    (``reduce_scatter_single``, ``all_gather_single``, ``all_gather_into_tensor``, ``all_gather``) and with a
     counting comm hook for DDP's all-reduces (one per gradient bucket);
   * peak activations per rank: the peak live bytes of the storages autograd saved for backward
     (``runtime/memory.py``; FSDP1's views of its unsharded parameters are not counted);
@@ -47,7 +47,8 @@ from .problems import build_problem
 WRAPPERS = ("ddp", "fsdp1", "fsdp1_orig", "fsdp2")
 MODES = ("joint", "per_window", "lowmem", "per_step")
 DANCE_CLIP_RANGE = 1e-4       # DanceGRPO's clip_range
-COLLECTIVES = ("reduce_scatter_single", "all_gather_single", "all_gather_into_tensor", "all_reduce")
+# what FSDP2 and FSDP1 call in torch 2.13 (FSDP1 all-gathers a CPU flat parameter with all_gather)
+COLLECTIVES = ("reduce_scatter_single", "all_gather_single", "all_gather_into_tensor", "all_gather", "all_reduce")
 
 
 def dance_grpo_loss(transformer, batch):
@@ -273,11 +274,12 @@ def _collectives(row: Row) -> str:
         return "-"
     if row.wrapper == "ddp":
         return f"{c['allreduce_buckets']} all-reduce"
-    return f"{c['reduce_scatter_single']} RS, {c['all_gather_single'] + c['all_gather_into_tensor']} AG"
+    gathers = c["all_gather_single"] + c["all_gather_into_tensor"] + c["all_gather"]
+    return f"{c['reduce_scatter_single']} RS, {gathers} AG"
 
 
 def _kb(n: int) -> str:
-    return f"{n / 1024:.1f} KiB"
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
 
 
 def format_table(rows: list[Row], sizes: dict, command: str) -> str:
@@ -304,15 +306,24 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--window", type=int, default=4)
     parser.add_argument("--batch", type=int, default=4, help="global batch (split over the ranks)")
+    parser.add_argument("--wrappers", default=",".join(WRAPPERS), help=f"comma-separated subset of {WRAPPERS}")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
     parser.add_argument("--out", default=None, help="also write the table to this file (rank 0)")
     args = parser.parse_args(argv)
+    wrappers, modes = args.wrappers.split(","), args.modes.split(",")
+    unknown = sorted(set(wrappers) - set(WRAPPERS)) + sorted(set(modes) - set(MODES))
+    if unknown:
+        parser.error(f"unknown wrapper or mode {unknown}")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")   # FSDP2 on diffusers' outputs
     dist.init_process_group("gloo")
     try:
-        rows, sizes = measure(size=args.size, steps=args.steps, window=args.window, batch=args.batch)
+        rows, sizes = measure(size=args.size, steps=args.steps, window=args.window, batch=args.batch,
+                              wrappers=wrappers, modes=modes)
+        subset = "".join(f" --{k} {','.join(v)}" for k, v, full in (("wrappers", wrappers, WRAPPERS),
+                                                                     ("modes", modes, MODES)) if tuple(v) != full)
         command = (f"torchrun --nproc-per-node {dist.get_world_size()} -m jaggc.bench.sharded --size {args.size} "
-                   f"--steps {args.steps} --window {args.window} --batch {args.batch}")
+                   f"--steps {args.steps} --window {args.window} --batch {args.batch}{subset}")
         if dist.get_rank() == 0:
             table = format_table(rows, sizes, command)
             print(table)

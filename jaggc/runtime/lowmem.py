@@ -17,10 +17,15 @@ one window, for losses that are a sum of per-step terms (``passes/lowmem_terms.p
     ``grad_output``: a GradScaler's scale, an accumulation factor) hands ``grad_output * buffer`` to
     the parameters and ``grad_output * composites`` to the last window's knot outputs, through
     ordinary autograd. Under DDP every knot forward but the last runs in ``no_sync()``, so the one
-    backward all-reduces once, with every window's gradient.
+    backward all-reduces once, with every window's gradient;
+  * under FSDP (1 or 2) autograd never sees the parameters FSDP registers, and FSDP's hooks must
+    gather, recompute and reduce-scatter: a window's backward runs through FSDP instead, into a
+    buffer sharded like the gradient, added to FSDP's ``.grad`` times ``grad_output`` once
+    ``loss.backward()`` has finished (``sharded_grads.py``).
 
 Buffer memory: one gradient per trainable parameter (tiny for LoRA, one gradient copy for full
-fine-tuning), reported by ``LowMemRun.buffer_bytes``.
+fine-tuning; under FSDP the rank's shard of it), reported by ``LowMemRun.buffer_bytes``. Every
+parameter gradient is checked never to be dropped silently (``param_grads.py``).
 """
 
 from __future__ import annotations
