@@ -215,6 +215,14 @@ def module_hook_keys(module) -> tuple:
 
 SET_GRAD_ENABLED = torch._C._set_grad_enabled
 
+# --- autocast regions as graph nodes ----------------------------------------------------------
+# Dynamo records ``with torch.autocast(...)`` as a pair of calls of these functions (the enter
+# returns the context, the exit takes it); the mode pass reads them to learn each node's autocast
+# state and replaces them by jaggc's absolute switches (graph_ops.set_autocast).
+
+DYNAMO_ENTER_AUTOCAST = torch.amp.autocast_mode._enter_autocast
+DYNAMO_EXIT_AUTOCAST = torch.amp.autocast_mode._exit_autocast
+
 
 def copy_input_codegen(src, dst) -> None:
     """Give fx.Graph ``dst`` the argument handling of ``src`` (FX's pytree codegen for
@@ -285,3 +293,9 @@ def is_fake(t) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(t, FakeTensor)
+
+
+def queue_backward_callback(fn) -> None:
+    """Run ``fn`` once the current backward pass has finished (called from inside a backward hook):
+    what DDP uses to finish its reduction. autograd has no public end-of-backward hook."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
