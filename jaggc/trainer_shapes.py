@@ -572,7 +572,8 @@ def mix_grpo_flux(*, num_steps: int | None = None, seed: int = 0, size: str = "t
     torch.manual_seed(seed)
     transformer = FluxTransformer2DModel(**{**models.FLUX_CONFIGS[size], "guidance_embeds": True})
     cond = models.flux_conditioning(transformer, 1, seed=seed).kwargs
-    args = replace(GRPOConfig(), clip_range=1e-4, eta=0.7, noise_level=0.7, kl_coeff=0.0)
+    # kl_coeff: the trainer's argparse default (its Flash script passes 0.0: the KL term unexercised)
+    args = replace(GRPOConfig(), clip_range=1e-4, eta=0.7, noise_level=0.7, kl_coeff=0.01)
     sigma_schedule = sd3_time_shift(3.0, torch.linspace(1, 0, MIX_SAMPLING_STEPS + 1))
     window = mix_train_timesteps(cur)
     g = torch.Generator().manual_seed(seed + 1)

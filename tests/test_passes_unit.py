@@ -283,7 +283,7 @@ def test_find_dit_calls_leaves_a_loss_without_trained_dit_call_as_it_is():
     c = Capture("zs", "ts", "gs")
     ctx = context()
     gm = find_dit_calls(c.build(c.method("sum", c.x.zs)), ctx)
-    assert ctx.trained_calls(gm) == [] and "no DiT call: nothing to rewrite" in ctx.notes[0]
+    assert ctx.trained_calls(gm) == [] and "no DiT call (watched: none): nothing to rewrite" in ctx.notes[0]
     c = Capture("zs", "ts", "gs")
     with c.no_grad():
         v = c.dit(c.at(c.x.zs, 0), c.at(c.x.ts, 0))

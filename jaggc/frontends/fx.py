@@ -47,7 +47,7 @@ from .. import _compat
 from .._compat import SET_GRAD_ENABLED, fake_mode_suspended, tree_flatten, tree_unflatten
 from ..errors import JaggCaptureError, JaggGraphError
 from ..graph_ops import dit_call, is_in_place, set_autocast, set_module_state, user_source
-from ..runtime.autocast import AUTOCAST_OFF, AutocastState, current_autocast
+from ..runtime.autocast import AUTOCAST_OFF, AutocastState, autocast_cache_disabled, current_autocast
 from ..runtime.module_state import ModuleState, applicable, difference, module_state
 from . import example_values
 from .example_values import ExampleValues
@@ -372,7 +372,10 @@ def capture_fx(fn: Callable, args: tuple, kwargs: dict, dits: list[nn.Module]) -
     tracer = DiTLeafTracer(dits, inputs)
     entry = {id(m): module_state(m) for m in dits}
     try:
-        with _refuse_direct_forward(dits), _RefuseFunctionApply(), _RandomDrawsRefused(), warnings.catch_warnings():
+        # nothing the trace runs may leave casts in the caller's autocast weight-cast cache: the
+        # graph's first run in the same region would share them (autocast.py)
+        with _refuse_direct_forward(dits), _RefuseFunctionApply(), _RandomDrawsRefused(), warnings.catch_warnings(), \
+                autocast_cache_disabled():
             # fx cannot add an assertion for a module-valued concrete argument; the cache key has its id
             warnings.filterwarnings("ignore", message="Was not able to add assertion")
             graph = tracer.trace(fn, concrete_args=concrete)
