@@ -16,7 +16,7 @@ from torch import fx, nn
 
 from . import _compat
 from .backends import BACKENDS, compile_glue
-from .errors import JaggCaptureError, JaggGraphError, JaggInputError, JaggUnsupportedError
+from .errors import JaggCaptureError, JaggInputError, JaggUnsupportedError
 from .frontends.dynamo import STATE_CHANGE_MARK, canonicalize_dynamo_calls, opaque_modules
 from .frontends.fake_boundary import check_real_grads_after_backward, check_real_output
 from .frontends.fx import capture_fx

@@ -46,7 +46,7 @@ def is_in_place(node: torch.fx.Node) -> bool:
     return name.endswith("_") and not name.endswith("__")
 
 
-def user_source(node: fx.Node) -> str:
+def user_source(node: torch.fx.Node) -> str:
     """``file:line`` of the user code that made ``node`` (from its stack trace), skipping jaggc's
     own frontend frames (the opaque-call slots sit between the user's call and the DiT); "" if
     unknown."""

@@ -407,3 +407,22 @@ def test_trainer_shapes_under_a_whole_loss_autocast_are_exact_at_w2(name, captur
                 loss, grad = loss_and_grad(compiled, shape.args, model)
             assert compiled.report.path == ("fx" if capture == "auto" else capture)
             assert rel_err(grad, eager) == 0 and float(loss) == float(eager_loss)
+
+
+def test_mix_grpo_gpu_form_through_the_intercept_fallback_is_not_fp32():
+    """Forced onto the intercept path, MixGRPO's GPU-form step code keeps its bf16 block: loss and
+    W=2 gradient are the undecorated bf16 ones (the fallback used to return the fp32 gradient)."""
+    with trainer_form("gpu"):
+        shape = trainer_shapes.mix_grpo_flux()
+        model = shape.model
+        entry = module_state(model)
+        eager_loss, eager = loss_and_grad(shape.loss_fn, shape.args, model)
+        compiled = jagg_compile(shape.loss_fn, dit=model, window=2, capture="intercept")
+        set_state(model, entry)
+        loss, grad = loss_and_grad(compiled, shape.args, model)
+    assert compiled.report.path == "intercept"
+    assert rel_err(grad, eager) <= W2_TOL and float(loss) == float(eager_loss)
+    with trainer_form("cpu"):
+        set_state(model, entry)
+        _, fp32 = loss_and_grad(shape.loss_fn, shape.args, model)
+    assert rel_err(grad, fp32) > 1e-2

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from .._compat import compiled_inner_module, module_hook_keys
