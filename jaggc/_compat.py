@@ -215,6 +215,14 @@ def module_hook_keys(module) -> tuple:
 
 SET_GRAD_ENABLED = torch._C._set_grad_enabled
 
+# --- autocast regions as graph nodes ----------------------------------------------------------
+# Dynamo records ``with torch.autocast(...)`` as a pair of calls of these functions (the enter
+# returns the context, the exit takes it); the mode pass reads them to learn each node's autocast
+# state and replaces them by jaggc's absolute switches (graph_ops.set_autocast).
+
+DYNAMO_ENTER_AUTOCAST = torch.amp.autocast_mode._enter_autocast
+DYNAMO_EXIT_AUTOCAST = torch.amp.autocast_mode._exit_autocast
+
 
 def copy_input_codegen(src, dst) -> None:
     """Give fx.Graph ``dst`` the argument handling of ``src`` (FX's pytree codegen for
@@ -289,6 +297,12 @@ def is_fake(t) -> bool:
 
 # --- autograd: work after a backward pass ----------------------------------------------------
 
+def queue_backward_callback(fn) -> None:
+    """Run ``fn`` once the current backward pass has finished (called from inside a backward hook):
+    what DDP uses to finish its reduction. autograd has no public end-of-backward hook."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
 def run_after_backward(fn) -> None:
     """Run ``fn()`` once the backward pass that is running now has finished, after every callback
     queued in it, also those queued later than this call (FSDP1 and FSDP2 queue their final
@@ -296,8 +310,7 @@ def run_after_backward(fn) -> None:
     node is the first one a backward runs). torch has no public end-of-backward hook; this is the
     engine queue FSDP itself uses. A queued callback may queue another, which runs after all those
     queued before it: ``fn`` goes in from the first one's turn."""
-    engine = torch.autograd.Variable._execution_engine
-    engine.queue_callback(lambda: engine.queue_callback(fn))
+    queue_backward_callback(lambda: queue_backward_callback(fn))
 
 
 # --- FSDP: where a sharded module keeps its gradients between backward passes -----------------

@@ -16,14 +16,16 @@ from torch import fx, nn
 
 from . import _compat
 from .backends import BACKENDS, compile_glue
-from .errors import JaggCaptureError, JaggGraphError, JaggInputError, JaggUnsupportedError
+from .errors import JaggCaptureError, JaggInputError, JaggUnsupportedError
 from .frontends.dynamo import STATE_CHANGE_MARK, canonicalize_dynamo_calls, opaque_modules
+from .frontends.fake_boundary import check_real_grads_after_backward, check_real_output
 from .frontends.fx import capture_fx
 from .frontends.fx_cache import FxEntry, FxGraphCache
 from .frontends.fx_guards import constant_reads, is_constant, object_fingerprint
 from .frontends.intercept import InterceptedLoss
 from .report import Report
 from .report_build import build_report, intercept_report, refresh_times
+from .runtime.autocast import AUTOCAST_OFF, AutocastState, current_autocast, reset_graph_autocast
 from .runtime.module_state import module_state
 from .runtime.routing import Routing
 from .runtime.weights import Basis
@@ -38,8 +40,9 @@ DEFAULT_WEIGHTS = Basis("linear", "t", exact_below=0.5)
 _CAPTURES = ("auto", "dynamo", "fx", "intercept")
 # capture="auto" tries these in order. FX first: its first call on a 50-step Flow-GRPO loss is
 # about 5x cheaper than Dynamo's, and it takes the trainers' schedule reads, no_grad reference
-# blocks and adapter toggles that Dynamo breaks the graph on; Dynamo takes autocast blocks and
-# Function.apply; intercept runs anything the DiT is an argument of, at one more forward per step.
+# blocks, autocast blocks, train()/eval() and adapter toggles, several of which Dynamo breaks the
+# graph on; Dynamo takes Function.apply; intercept runs anything the DiT is an argument of, at one
+# more forward per step.
 AUTO_ORDER = ("fx", "dynamo", "intercept")
 _FALLBACK_COST = {
     "dynamo": "a first call about 5x slower than FX's (Dynamo tracing); later calls as fast",
@@ -96,6 +99,7 @@ class JaggCompiled:
         self._fx_cache = FxGraphCache(self.__qualname__)
         self._fx_reads = None
         self.capture_failures: list[str] = []   # why earlier paths of capture="auto" were left
+        self._warned_no_dit = False
 
     @property
     def report(self) -> Report | None:
@@ -105,7 +109,9 @@ class JaggCompiled:
 
     # --- entry --------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        if self._path == "uncompiled":
+        if self._path == "uncompiled" or not torch.is_grad_enabled():
+            # under torch.no_grad() / inference_mode() (a validation loss, a logged value) there is
+            # no backward to make cheaper: the undecorated loss is the value, at its own cost
             return self.fn(*args, **kwargs)
         if self.capture != "auto":
             order = [self.capture]
@@ -128,6 +134,7 @@ class JaggCompiled:
             if failed:
                 self._announce_fallback(path, failed)
             self._path = path
+            self._check_trains_the_dit(out)
             return out
         return self._unsupported(JaggCaptureError(
             "no capture path could take the loss:\n  " + "\n  ".join(failed)), args, kwargs)
@@ -141,6 +148,21 @@ class JaggCompiled:
             f"jaggc: {self.__qualname__} runs through capture path {path!r} ({_FALLBACK_COST.get(path, '')}) "
             f"because earlier paths could not capture it:\n  " + "\n  ".join(failed)
             + "\n(report.capture_failures lists these; pass capture=... to choose a path)", stacklevel=3)
+
+    def _check_trains_the_dit(self, out) -> None:
+        """A loss without a DiT call is fine when it has nothing to train (an empty trajectory); one
+        whose value still requires grad trains something jaggc did not see, so it runs without JAGG:
+        never silently, the DiT may be called where jaggc does not watch (a closed-over module)."""
+        if self._report is None or self._report.trained_calls or self._warned_no_dit:
+            return
+        if any(isinstance(x, torch.Tensor) and x.requires_grad for x in _compat.tree_flatten(out)[0]):
+            self._warned_no_dit = True
+            watched = ", ".join(getattr(self, "_watched", [])) or "none"
+            warnings.warn(
+                f"jaggc: {self.__qualname__} makes no grad-enabled call of the module(s) jaggc watched ({watched}), "
+                f"but its value requires grad: it trains something else and runs as written, without JAGG. If the "
+                f"DiT is called inside, pass it as an argument of the loss or with jagg_compile(dit=model)",
+                stacklevel=3)
 
     def _unsupported(self, err: JaggUnsupportedError, args, kwargs):
         if self.on_unsupported == "raise":
@@ -193,14 +215,20 @@ class JaggCompiled:
             self._dynamo_fn = torch.compile(self.fn, backend=backend, fullgraph=True, dynamic=False)
         try:
             self._graph_ran = False
+            self._dynamo_entry_autocast = current_autocast()   # the backend's graph is entered in it
+            traces = self.traces
             with opaque_modules(candidates):
                 out = self._dynamo_fn(*args, **kwargs)
             if not self._graph_ran:
-                # Dynamo built no graph for these inputs (on a first call, or a retrace for a new
-                # step count): the loss is a Python constant of its inputs
-                raise JaggGraphError(
-                    f"{self.__qualname__} made no DiT call (no dit call on an empty trajectory?): Dynamo captured "
-                    f"no graph, so there is nothing to train. Check the step count of the batch")
+                # Dynamo built no graph for these inputs (an empty trajectory: no DiT call, no tensor
+                # op): the loss is a Python constant of its inputs, and it is what Dynamo returned
+                self._report = Report(path="dynamo", traces=self.traces, notes=[
+                    "no graph: the loss made no tensor op on these inputs (no DiT call); it ran as written"])
+                return out
+            check_real_output(out, self.__qualname__)
+            if self.traces != traces:
+                check_real_grads_after_backward(out, [p for m in candidates for p in m.parameters()],
+                                                self.__qualname__)
             return out
         except _compat.backend_failed_type() as e:
             raise _compat.unwrap_backend_error(e) from None
@@ -257,7 +285,7 @@ class JaggCompiled:
 
     def _dynamo_backend(self, gm: fx.GraphModule, example_inputs):
         gm = canonicalize_dynamo_calls(gm)
-        gm, report = self._rewrite(gm, "dynamo")
+        gm, report = self._rewrite(gm, "dynamo", entry_autocast=self._dynamo_entry_autocast)
         if self.backend is not None:
             gm = self._dynamo_split = compile_glue(gm, self.backend)
             report.notes.append(f"backend={self.backend!r}: {gm.jaggc_segments['glue']} glue segment(s) compiled, "
@@ -268,7 +296,10 @@ class JaggCompiled:
             # Dynamo keeps one compiled graph per guard set; .report follows the one that runs
             self._report = report
             self._graph_ran = True
-            return forward(*args)
+            try:
+                return forward(*args)
+            finally:
+                reset_graph_autocast()   # a refusal raised inside an autocast switch of the graph
 
         return run_graph
 
@@ -281,13 +312,17 @@ class JaggCompiled:
         candidates = self._candidates(args, kwargs)
         # the trace baked in the constants it read and the modules' states: a change selects (or
         # makes) another graph; values it read from tensors are checked by the entries' guards
+        # the graph's mode switches are absolute, from the modes it was traced in: another caller
+        # autocast state (a whole-loss autocast) is another graph
         key = (_structure_key(bound.arguments), tuple(read.value() for read in self._fx_reads),
-               torch.is_grad_enabled(), tuple(module_state(m, hooks=False) for m in candidates))
+               torch.is_grad_enabled(), current_autocast(), tuple(module_state(m, hooks=False) for m in candidates))
         values = tuple(bound.arguments.values())
         entry = self._fx_cache.lookup(key, values)
-        if entry is None:
+        new = entry is None
+        if new:
             capture = capture_fx(self.fn, args, kwargs, candidates)
-            gm, report = self._rewrite(capture.gm, "fx", entry_grad=capture.entry_grad)
+            gm, report = self._rewrite(capture.gm, "fx", entry_grad=capture.entry_grad,
+                                       entry_autocast=capture.entry_autocast)
             report.guarded_reads = len(capture.guard) if capture.guard is not None else 0
             entry = FxEntry(gm, report, capture.guard)
             changed = self._fx_cache.add(key, entry, values)
@@ -296,11 +331,16 @@ class JaggCompiled:
         self._report = entry.report
         grad = torch.is_grad_enabled()
         try:
-            return entry.gm(*values)
+            out = entry.gm(*values)
         finally:
-            # the graph switches grad mode around no-grad blocks; a refusal raised inside one must
-            # not leave the caller in it
+            # the graph switches grad mode and autocast around no-grad and autocast blocks; a refusal
+            # raised inside one must not leave the caller in it
             torch.set_grad_enabled(grad)
+            reset_graph_autocast()
+        check_real_output(out, self.__qualname__)
+        if new:
+            check_real_grads_after_backward(out, [p for m in candidates for p in m.parameters()], self.__qualname__)
+        return out
 
     # --- intercept (no tracing) -----------------------------------------------------------------
     def _run_intercept(self, args, kwargs):
@@ -327,10 +367,12 @@ class JaggCompiled:
         return out
 
     # --- shared ---------------------------------------------------------------------------------
-    def _rewrite(self, gm: fx.GraphModule, frontend: str, entry_grad: bool = True):
+    def _rewrite(self, gm: fx.GraphModule, frontend: str, entry_grad: bool = True,
+                 entry_autocast: AutocastState = AUTOCAST_OFF):
         passes = _passes()
         ctx = passes.PassContext(config=self.config, dit=self.dit, frontend=frontend,
-                                 watched=list(getattr(self, "_watched", [])), entry_grad=entry_grad)
+                                 watched=list(getattr(self, "_watched", [])), entry_grad=entry_grad,
+                                 entry_autocast=entry_autocast)
         gm, stages = passes.run_passes(gm, ctx)
         self.traces += 1
         self._report = build_report(frontend, gm, stages, ctx, self.traces)

@@ -19,8 +19,10 @@ from typing import Any
 
 import torch.fx
 
-from ._compat import tree_flatten
+from ._compat import DYNAMO_ENTER_AUTOCAST, DYNAMO_EXIT_AUTOCAST, tree_flatten
 from .runtime.calls import DitCall, per_sample_time, resolve_time_arg
+from .runtime import autocast as _autocast
+from .runtime.autocast import AutocastState
 from .runtime.deferred import BackwardGroup
 from .runtime.lowmem import LowMemRun
 from .runtime.module_state import ModuleState, applied, set_state
@@ -44,7 +46,7 @@ def is_in_place(node: torch.fx.Node) -> bool:
     return name.endswith("_") and not name.endswith("__")
 
 
-def user_source(node: fx.Node) -> str:
+def user_source(node: torch.fx.Node) -> str:
     """``file:line`` of the user code that made ``node`` (from its stack trace), skipping jaggc's
     own frontend frames (the opaque-call slots sit between the user's call and the DiT); "" if
     unknown."""
@@ -91,6 +93,24 @@ def set_module_state(dit, state: ModuleState) -> None:
     """Put the DiT in a traced module state (the loss called ``dit.train()`` or changed adapters
     before its trained calls, or left the module changed at its end)."""
     set_state(dit, state)
+
+
+@torch.fx.wrap
+def set_autocast(state: tuple) -> None:
+    """Run the nodes that follow in autocast ``state`` (an absolute state: the FX frontend records
+    one wherever the traced loss entered or left an autocast block, and the mode pass rebuilds
+    them from each node's fact after the rewrite moved nodes; runtime/autocast.py). fx keeps the
+    ``AutocastState`` as the plain tuple of its ``(device, dtype)`` pairs."""
+    _autocast.set_autocast(AutocastState(state))
+
+
+def is_autocast_switch(node: torch.fx.Node) -> bool:
+    """A mode change of the autocast state: jaggc's absolute switch, or Dynamo's region
+    ``_enter_autocast`` / ``_exit_autocast`` pair."""
+    return node.op == "call_function" and (node.target is set_autocast or node.target in _DYNAMO_AUTOCAST)
+
+
+_DYNAMO_AUTOCAST = frozenset({DYNAMO_ENTER_AUTOCAST, DYNAMO_EXIT_AUTOCAST})
 
 
 @dataclass
@@ -226,9 +246,9 @@ def flatten_output(output: Any) -> tuple:
 
 
 RUNTIME_TARGETS = frozenset({dit_call, jagg_window, jagg_trajectory, flatten_output, set_module_state,
-                             jagg_lowmem_window, jagg_lowmem_term, jagg_lowmem_output})
-for _target in (dit_call, jagg_window, jagg_trajectory, set_module_state, jagg_lowmem_window, jagg_lowmem_term,
-                jagg_lowmem_output):
+                             set_autocast, jagg_lowmem_window, jagg_lowmem_term, jagg_lowmem_output})
+for _target in (dit_call, jagg_window, jagg_trajectory, set_module_state, set_autocast, jagg_lowmem_window,
+                jagg_lowmem_term, jagg_lowmem_output):
     torch.fx.node.has_side_effect(_target)
 
 

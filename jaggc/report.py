@@ -23,6 +23,7 @@ class WindowRow:
     backward_before: int   # DiT backward passes of the uncompiled loss (one per step)
     backward_after: int    # after the rewrite (one joint pass per JAGG window)
     score: float | None = None   # routing score of the latest run (routed windows only)
+    autocast: str = "off"        # the autocast state its calls run in ("cpu bfloat16", ...)
 
     def roles(self) -> str:
         if self.mode not in ("jagg", "jagg:σ-exact", "routed", "routed:jagg"):
@@ -43,6 +44,10 @@ class Report:
     guarded_reads: int = 0    # FX: tensor values read as Python numbers, re-checked every call
     splits: list[str] = field(default_factory=list)              # split_cfg_batches: the calls split
     lowmem_buffer_bytes: int | None = None   # backward="lowmem": this rank's gradient buffer, latest run
+    # the autocast state of every DiT call, trained and reference: "step 3: cpu bfloat16",
+    # "reference (file:line): off", ... (graph paths and intercept)
+    call_autocast: list[str] = field(default_factory=list)
+    trained_calls: int = 0    # grad-enabled calls of the DiT (0: nothing was rewritten)
 
     # --- stages -----------------------------------------------------------------------------
     def stage(self, name: str) -> str:
@@ -69,14 +74,17 @@ class Report:
 
     def table(self) -> str:
         scored = any(w.mode.startswith("routed") for w in self.windows)
+        autocast = any(w.autocast != "off" for w in self.windows)
         head = ["window", "steps", "mode", "roles", "weights", "timesteps", "DiT bwd before->after"]
         head[3:3] = ["score"] if scored else []
+        head[-1:-1] = ["autocast"] if autocast else []
         rows = []
         for w in self.windows:
             ts = ", ".join(f"{t:.4g}" for t in w.timesteps) if w.timesteps else "(not run yet)"
             row = [str(w.window), f"{w.steps[0]}-{w.steps[-1]}", w.mode, w.roles(), w.basis or "-", ts,
                    f"{w.backward_before} -> {w.backward_after}"]
             row[3:3] = [f"{w.score:.3f}" if w.score is not None else "-"] if scored else []
+            row[-1:-1] = [w.autocast] if autocast else []
             rows.append(row)
         rows.append(["total"] + [""] * (len(head) - 2) + [f"{self.backward_before} -> {self.backward_after}"])
         widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
@@ -90,7 +98,8 @@ class Report:
             "backward_before": self.backward_before, "backward_after": self.backward_after,
             "reference_calls": self.reference_calls, "notes": list(self.notes),
             "capture_failures": list(self.capture_failures), "guarded_reads": self.guarded_reads,
-            "splits": list(self.splits),
+            "splits": list(self.splits), "call_autocast": list(self.call_autocast),
+            "trained_calls": self.trained_calls,
         }
 
     def __str__(self) -> str:
@@ -101,6 +110,8 @@ class Report:
             lines.append(f"split {len(self.splits)} DiT call(s) by batch slice: " + self.splits[0]
                          + (f" (and {len(self.splits) - 1} more)" if len(self.splits) > 1 else ""))
         lines += [f"note: {n}" for n in self.notes]
+        if any(not entry.endswith(": off") for entry in self.call_autocast):
+            lines.append("DiT calls under autocast: " + "; ".join(self.call_autocast))
         if self.windows:
             lines.append(self.table())
         return "\n".join(lines)

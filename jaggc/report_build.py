@@ -18,9 +18,10 @@ def build_report(frontend: str, gm: fx.GraphModule, stages, ctx, traces: int) ->
     for w in ctx.windows:
         rows.append(WindowRow(window=w.index, steps=list(w.steps), mode=w.mode, knots=list(w.knots),
                               basis=w.basis, timesteps=[], backward_before=len(w.steps),
-                              backward_after=1 if w.mode == "jagg" else len(w.steps)))
+                              backward_after=1 if w.mode == "jagg" else len(w.steps), autocast=w.autocast.describe()))
     report = Report(path=frontend, stages=stages, windows=rows, graph_module=gm, traces=traces,
-                    notes=list(ctx.notes))
+                    notes=list(ctx.notes), call_autocast=_call_autocast(ctx.dit_calls(gm)),
+                    trained_calls=len(ctx.trained_calls(gm)))
     report.reference_calls = sum(1 for n in gm.graph.nodes
                                  if getattr(n.meta.get("jagg_call"), "role", None) == "reference")
     report._plans = [w.plan for w in ctx.windows]
@@ -29,6 +30,16 @@ def build_report(frontend: str, gm: fx.GraphModule, stages, ctx, traces: int) ->
                      for s in ctx.splits]
     refresh_times(report)
     return report
+
+
+def _call_autocast(calls) -> list[str]:
+    """One "step k: <autocast>" / "reference (file:line): <autocast>" entry per DiT call."""
+    out = []
+    for node in calls:
+        site = node.meta["jagg_call"]
+        who = f"step {site.step}" if site.step is not None else f"{site.role} ({site.source or node.name})"
+        out.append(f"{who}: {site.autocast.describe()}")
+    return out
 
 
 def intercept_report(loss: InterceptedLoss, cfg, traces: int) -> Report:
@@ -43,10 +54,13 @@ def intercept_report(loss: InterceptedLoss, cfg, traces: int) -> Report:
                               knots=list(basis.knot_positions(len(steps))) if jagg else [],
                               basis=basis.label() if jagg else "",
                               timesteps=observed_times([loss.recorded[k] for k in steps], cfg.options.time_arg),
-                              backward_before=len(steps), backward_after=1 if jagg else len(steps)))
+                              backward_before=len(steps), backward_after=1 if jagg else len(steps),
+                              autocast=loss.states[steps[0]].autocast.describe()))
     return Report(path="intercept", windows=rows, traces=traces, notes=[
         "no graph was captured: the loss ran twice with the DiT argument replaced by a recording proxy "
-        "(one extra forward per step compared with a captured graph)", *loss.notes])
+        "(one extra forward per step compared with a captured graph)", *loss.notes],
+        call_autocast=[f"step {k}: {s.autocast.describe()}" for k, s in enumerate(loss.states)],
+        trained_calls=len(loss.recorded))
 
 
 def refresh_times(report: Report | None) -> None:

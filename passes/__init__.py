@@ -6,7 +6,7 @@ from .check_frontend import check_frontend
 from .cleanup import cleanup
 from .context import CallSite, CompileConfig, PassContext, Window
 from .find_dit_calls import find_dit_calls
-from .grad_modes import place_grad_modes
+from .modes import place_modes
 from .independence import check_independence
 from .lowmem_terms import place_lowmem_terms
 from .pipeline import DEFAULT_PASSES, Stage, run_passes
@@ -18,5 +18,5 @@ from .windows import assign_windows
 __all__ = [
     "CallSite", "CompileConfig", "DEFAULT_PASSES", "PassContext", "Stage", "Window", "assign_windows",
     "check_frontend", "check_independence", "cleanup", "compute_weights", "find_dit_calls",
-    "place_grad_modes", "place_lowmem_terms", "rewrite_windows", "run_passes", "split_cfg_batches",
+    "place_lowmem_terms", "place_modes", "rewrite_windows", "run_passes", "split_cfg_batches",
 ]

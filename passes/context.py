@@ -1,7 +1,7 @@
 """The facts passes share: the compile configuration and what each analysis found.
 
-Analyses store per-node facts in ``node.meta`` (``jagg_call`` on DiT calls, ``jagg_grad`` on every
-node) and per-graph facts (the windows) here; a pass never recomputes what an earlier one stored.
+Analyses store per-node facts in ``node.meta`` (``jagg_call`` on DiT calls, ``jagg_grad`` and
+``jagg_autocast`` on every node) and per-graph facts (the windows) here; a pass never recomputes what an earlier one stored.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from torch import fx, nn
 
+from jaggc.runtime.autocast import AUTOCAST_OFF, AutocastState
 from jaggc.runtime.routing import Routing
 from jaggc.runtime.window import WindowOptions
 
@@ -36,6 +37,7 @@ class CallSite:
     window: int | None = None
     role: str | None = None    # "knot", "interior", "exact", "reference"
     source: str = ""           # file:line of the call in the user's code
+    autocast: AutocastState = AUTOCAST_OFF   # the autocast state the call runs in
 
 
 @dataclass
@@ -49,6 +51,7 @@ class Window:
     time_arg: str | int | None = None
     node: fx.Node | None = None    # the runtime node after rewrite_windows
     plan: object = None
+    autocast: AutocastState = AUTOCAST_OFF   # the autocast state all its calls run in
 
 
 @dataclass
@@ -60,6 +63,7 @@ class PassContext:
     notes: list[str] = field(default_factory=list)
     watched: list[str] = field(default_factory=list)   # the modules the frontend kept opaque, for messages
     entry_grad: bool = True    # the grad mode the graph is entered in (the caller's, at capture)
+    entry_autocast: AutocastState = AUTOCAST_OFF   # the autocast state it is entered in
     splits: list = field(default_factory=list)          # split_cfg_batches: the DiT calls it split
 
     def dit_calls(self, gm: fx.GraphModule) -> list[fx.Node]:

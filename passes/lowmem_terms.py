@@ -147,6 +147,8 @@ def _check_other_gradients(node: fx.Node, gm: fx.GraphModule) -> None:
 
 
 def place_lowmem_terms(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    if not ctx.windows:
+        return gm           # no trained DiT call: nothing to run early
     graph = gm.graph
     output = graph.output_node()
     loss = output.args[0]
@@ -168,7 +170,7 @@ def place_lowmem_terms(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         with graph.inserting_after(node):
             term = graph.call_function(jagg_lowmem_term, (node, _plan_attr(graph, node), window, position, coef,
                                                           node.name))
-        term.meta["jagg_grad"] = node.meta.get("jagg_grad", True)
+        term.meta.update(jagg_grad=node.meta.get("jagg_grad", True), jagg_autocast=node.meta["jagg_autocast"])
         with_term_nodes[node] = term
         by_window[window].append(term)
     for node, term in with_term_nodes.items():
@@ -183,7 +185,7 @@ def place_lowmem_terms(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     getattr(gm, order[-1].args[2].target).last = True
     with graph.inserting_before(output):
         wrapped = graph.call_function(jagg_lowmem_output, (loss, _plan_attr(graph, output)))
-    wrapped.meta["jagg_grad"] = True
+    wrapped.meta.update(jagg_grad=True, jagg_autocast=ctx.entry_autocast)
     output.args = ([wrapped] if flat else wrapped,)
     restore_topological_order(graph)
     ctx.notes.append(f"backward='lowmem': {len(terms)} per-step terms; each window's joint backward runs as soon as "

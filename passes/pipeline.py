@@ -21,7 +21,7 @@ from .check_frontend import check_frontend
 from .cleanup import cleanup
 from .context import PassContext
 from .find_dit_calls import find_dit_calls
-from .grad_modes import place_grad_modes
+from .modes import place_modes
 from .independence import check_independence
 from .lowmem_terms import place_lowmem_terms
 from .rewrite import rewrite_windows
@@ -33,7 +33,7 @@ Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
 DEFAULT_PASSES: tuple[Pass, ...] = (
     check_frontend, split_cfg_batches, find_dit_calls, check_independence, assign_windows, compute_weights,
-    rewrite_windows, cleanup, place_grad_modes,
+    rewrite_windows, cleanup, place_modes,
 )
 
 

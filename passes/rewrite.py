@@ -33,7 +33,7 @@ def rewrite_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     _rewrite_routed(gm, ctx)
     deferred = _deferred_group_plan(ctx)
     lowmem = ctx.config.options.backward == "lowmem"
-    if lowmem:
+    if lowmem and ctx.windows:
         gm.jagg_lowmem_plan = LowMemPlan(num_windows=len(ctx.windows), first_window=ctx.windows[0].index)
     _cached_references(gm, ctx)
     for w in ctx.windows:
@@ -63,7 +63,8 @@ def rewrite_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         with graph.inserting_after(plan):
             window_node = graph.call_function(target, (last.args[0], calls, plan))
         window_node.meta["jagg_window"] = w.index
-        window_node.meta["jagg_grad"] = True     # a window's calls are trained, grad-enabled calls
+        # a window's calls are trained, grad-enabled calls of one autocast state (assign_windows)
+        window_node.meta.update(jagg_grad=True, jagg_autocast=w.autocast)
         w.node = window_node
         anchor = window_node
         for pos, old in enumerate(w.nodes):
@@ -72,7 +73,7 @@ def rewrite_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             anchor = out
             out.meta["jagg_call"] = old.meta["jagg_call"]
             out.meta["jagg_window"] = w.index
-            out.meta["jagg_grad"] = True
+            out.meta.update(jagg_grad=True, jagg_autocast=w.autocast)
             old.replace_all_uses_with(out)
         for old in w.nodes:
             graph.erase_node(old)
@@ -133,6 +134,14 @@ def _rewrite_routed(gm: fx.GraphModule, ctx: PassContext) -> None:
     routed = [w for w in ctx.windows if w.mode == "routed"]
     if not routed:
         return
+    states = {w.autocast for w in routed}
+    if len(states) > 1:
+        other = next(w for w in routed if w.autocast != routed[0].autocast)
+        raise JaggGraphError(
+            f"{other.nodes[0].meta['jagg_call'].source or 'the loss'}: routing scores all windows in one "
+            f"trajectory node, but step {other.steps[0]} runs in autocast {other.autocast.describe()} and step "
+            f"{routed[0].steps[0]} in {routed[0].autocast.describe()}. Keep the trained DiT calls in one autocast "
+            f"state, or route without a score (jagg_frac=1.0, no threshold)")
     graph = gm.graph
     options = dataclasses.replace(ctx.config.options, weights=ctx.config.weights, time_arg=routed[0].time_arg)
     plan = TrajectoryPlan(windows=tuple(tuple(w.steps) for w in routed),
@@ -148,7 +157,7 @@ def _rewrite_routed(gm: fx.GraphModule, ctx: PassContext) -> None:
         plan_node = graph.get_attr("jagg_trajectory_plan")
     with graph.inserting_after(plan_node):
         node = graph.call_function(jagg_trajectory, (last.args[0], calls, plan_node))
-    node.meta["jagg_grad"] = True
+    node.meta.update(jagg_grad=True, jagg_autocast=routed[0].autocast)
     anchor = node
     for pos, old in enumerate(nodes):
         with graph.inserting_after(anchor):
@@ -156,7 +165,7 @@ def _rewrite_routed(gm: fx.GraphModule, ctx: PassContext) -> None:
         anchor = out
         out.meta["jagg_call"] = old.meta["jagg_call"]
         out.meta["jagg_window"] = old.meta["jagg_call"].window
-        out.meta["jagg_grad"] = True
+        out.meta.update(jagg_grad=True, jagg_autocast=routed[0].autocast)
         old.replace_all_uses_with(out)
     for old in nodes:
         graph.erase_node(old)

@@ -17,8 +17,8 @@ another shape are left as they are.
 Invariant after: every split call is gone; for each, one trained ``dit_call`` on the chunks with
 gradient (concatenated, its output chunked back) and one no-grad ``dit_call`` per other used chunk,
 on inputs sliced by ``batch_chunk`` (a tensor input is sliced iff its leading dim is the call's
-batch), the no-grad chunks' nodes marked ``jagg_grad=False`` between grad-mode switches, the chunk getitems replaced by
-the new calls' primary outputs; ``ctx.splits`` records (source, chunks, no-grad indices).
+batch), the no-grad chunks' nodes marked ``jagg_grad=False`` between grad-mode switches, every new node in
+the call's autocast state, the chunk getitems replaced by the new calls' primary outputs; ``ctx.splits`` records (source, chunks, no-grad indices).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from jaggc._compat import SET_GRAD_ENABLED, tree_flatten, tree_unflatten
 from jaggc.graph_ops import batch_chunk, dit_call, flatten_output, user_source
 
 from .context import PassContext
-from .find_dit_calls import tag_grad_mode
+from .modes import tag_modes
 
 
 @dataclass
@@ -101,7 +101,7 @@ def split_cfg_batches(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if not ctx.config.split_batches:
         return gm
     graph = gm.graph
-    tag_grad_mode(gm, ctx.entry_grad)
+    tag_modes(gm, ctx)
     for call in [n for n in graph.nodes if n.op == "call_function" and n.target is dit_call]:
         if not call.meta["jagg_grad"] or call.kwargs:
             continue
@@ -176,6 +176,7 @@ def _rewrite(gm: fx.GraphModule, call: fx.Node, primary: fx.Node, pieces: dict, 
             new_nodes.append(anchor)
         for node in new_nodes:
             node.meta["jagg_grad"] = grad if node.target is not SET_GRAD_ENABLED else node.args[0]
+            node.meta["jagg_autocast"] = call.meta["jagg_autocast"]   # the pieces run as the call did
         for index in group:
             for use in pieces[index]:
                 use.replace_all_uses_with(outs[index])

@@ -4,7 +4,11 @@ The grouping rule is jaggc's one rule (runtime/grouping.py: streams of two-call 
 argument structure, windows of ``window`` steps with a shorter tail its own), applied here to fx
 nodes: two calls are one sampling step when their state and timestep are the same expression of
 the graph's inputs, and can share a batched call when their static signatures (argument structure
-and constants, graph values erased) agree. Without routing (``jagg_frac`` 1 or 0, no threshold or
+and constants, graph values erased) and their autocast states agree: a window whose calls would
+run in different autocast states is cut there, as a change of module state is. ``window`` is the
+largest window: a loss with fewer trained calls (MixGRPO's window shrinking to 3, 2, 1 steps at the
+end of its run) gets windows of its length, and one with none (or one) has nothing to aggregate and
+runs as written (its one call exact). Without routing (``jagg_frac`` 1 or 0, no threshold or
 timestep rule) every window of more than 2 steps is "jagg" (or "exact" at jagg_frac 0); with
 routing such windows are "routed": the runtime scores them and picks JAGG or exact per call
 (runtime/routing.py).
@@ -19,7 +23,6 @@ from __future__ import annotations
 from torch import fx
 
 from jaggc._compat import tree_flatten
-from jaggc.errors import JaggInputError
 from jaggc.runtime.grouping import group_windows
 from jaggc.runtime.window import check_window_size
 
@@ -72,14 +75,11 @@ def assign_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     cfg = ctx.config
     check_window_size(cfg.window)
     trained = ctx.trained_calls(gm)
-    if len(trained) < 2:
-        raise JaggInputError(
-            f"the loss makes {len(trained)} grad-enabled DiT call: a JAGG window needs at least 2 steps, so "
-            f"there is nothing to aggregate. Call the loss uncompiled (one DiT backward per step is "
-            f"already the minimum)")
-    grouping = group_windows(len(trained), cfg.window, same_step=same_step_of(trained, cfg.time_arg),
-                             batch_key=lambda k: static_signature(trained[k]))
     ctx.windows = []
+    if not trained:
+        return gm
+    grouping = group_windows(len(trained), cfg.window, same_step=same_step_of(trained, cfg.time_arg),
+                             batch_key=lambda k: (static_signature(trained[k]), trained[k].meta["jagg_call"].autocast))
     ctx.notes.extend(grouping.notes())
     for idx in grouping.windows:
         nodes = [trained[k] for k in idx]
@@ -89,7 +89,8 @@ def assign_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             mode = "routed"
         else:
             mode = "jagg" if cfg.jagg_frac == 1.0 else "exact"
-        w = Window(index=len(ctx.windows), nodes=nodes, mode=mode, steps=[n.meta["jagg_call"].step for n in nodes])
+        w = Window(index=len(ctx.windows), nodes=nodes, mode=mode, steps=[n.meta["jagg_call"].step for n in nodes],
+                   autocast=nodes[0].meta["jagg_call"].autocast)
         ctx.windows.append(w)
         for n in nodes:
             site = n.meta["jagg_call"]

@@ -461,7 +461,7 @@ def test_report_table_diff_exports(tmp_path):
 
     diff = report.diff()
     assert "jagg_window" in diff and diff.startswith("--- capture (dynamo)")
-    assert "+++ place_grad_modes" in diff
+    assert "+++ place_modes" in diff
 
     g = report.to_networkx()
     windows = {data["window"] for _, data in g.nodes(data=True) if data["window"] is not None}

@@ -80,7 +80,7 @@ class TestGolden(expecttest.TestCase):
         self.assertEqual([s.name for s in report.stages],
                          ["capture (fx)", "check_frontend", "split_cfg_batches", "find_dit_calls", "check_independence",
                           "assign_windows", "compute_weights", "rewrite_windows", "cleanup",
-                          "place_grad_modes"])
+                          "place_modes"])
         assert_rewritten(self, report.graph_module, [[0, 1, 2], [3, 4, 5]])
         self.assertExpectedInline(normalise(report.stages[-1].code), """\
 def forward(self, dit_1, zs_1, ts_1, g_1, n_1):

@@ -23,14 +23,15 @@ What is checked:
     attribute of a config object (an argument, or held by a closure) re-trace; an argument object
     too large to key by content is refused;
   * a no-grad block inside a helper is recorded (loss and gradient as eager's at W=2, as
-    Dynamo's at W=3); an autocast block is refused (FX would run it in the caller's mode), and
-    ``capture="auto"`` then takes Dynamo with a warning naming the reason.
+    Dynamo's at W=3); so is an autocast block, which ``capture="auto"`` now keeps on FX (more
+    autocast cases in test_autocast.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
+import warnings
 
 import pytest
 import torch
@@ -80,7 +81,7 @@ def test_fx_records_the_kl_loss_no_grad_block():
     compiled = jagg_compile(ex.loss_fn, window=4, capture="fx")
     compiled(ex.model, ex.batch)
     assert compiled.report.reference_calls == 4
-    code = compiled.report.stage("place_grad_modes")
+    code = compiled.report.stage("place_modes")
     assert code.count("_set_grad_enabled(False)") == 4 and code.count("_set_grad_enabled(True)") == 4
 
 
@@ -343,19 +344,28 @@ def test_no_grad_block_in_a_helper_is_recorded():
     assert rel_err(fx_w3[1], dynamo_w3[1]) < 1e-12
 
 
-def test_autocast_block_fx_cannot_record_is_refused():
-    """FX records ops, not autocast regions: the block would run in the caller's mode."""
+def test_autocast_block_is_recorded():
+    """An autocast block in the loss is recorded (set_autocast switches): ``auto`` takes FX without a
+    fallback, and the ops in the block run in bf16 (W=2: loss and gradient equal eager's bit for bit;
+    they differ from the fp32 loss's, so a dropped block would show); at W=3 FX equals Dynamo."""
     field = AffineJacobianField(3, seed=3)
     zs, ts, gs = _inputs(3)
-    with pytest.raises(JaggCaptureError, match=r"test_fx_frontend.py:\d+: this op is traced under another autocast"):
-        jagg_compile(autocast_loss, window=3, capture="fx")(field, zs, ts, gs)
-    # Dynamo records autocast blocks: the same loss compiles and matches eager, and auto takes it
-    eager = autocast_loss(field, zs, ts, gs)
-    torch.testing.assert_close(jagg_compile(autocast_loss, window=2, capture="dynamo")(field, zs, ts, gs), eager)
-    auto = jagg_compile(autocast_loss, window=2)
-    with pytest.warns(UserWarning, match="runs through capture path 'dynamo'"):
-        torch.testing.assert_close(auto(field, zs, ts, gs), eager)
-    assert auto.report.path == "dynamo" and "this op is traced under another autocast" in auto.report.capture_failures[0]
+    eager = _value_and_grad(autocast_loss, field, zs, ts, gs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")       # no fallback warning
+        auto = jagg_compile(autocast_loss, window=2)
+        got = _value_and_grad(auto, field, zs, ts, gs)
+    assert auto.report.path == "fx" and not auto.report.capture_failures
+    assert "set_autocast" in auto.report.stage("capture") and "set_autocast" in auto.report.stage("place_modes")
+    torch.testing.assert_close(got[0], eager[0], rtol=0, atol=0)
+    assert rel_err(got[1], eager[1]) == 0
+    with torch.autocast("cpu", enabled=False):
+        fp32 = (sum((field(zs[k], ts[k]) @ gs[k].T).sum() for k in range(3)))
+    assert abs(float(fp32.detach()) - float(eager[0])) > 1e-6
+    fx_w3 = _value_and_grad(jagg_compile(autocast_loss, window=3, capture="fx"), field, zs, ts, gs)
+    dynamo_w3 = _value_and_grad(jagg_compile(autocast_loss, window=3, capture="dynamo"), field, zs, ts, gs)
+    torch.testing.assert_close(fx_w3[0], dynamo_w3[0], rtol=0, atol=0)
+    assert rel_err(fx_w3[1], dynamo_w3[1]) < 1e-12
 
 
 @dataclasses.dataclass
@@ -443,3 +453,22 @@ def test_function_apply_is_patched_only_while_tracing(failure):
     x = torch.ones(2, requires_grad=True)
     _Double.apply(x).sum().backward()
     assert torch.equal(x.grad, torch.full((2,), 2.0))
+
+
+def default_flag_loss(dit, batch, scale=2.0, enabled=True):
+    total = 0.0
+    for k in range(batch["zs"].shape[0]):
+        total = total + (dit(batch["zs"][k], batch["ts"][k]) * batch["gs"][k]).sum() * (scale if enabled else 1.0)
+    return total
+
+
+def test_keyword_defaults_beside_a_container_argument():
+    """Regression: a default argument next to a dict argument made fx's pytree codegen emit
+    ``enabled_1 = True, = ...`` (a SyntaxError); the defaults are bound, the graph takes them as inputs."""
+    field = AffineJacobianField(3, seed=3)
+    zs, ts, gs = _inputs(3)
+    batch = dict(zs=zs, ts=ts, gs=gs)
+    compiled = jagg_compile(default_flag_loss, window=2, capture="fx")
+    torch.testing.assert_close(compiled(field, batch), default_flag_loss(field, batch))
+    torch.testing.assert_close(compiled(field, batch, 3.0, False), default_flag_loss(field, batch, 3.0, False))
+    assert compiled.report.path == "fx"

@@ -52,10 +52,13 @@ def test_windows_never_mix_streams_and_say_so():
     assert any("one window per stream" in note for note in grouping.notes())
 
 
-def test_window_longer_than_a_stream_is_refused_per_stream():
-    with pytest.raises(JaggInputError, match=r"window=4 is larger than the 3 grad-enabled DiT calls per stream "
-                                             r"\(2 calls per sampling step\); use window <= 3"):
-        group_windows(6, 4, **_by_key([0, 0, 1, 1, 2, 2]))
+def test_window_longer_than_a_stream_is_the_stream():
+    """``window`` is the largest window: a stream (or run) shorter than it is one window of its
+    length (MixGRPO's window shrinking at the end of its run), never a refusal."""
+    assert group_windows(6, 4, **_by_key([0, 0, 1, 1, 2, 2])).windows == [[0, 2, 4], [1, 3, 5]]
+    assert group_windows(3, 4, **_by_key(list(range(3)))).windows == [[0, 1, 2]]
+    assert group_windows(1, 4, **_by_key([0])).windows == [[0]]
+    assert group_windows(0, 4, **_by_key([])).windows == []
     with pytest.raises(JaggInputError, match=r"window=1: a JAGG window needs an int of at least 2"):
         group_windows(6, 1, **_by_key(list(range(6))))
 

@@ -68,7 +68,7 @@ PRIVATE_TORCH_ATTRIBUTES = {
     "_forward_hooks": "module_hook_keys",
     "_forward_pre_hooks": "module_hook_keys",
     "_codegen": "copy_input_codegen",               # fx.Graph's pytree codegen
-    "_execution_engine": "run_after_backward",      # autograd's engine queue
+    "_execution_engine": "queue_backward_callback",  # autograd's engine queue
     # FSDP's gradient storage (FSDP1 FlatParamHandle/FlatParameter, FSDP2 FSDPState/FSDPParam)
     **dict.fromkeys(("_handle", "_params", "_saved_grad_shard", "_local_shard", "_use_orig_params",
                      "_use_sharded_grad_views", "_use_unsharded_grad_views", "_get_fsdp_state",

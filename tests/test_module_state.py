@@ -191,18 +191,18 @@ def test_dynamo_refuses_a_state_change_naming_it():
         jagg_compile(eval_mode, dit=model, window=4, capture="dynamo")(model, *inputs())
 
 
-@pytest.mark.parametrize("capture", ["auto", "dynamo", "intercept"])
+@pytest.mark.parametrize("capture", ["auto", "fx", "dynamo", "intercept"])
 def test_autocast_reference_call(capture):
-    """A bf16-autocast reference call pairs with nothing and is computed under autocast; FX, which
-    cannot record autocast blocks, leaves it to Dynamo."""
+    """A bf16-autocast reference call pairs with nothing and is computed under autocast, on every
+    path (``auto`` keeps it on FX, which records the block)."""
     model = peft_field(5, torch.float32)
     args = (model, *inputs(dtype=torch.float32))
     ref_loss, ref_grad = reference_jagg(autocast_reference, args, model, 4, time_arg=1)
     compiled = jagg_compile(autocast_reference, dit=model, window=4, weights="t", capture=capture)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("error" if capture in ("auto", "fx") else "ignore")
         loss, grad = loss_and_grad(compiled, args, model)
-    assert compiled.report.path == ("dynamo" if capture == "auto" else capture)
+    assert compiled.report.path == ("fx" if capture == "auto" else capture)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
     assert rel_err(grad, ref_grad) < 1e-5
 

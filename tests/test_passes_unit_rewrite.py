@@ -12,7 +12,7 @@ Covered here:
     (AffineJacobianField, float64), and the gradient differs off the chord (JAGG really ran).
   * cleanup: dead pure nodes go; unused DiT calls, runtime nodes (has_side_effect), in-place ops and
     module calls stay; ``flatten_output`` (pure) goes.
-  * place_grad_modes: switches rebuilt so every node runs in its ``jagg_grad`` mode (entry mode in and
+  * place_modes: switches rebuilt so every node runs in its ``jagg_grad`` mode (entry mode in and
     out, no redundant switch), a node without the fact is an internal error, and a no-grad diagnostic
     the rewrite moved below a window runs without grad again.
   * place_lowmem_terms: a sum of per-step terms gets one ``jagg_lowmem_term`` per term (window,
@@ -29,14 +29,16 @@ import pytest
 import torch
 from torch import fx, nn
 
-from jaggc._compat import SET_GRAD_ENABLED
+from jaggc._compat import DYNAMO_ENTER_AUTOCAST, DYNAMO_EXIT_AUTOCAST, SET_GRAD_ENABLED
 from jaggc.errors import JaggGraphError, JaggInputError, JaggInternalError
 from jaggc.graph_ops import (RUNTIME_TARGETS, LowMemWindowPlan, WindowPlan, dit_call, flatten_output,
-                             jagg_lowmem_output, jagg_lowmem_term, jagg_lowmem_window, jagg_trajectory, jagg_window)
-from jaggc.passes import (assign_windows, cleanup, compute_weights, find_dit_calls, place_grad_modes,
+                             jagg_lowmem_output, jagg_lowmem_term, jagg_lowmem_window, jagg_trajectory, jagg_window,
+                             set_autocast)
+from jaggc.passes import (assign_windows, cleanup, compute_weights, find_dit_calls, place_modes,
                           place_lowmem_terms, rewrite_windows)
 from jaggc.passes.context import Window
-from jaggc.passes.grad_modes import is_grad_switch
+from jaggc.passes.modes import is_grad_switch
+from jaggc.runtime.autocast import AUTOCAST_OFF, AutocastState
 from jaggc.runtime.routing import Routing
 from jaggc.runtime.weights import Basis
 
@@ -49,18 +51,24 @@ def nodes_with(gm: fx.GraphModule, target) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
 
 
-def assert_runs_in_recorded_modes(gm: fx.GraphModule, entry: bool = True):
-    """place_grad_modes' invariant: replaying the switches, every node runs under its jagg_grad,
-    each switch changes the mode, and the graph returns in its entry mode."""
-    mode = entry
+def assert_runs_in_recorded_modes(gm: fx.GraphModule, entry: bool = True, entry_autocast=AUTOCAST_OFF):
+    """place_modes' invariant: replaying the switches, every node runs under its jagg_grad and
+    jagg_autocast, each switch changes its mode, and the graph returns in its entry modes."""
+    mode, autocast = entry, entry_autocast
     for n in gm.graph.nodes:
         if is_grad_switch(n):
             assert n.args[0] != mode, f"{n.name}: a switch that changes nothing"
             mode = n.args[0]
+        elif n.op == "call_function" and n.target is set_autocast:
+            assert n.args[0] != autocast, f"{n.name}: an autocast switch that changes nothing"
+            autocast = n.args[0]
         elif n.op == "output":
             assert mode == entry, "the graph returns in another grad mode than it was entered in"
+            assert autocast == entry_autocast, "the graph returns in another autocast state than it was entered in"
         elif n.op not in ("placeholder", "get_attr"):
             assert n.meta["jagg_grad"] == mode, f"{n.name} runs with grad {mode}, recorded {n.meta['jagg_grad']}"
+            assert n.meta["jagg_autocast"] == autocast, (
+                f"{n.name} runs in autocast {autocast}, recorded {n.meta['jagg_autocast']}")
 
 
 # ----------------------------------------------------------------------------- compute_weights
@@ -207,28 +215,37 @@ def test_cleanup_drops_dead_pure_nodes_and_keeps_nodes_with_effects():
     assert len(nodes_with(gm, dit_call)) == 2                            # the DiT call and the bare target
 
 
-# ----------------------------------------------------------------------------- place_grad_modes
+# ----------------------------------------------------------------------------- place_modes
 
-def fact_graph(facts: list[tuple[str, bool | None]], stale_switches: dict[int, bool]):
-    """A chain x -> op_0 -> op_1 ... with the given jagg_grad facts and switches at the wrong places."""
+def fact_graph(facts: list[tuple], stale_switches: dict[int, bool], stale_autocast: dict[int, object] = {}):
+    """A chain x -> op_0 -> op_1 ... with the given (name, jagg_grad[, jagg_autocast]) facts and grad /
+    autocast switches at the wrong places (autocast as Dynamo's region nodes: an enter at one index,
+    its exit at the next one given)."""
     c = Capture("x")
     value = c.x.x
-    for i, (name, grad) in enumerate(facts):
+    regions = []
+    for i, (name, grad, *autocast) in enumerate(facts):
         if i in stale_switches:
             c.fn(SET_GRAD_ENABLED, stale_switches[i])
+        if i in stale_autocast:
+            regions.append(c.fn(DYNAMO_ENTER_AUTOCAST, *stale_autocast[i])) if stale_autocast[i] else \
+                c.fn(DYNAMO_EXIT_AUTOCAST, regions.pop())
         value = c.fn(getattr(torch, name), value)
         if grad is not None:
             value.meta["jagg_grad"] = grad
+        value.meta["jagg_autocast"] = autocast[0] if autocast else AUTOCAST_OFF
+    while regions:
+        c.fn(DYNAMO_EXIT_AUTOCAST, regions.pop())
     return c.build(value)
 
 
 @pytest.mark.parametrize("entry", [True, False])
-def test_place_grad_modes_puts_every_node_under_its_recorded_mode(entry):
+def test_place_modes_puts_every_node_under_its_recorded_mode(entry):
     facts = [("neg", True), ("sin", True), ("cos", False), ("exp", False), ("tanh", True), ("sigmoid", False)]
     gm = fact_graph(facts, stale_switches={0: True, 1: False, 4: False})
     ctx = context()
     ctx.entry_grad = entry
-    gm = run(gm, ctx, place_grad_modes)
+    gm = run(gm, ctx, place_modes)
     assert_runs_in_recorded_modes(gm, entry)
     layout = [f"set({n.args[0]})" if is_grad_switch(n) else n.name for n in gm.graph.nodes][1:-1]
     expected = ["neg", "sin", "set(False)", "cos", "exp", "set(True)", "tanh", "set(False)", "sigmoid"]
@@ -236,13 +253,39 @@ def test_place_grad_modes_puts_every_node_under_its_recorded_mode(entry):
     assert layout == expected
 
 
-def test_place_grad_modes_refuses_a_node_without_grad_fact():
+BF16 = AutocastState((("cpu", torch.bfloat16),))
+
+
+def test_place_modes_puts_every_node_under_its_recorded_autocast_state():
+    """Dynamo's enter/exit region nodes sit at stale places: they are dropped and jaggc's absolute
+    switches placed from the facts (the grad facts are all True: no grad switch)."""
+    facts = [("neg", True), ("sin", True, BF16), ("cos", True, BF16), ("exp", True), ("tanh", True, BF16)]
+    gm = fact_graph(facts, stale_switches={}, stale_autocast={0: ("cpu", torch.bfloat16, True, None), 2: ()})
+    gm = run(gm, context(), place_modes)
+    assert_runs_in_recorded_modes(gm)
+    assert not [n for n in gm.graph.nodes if n.target in (DYNAMO_ENTER_AUTOCAST, DYNAMO_EXIT_AUTOCAST)]
+    # fx stores the state as a plain tuple (graph constants are rebuilt from their elements)
+    layout = [f"autocast({AutocastState(n.args[0]).describe()})" if n.target is set_autocast else n.name
+              for n in gm.graph.nodes][1:-1]
+    assert layout == ["neg", "autocast(cpu bfloat16)", "sin", "cos", "autocast(off)", "exp", "autocast(cpu bfloat16)",
+                      "tanh", "autocast(off)"]
+    x = torch.randn(4, 4)
+    eager = torch.neg(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = torch.cos(torch.sin(eager))
+    eager = torch.exp(eager)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = torch.tanh(eager)
+    torch.testing.assert_close(gm(x), eager, rtol=0, atol=0)
+
+
+def test_place_modes_refuses_a_node_without_grad_fact():
     gm = fact_graph([("neg", True), ("sin", None)], stale_switches={})
-    with pytest.raises(JaggInternalError, match=r"node sin \(.*\) has no grad-mode fact"):
-        place_grad_modes(gm, context())
+    with pytest.raises(JaggInternalError, match=r"node sin \(.*\) has no grad-mode or autocast fact"):
+        place_modes(gm, context())
 
 
-def test_place_grad_modes_keeps_a_no_grad_diagnostic_moved_by_the_rewrite_without_grad():
+def test_place_modes_keeps_a_no_grad_diagnostic_moved_by_the_rewrite_without_grad():
     """``with torch.no_grad(): d = v_0.norm()`` reads step 0's output; the rewrite moves it below the
     window node, past its switches, so it would run with grad until the switches are rebuilt."""
     c = Capture("zs", "ts", "gs")
@@ -257,7 +300,7 @@ def test_place_grad_modes_keeps_a_no_grad_diagnostic_moved_by_the_rewrite_withou
     with pytest.raises(AssertionError, match="norm runs with grad True"):
         assert_runs_in_recorded_modes(gm)
     assert gm(*inputs(3, 3))[1].requires_grad                            # the stale switches: it runs with grad
-    gm = run(gm, ctx, place_grad_modes)
+    gm = run(gm, ctx, place_modes)
     assert_runs_in_recorded_modes(gm)
     loss, d = gm(*inputs(3, 3))
     assert loss.requires_grad and not d.requires_grad
@@ -301,7 +344,7 @@ def test_place_lowmem_terms_graph_matches_original_loss_and_gradient():
     args = inputs(5, 3)
     original = loss_and_grad(policy_kl_loss(5), *args)
     gm, ctx = policy_kl_loss(5), context(3, backward="lowmem")
-    gm = run(gm, ctx, *ANALYSES, rewrite_windows, place_lowmem_terms, cleanup, place_grad_modes)
+    gm = run(gm, ctx, *ANALYSES, rewrite_windows, place_lowmem_terms, cleanup, place_modes)
     assert_same(loss_and_grad(gm, *args), original, tol=1e-10)
 
 

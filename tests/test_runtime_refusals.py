@@ -196,8 +196,8 @@ def test_window_smaller_than_two():
 
 
 def test_empty_call_list():
-    field = _field()
-    refused(field, lambda: jagg_calls(field, [], window=4), mentions=("no dit calls",), advice=("empty",))
+    """An empty trajectory has no outputs (a window that moved past the trained steps)."""
+    assert jagg_calls(_field(), [], window=4) == []
 
 
 # ----------------------------------------------------------------------------- timesteps

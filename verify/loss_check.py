@@ -26,10 +26,9 @@ a scheduler lookup needs exact values.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from hypothesis import strategies as st

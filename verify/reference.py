@@ -59,17 +59,20 @@ def reference_jagg(loss_fn: Callable, args: tuple, dit: nn.Module, window: int, 
             composites += [upstream[k] for k in idx]
             continue
         a, b = idx[0], idx[-1]
-        g_a, g_b = torch.zeros_like(upstream[a]), torch.zeros_like(upstream[b])
+        # summed in float64 and rounded once to the knot output's dtype: under bf16 autocast a sum
+        # accumulated in bf16 would differ from the exact composite by several bf16 roundings
+        g_a = torch.zeros_like(upstream[a], dtype=torch.float64)
+        g_b = torch.zeros_like(upstream[b], dtype=torch.float64)
         for pos, k in enumerate(idx):
             if weights == "t":
-                alpha = ((times[k] - times[a]) / (times[b] - times[a])).to(upstream[k].dtype)
+                alpha = (times[k] - times[a]) / (times[b] - times[a])
                 alpha = alpha.reshape(-1, *([1] * (upstream[k].ndim - 1)))
             else:
                 alpha = pos / (len(idx) - 1)
-            g_a = g_a + (1 - alpha) * upstream[k]
-            g_b = g_b + alpha * upstream[k]
+            g_a = g_a + (1 - alpha) * upstream[k].double()
+            g_b = g_b + alpha * upstream[k].double()
         knots += [outs[a], outs[b]]
-        composites += [g_a, g_b]
+        composites += [g_a.to(upstream[a].dtype), g_b.to(upstream[b].dtype)]
     params = [p for p in dit.parameters() if p.requires_grad]
     # a None is an unused parameter, never one the graph reached through a stand-in (FSDP's
     # gathered copies, a swapped weight): that guard, not JAGG math, is the one jaggc code used here

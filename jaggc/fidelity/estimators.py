@@ -253,8 +253,7 @@ def windows_of(rec: Recording, window: int) -> list[list[int]]:
     """The recorded calls' windows by jaggc's one grouping rule (runtime/grouping.py), so that every
     estimator, ``exact_windows`` index and ``runtime_gradient`` see the windows the runtime runs."""
     if window not in rec.windows:
-        rec.windows[window] = group_calls(rec.calls, window, time_arg=rec.time_arg,
-                                          calls_named="recorded DiT calls").windows
+        rec.windows[window] = group_calls(rec.calls, window, time_arg=rec.time_arg).windows
     return rec.windows[window]
 
 

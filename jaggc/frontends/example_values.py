@@ -28,6 +28,7 @@ from .. import _compat
 from .._compat import tree_map
 from ..errors import JaggCaptureError, JaggError, JaggInternalError
 from ..graph_ops import dit_call, is_in_place
+from ..runtime.autocast import autocast_applied, autocast_cache_disabled
 from .dynamo import is_distributed, real_run_as_fake
 from .fake_cache import TensorMeta, cached_fake_call
 
@@ -97,9 +98,20 @@ class ExampleValues:
             stack.extend(n.all_input_nodes)
         with contextlib.ExitStack() as self._real_code:
             for n in sorted(pending, key=self.order.__getitem__):
-                self.values[n] = self._compute_tracking_standins(n)
+                self.values[n] = self._compute_in_traced_modes(n)
         self._real_code = None
         return self.values[node]
+
+    def _compute_in_traced_modes(self, node: fx.Node) -> Any:
+        """The value computed in the grad mode and autocast state ``node`` was traced in: a value
+        asked for after the loss left an autocast block (``noise_pred.dtype`` below it) is the
+        block's value, as in eager code."""
+        modes = node.meta.get("jagg_traced_modes")
+        if modes is None:
+            return self._compute_tracking_standins(node)
+        grad, autocast = modes
+        with torch.set_grad_enabled(grad), autocast_applied(autocast):
+            return self._compute_tracking_standins(node)
 
     def _compute_tracking_standins(self, node: fx.Node) -> Any:
         standin_inputs = [a for a in node.all_input_nodes if a in self.standins]
@@ -130,6 +142,9 @@ class ExampleValues:
         if not getattr(stack, "entered", False):
             stack.enter_context(self.mode)
             stack.enter_context(running_real_code())
+            # fake casts of the real parameters must not reach autocast's weight-cast cache: the
+            # loss's real ops in the same autocast region would compute with them (autocast.py)
+            stack.enter_context(autocast_cache_disabled())
             stack.entered = True
         if unpatched and not getattr(stack, "unpatched", False):
             stack.enter_context(_compat.fx_patches_reverted())

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from .._compat import detect_fake_mode, is_fake, tree_flatten, tree_unflatten
+from ..runtime.autocast import autocast_cache_disabled
 
 # fake mode -> {(module id, signature): recorded output}
 _CACHES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
@@ -124,13 +125,19 @@ def cached_fake_call(owner, run: Callable, args: tuple, kwargs: dict, *, mode=No
     """
     if mode is None:
         mode = detect_fake_mode([x for x in tree_flatten((args, kwargs))[0] if is_fake(x)])
-    key = signature(owner, args, kwargs) if mode is not None else None
+    if mode is None:
+        return run(*args, **kwargs)     # a real call (the opaque slot at run time): nothing to cache
+    key = signature(owner, args, kwargs)
     if key is None:
-        return run(*args, **kwargs)
+        with autocast_cache_disabled():
+            return run(*args, **kwargs)
     cache = _CACHES.setdefault(mode, {})
     recorded = cache.get(key)
     if recorded is None:
-        out = run(*args, **kwargs)
+        # a fake run under the loss's autocast would leave fake casts of the real parameters in
+        # autocast's weight-cast cache, where the next real op of the region finds them
+        with autocast_cache_disabled():
+            out = run(*args, **kwargs)
         out_leaves, out_spec = tree_flatten(out)
         if not all(not isinstance(x, torch.Tensor) or (_concrete(x.shape) and _concrete(x.stride()))
                    for x in out_leaves):

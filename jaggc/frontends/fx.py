@@ -11,6 +11,12 @@ Plain torch.fx cannot trace a trainer's loss; this tracer records what plain FX 
   (``value_reads.py``); a value that depends on a DiT output is refused;
 - **grad mode**: a ``with torch.no_grad():`` block (a KL reference call, a diagnostic) is recorded
   as ``_set_grad_enabled`` nodes, as Dynamo records it (plain FX drops it and changes gradients);
+  ``torch.inference_mode()`` is recorded the same way (no grad: the same values);
+- **autocast**: a ``with torch.autocast(...):`` block (the trainers' CUDA bf16 block around the DiT
+  call, a CPU block in tests, nested in helpers or not) is recorded as ``set_autocast`` switch
+  nodes holding the state the following ops run in; every node also keeps the grad and autocast
+  state it was traced in (``meta["jagg_traced_modes"]``), so its example value and any value read
+  through it are computed in that state, as eager code would;
 - **module state**: a DiT call traced in another state than the loss was entered in (inside peft's
   ``disable_adapter()``, after ``dit.train()``) is replayed in that state (``set_module_state``
   nodes, and a ``state`` on the reference call); FX alone would run every call in whatever state
@@ -18,8 +24,7 @@ Plain torch.fx cannot trace a trainer's loss; this tracer records what plain FX 
 - arguments are bound to the function's signature: tensors (also inside dicts, lists and tuples)
   become placeholders, everything else is baked in (the cache key holds it, ``fx_guards.py``).
 
-Still refused, as ``JaggCaptureError`` (another path may take the loss): an op traced under another
-autocast or inference mode than the caller's (FX records ops, not autocast regions), raw
+Still refused, as ``JaggCaptureError`` (another path may take the loss): raw
 ``autograd.Function.apply`` (FX loses its backward), in-place writes into trace constants, shapes
 that cannot be computed. Calling the DiT through ``.forward`` is a final refusal.
 """
@@ -41,8 +46,9 @@ from torch import fx, nn
 from .. import _compat
 from .._compat import SET_GRAD_ENABLED, fake_mode_suspended, tree_flatten, tree_unflatten
 from ..errors import JaggCaptureError, JaggGraphError
-from ..graph_ops import dit_call, is_in_place, set_module_state, user_source
-from ..runtime.module_state import ModuleState, applicable, autocast_state, difference, module_state
+from ..graph_ops import dit_call, is_in_place, set_autocast, set_module_state, user_source
+from ..runtime.autocast import AUTOCAST_OFF, AutocastState, autocast_cache_disabled, current_autocast
+from ..runtime.module_state import ModuleState, applicable, difference, module_state
 from . import example_values
 from .example_values import ExampleValues
 from .value_reads import Guard, ValueReads
@@ -127,12 +133,6 @@ class ShapedAttribute(ShapedProxy, fx.proxy.Attribute):
     """``out.sample`` of a DiT output: a lazily created getattr node that also has a shape."""
 
 
-def _unrecorded_modes() -> tuple:
-    """The modes an op runs under that the trace cannot record: inference mode, autocast."""
-    return (torch.is_inference_mode_enabled(),
-            autocast_state())
-
-
 def _source_prefix(node: fx.Node) -> str:
     where = user_source(node)
     return f"{where}: " if where else ""
@@ -154,9 +154,9 @@ class DiTLeafTracer(fx.Tracer):
                                       lambda node: self.reads.read(node, "value"))
         self.reads = ValueReads(self._root_value, _source_prefix, self.examples.order)
         self._inputs = list(reversed(inputs))
-        self.modes = _unrecorded_modes()
-        self.grad_mode = torch.is_grad_enabled()     # the mode the recorded nodes run under
-        self.entry_grad = self.grad_mode
+        # the modes the recorded nodes run under, and those the loss was entered in
+        self.grad_mode = self.entry_grad = torch.is_grad_enabled()
+        self.autocast = self.entry_autocast = current_autocast()
 
     def _root_value(self, target: str):
         if target in self.installed:
@@ -183,17 +183,11 @@ class DiTLeafTracer(fx.Tracer):
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None) -> fx.Node:
         if kind != "placeholder":
-            self._record_grad_mode()
+            self._record_modes()
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
         # the user's line only (error messages name one line), not fx's record_stack_traces
         node.stack_trace = _user_line()
-        if kind != "placeholder" and _unrecorded_modes() != self.modes:
-            raise JaggCaptureError(
-                f"{_source_prefix(node)}this op is traced under another autocast or inference mode than the "
-                f"loss was called with (a `torch.autocast(...)` or `torch.inference_mode()` block in the loss or "
-                f"a function it calls); torch.fx records ops, not autocast regions, so the compiled loss would "
-                f"run it in the caller's mode. Call the whole loss under autocast, or let Dynamo capture it "
-                f"(Dynamo records autocast blocks)", path="fx", where=_source_prefix(node).rstrip(": "))
+        node.meta["jagg_traced_modes"] = (self.grad_mode, self.autocast)
         self.examples.add(node)
         if kind == "placeholder":
             value = self._inputs.pop()
@@ -214,13 +208,20 @@ class DiTLeafTracer(fx.Tracer):
             self.examples.run_in_place_op(node)
         return node
 
-    def _record_grad_mode(self) -> None:
-        """A ``_set_grad_enabled`` node wherever the grad mode changed since the last node."""
+    def _record_modes(self) -> None:
+        """A ``_set_grad_enabled`` / ``set_autocast`` node wherever the grad mode / the autocast
+        state changed since the last node (inference mode is a grad mode of False here: the
+        graph's replay computes the same values without grad)."""
         mode = torch.is_grad_enabled()
         if mode != self.grad_mode:
             switch = super().create_node("call_function", SET_GRAD_ENABLED, (mode,), {})
             switch.stack_trace = _user_line()
             self.grad_mode = mode
+        autocast = current_autocast()
+        if autocast != self.autocast:
+            switch = super().create_node("call_function", set_autocast, (autocast,), {})
+            switch.stack_trace = _user_line()
+            self.autocast = autocast
 
     def _attr_name(self, m: nn.Module) -> str:
         for name, mod in self.installed.items():
@@ -356,11 +357,12 @@ class _RandomDrawsRefused(_compat.dispatch_mode_base()):
 @dataclass
 class FxCapture:
     """A traced loss: the graph, the guard over the values it read (None: it read none), and the
-    grad mode it was entered in."""
+    grad mode and autocast state it was entered in."""
 
     gm: fx.GraphModule
     guard: Guard | None
     entry_grad: bool
+    entry_autocast: AutocastState = AUTOCAST_OFF
 
 
 def capture_fx(fn: Callable, args: tuple, kwargs: dict, dits: list[nn.Module]) -> FxCapture:
@@ -370,7 +372,10 @@ def capture_fx(fn: Callable, args: tuple, kwargs: dict, dits: list[nn.Module]) -
     tracer = DiTLeafTracer(dits, inputs)
     entry = {id(m): module_state(m) for m in dits}
     try:
-        with _refuse_direct_forward(dits), _RefuseFunctionApply(), _RandomDrawsRefused(), warnings.catch_warnings():
+        # nothing the trace runs may leave casts in the caller's autocast weight-cast cache: the
+        # graph's first run in the same region would share them (autocast.py)
+        with _refuse_direct_forward(dits), _RefuseFunctionApply(), _RandomDrawsRefused(), warnings.catch_warnings(), \
+                autocast_cache_disabled():
             # fx cannot add an assertion for a module-valued concrete argument; the cache key has its id
             warnings.filterwarnings("ignore", message="Was not able to add assertion")
             graph = tracer.trace(fn, concrete_args=concrete)
@@ -384,12 +389,18 @@ def capture_fx(fn: Callable, args: tuple, kwargs: dict, dits: list[nn.Module]) -
             f"{_where_in_traceback(e)}the FX frontend cannot trace {getattr(fn, '__qualname__', fn)}: "
             f"{type(e).__name__}: {e}", path="fx", where=_where_in_traceback(e).rstrip(": ")) from e
     exits = {id(m): module_state(m) for m in dits}
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            # the graph is always called with every argument bound (defaults applied); a default
+            # kept on the placeholder breaks fx's pytree codegen (``enabled_1 = True, = ...``)
+            node.args = ()
     # the DiT and other called modules, and tensors the loss built from constants while tracing
     # (``torch.ones(x.shape[-1])`` once the shape is known), which fx stores as ``_tensor_constant``
     root = {n.target: tracer._root_value(n.target) for n in graph.nodes if n.op in ("get_attr", "call_module")}
     _place_module_states(graph, root, entry, exits)
     guard = tracer.reads.guard(graph, root)
-    return FxCapture(fx.GraphModule(root, graph, class_name="JaggLoss"), guard, tracer.entry_grad)
+    return FxCapture(fx.GraphModule(root, graph, class_name="JaggLoss"), guard, tracer.entry_grad,
+                     tracer.entry_autocast)
 
 
 def _where_in_traceback(e: BaseException) -> str:
@@ -443,7 +454,7 @@ def _place_module_states(graph: fx.Graph, root: dict, entry: dict[int, ModuleSta
                 raise JaggCaptureError(
                     f"{user_source(node) or 'the loss'}: the DiT is called in another state than the loss was "
                     f"entered in ({difference(frm, state)}); a compiled graph can replay train/eval, requires_grad "
-                    f"and peft adapter switches, not changed hooks, merged adapters or autocast",
+                    f"and peft adapter switches, not changed hooks or merged adapters",
                     path="fx", where=user_source(node))
         dit_name = calls[0].args[0].target
         if base != entry[id(module)]:

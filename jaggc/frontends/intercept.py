@@ -19,10 +19,14 @@ twice: once without grad in the recording, once with grad) and runs the loss's P
 calls (KL reference forwards) go straight to the DiT in both runs. The DiT must be an argument of
 the loss (a closed-over module cannot be swapped for the proxy).
 
-Every recorded call keeps the DiT's module state (``module_state.py``): windows never mix calls of
-different states, each window runs in its calls' state, the recording cache keys rows by state (a
-reference call under ``disable_adapter()`` has the policy call's inputs, not its output), and the
-replay refuses a call whose state differs from the recording's.
+Every recorded call keeps the DiT's module state and the thread's autocast state
+(``module_state.CallState``): the windows run after the loss's first run, outside any
+``torch.autocast`` block the loss opened, so each window is put back in its calls' state (a bf16
+block around the DiT call stays a bf16 call, never a silent fp32 one); windows never mix calls of
+different states, the recording cache keys rows by state (a reference call under
+``disable_adapter()`` has the policy call's inputs, not its output), and the replay refuses a call
+whose state differs from the recording's. A loss that makes no grad-enabled DiT call (an empty
+trajectory) has nothing to rewrite: its first run is returned as its value.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from ..runtime.calls import DitCall
 from ..runtime.checks import check_placement
 from ..runtime.rollout_cache import RolloutCache
 from ..runtime.grouping import group_calls
-from ..runtime.module_state import ModuleState, difference, module_state
+from ..runtime.module_state import CallState
 from ..runtime.routing import Routing
 from ..runtime.trajectory import run_trajectory
 from ..runtime.window import WindowOptions
@@ -110,13 +114,16 @@ class InterceptedLoss:
         self.windows: list[list[int]] = []
         self.notes: list[str] = []
         self.recorded: list[DitCall] = []
-        self.states: list[ModuleState] = []
+        self.states: list[CallState] = []
 
     def __call__(self, dit: nn.Module, bound: inspect.BoundArguments):
-        recorded, states, cache = self._record(dit, bound)
+        recorded, states, cache, value = self._record(dit, bound)
         if not recorded:
-            raise JaggGraphError(
-                f"the loss made no grad-enabled call of its DiT argument {self.dit_arg!r}; nothing to rewrite")
+            # the recording run called the DiT only as written (no grad): it is the undecorated loss
+            self.windows, self.recorded, self.states = [], [], []
+            self.notes = [f"no grad-enabled call of the DiT argument {self.dit_arg!r}: nothing to rewrite, the loss "
+                          f"ran as written"]
+            return value
         grouping = group_calls(recorded, self.window, time_arg=self.options.time_arg, states=states)
         self.windows, self.notes = grouping.windows, grouping.notes()
         self.recorded, self.states = recorded, states
@@ -125,7 +132,8 @@ class InterceptedLoss:
         if routing is not None and len(set(states)) > 1:
             raise JaggCaptureError(
                 f"routing scores all windows together, but the loss's trained DiT calls run in "
-                f"{len(set(states))} module states ({difference(states[0], next(s for s in states if s != states[0]))}); "
+                f"{len(set(states))} module or autocast states "
+                f"({states[0].difference(next(s for s in states if s != states[0]))}); "
                 f"use jagg_frac=1 without routing, or keep the trained calls in one state", path="intercept")
         outs, self.decision = run_trajectory(dit, recorded, self.windows, options=options, routing=routing,
                                              states=states, exact_windows=range(len(self.windows)) if self.exact else ())
@@ -137,7 +145,7 @@ class InterceptedLoss:
 
     def _record(self, dit, bound):
         recorded: list[DitCall] = []
-        states: list[ModuleState] = []
+        states: list[CallState] = []
         cache = RolloutCache(dit, time_arg=self.options.time_arg, unbatched=self.options.unbatched)
 
         def on_call(call: DitCall):
@@ -152,13 +160,13 @@ class InterceptedLoss:
                 # would otherwise fail inside the DiT with a bare torch error
                 check_placement(dit, call, f"step {len(recorded)}")
             recorded.append(call)
-            states.append(module_state(dit))
+            states.append(CallState.of(dit))
             with torch.no_grad():
                 return _as_leaf(dit(*call.args, **call.kwargs))
 
         with cache.record():
-            self._run(bound, DitProxy(dit, on_call))
-        return recorded, states, cache
+            value = self._run(bound, DitProxy(dit, on_call))
+        return recorded, states, cache, value
 
     def _replay(self, dit, bound, recorded, outs):
         position = [0]
@@ -170,13 +178,13 @@ class InterceptedLoss:
                     f"step {k}: the loss called the DiT with different inputs on its second run than on its "
                     f"first. The intercept fallback runs the loss twice and needs it to be deterministic "
                     f"(no sampling inside the loss); sample outside and pass the values in", path="intercept")
-            state = module_state(dit)
+            state = CallState.of(dit)
             if state != self.states[k]:
                 raise JaggCaptureError(
                     f"step {k}: the DiT is in another state on the loss's second run than on its first "
-                    f"({difference(self.states[k], state)}); the intercept fallback runs the loss twice and "
-                    f"needs the same module state at every call. Reset the state at the top of the loss "
-                    f"(dit.train()) or outside it", path="intercept")
+                    f"({self.states[k].difference(state)}); the intercept fallback runs the loss twice and "
+                    f"needs the same module and autocast state at every call. Reset the state at the top of the "
+                    f"loss (dit.train()) or outside it", path="intercept")
             position[0] += 1
             return outs[k]
 

@@ -31,7 +31,8 @@ from torch import fx
 
 from .. import _compat
 from ..errors import JaggCaptureError
-from ..graph_ops import dit_call, is_in_place
+from ..graph_ops import dit_call, is_autocast_switch, is_in_place
+from ..runtime.autocast import autocast_applied, reset_graph_autocast
 from .example_values import running_real_code
 
 # ops whose value differs between runs on the same inputs: a read of them cannot be guarded
@@ -152,9 +153,11 @@ class ValueReads:
         if n.op == "get_attr":
             return self.root_value(n.target)
         args, kwargs = fx.node.map_arg((n.args, n.kwargs), self._real.__getitem__)
-        if n.op == "call_method":
-            return getattr(args[0], n.target)(*args[1:], **kwargs)
-        return n.target(*args, **kwargs)
+        # in the autocast state the op was traced in (a read inside an autocast block)
+        with autocast_applied(n.meta.get("jagg_traced_modes", (None, None))[1]):
+            if n.op == "call_method":
+                return getattr(args[0], n.target)(*args[1:], **kwargs)
+            return n.target(*args, **kwargs)
 
     # --- the guard -----------------------------------------------------------------------------
     def guard(self, graph: fx.Graph, root: dict[str, Any]) -> "Guard | None":
@@ -168,7 +171,9 @@ class ValueReads:
         for r in self.reads:
             needed.update(self._closure(r.node, r.kind))
         for n in graph.nodes:
-            if n.op == "placeholder" or n in needed:
+            # the autocast switches too: a read inside an autocast block is re-run in it (the traced
+            # graph ends in its entry state, so the guard does as well)
+            if n.op == "placeholder" or n in needed or is_autocast_switch(n):
                 env[n] = g.node_copy(n, env.__getitem__)
         g.output(tuple(env[r.node] for r in self.reads))
         attrs = {n.target: root[n.target] for n in g.nodes if n.op == "get_attr"}
@@ -183,10 +188,16 @@ class Guard:
         self.module = module
         self.expected = expected
 
-    def check(self, *args) -> bool:
+    def _values(self, args) -> tuple:
         try:
             with torch.no_grad():
-                values = self.module(*args)
+                return self.module(*args)
+        finally:
+            reset_graph_autocast()    # an evaluation that raised inside an autocast switch
+
+    def check(self, *args) -> bool:
+        try:
+            values = self._values(args)
             return all(_same(_CONVERT[kind](v), want) for v, (kind, want, _) in zip(values, self.expected))
         except Exception:   # noqa: BLE001 - new values the old reads cannot even evaluate (an empty nonzero)
             return False
@@ -194,8 +205,7 @@ class Guard:
     def changed(self, *args) -> list[str]:
         """The reads whose answer changed, as "file:line: kind was X, now Y" (for messages)."""
         try:
-            with torch.no_grad():
-                values = self.module(*args)
+            values = self._values(args)
         except Exception as e:  # noqa: BLE001
             return [f"the reads could not be evaluated ({type(e).__name__}: {e})"]
         out = []

@@ -21,6 +21,7 @@ import torch
 
 from .._compat import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 from ..errors import JaggInputError, JaggTypeError, where
+from .autocast import fresh_cast_cache
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class DitCall:
     kwargs: dict = field(default_factory=dict)
 
     def __call__(self, dit):
+        fresh_cast_cache()      # under a bf16 autocast jaggc replays: this call's own weight casts
         out = dit(*self.args, **self.kwargs)
         if torch.is_grad_enabled():
             check_output_requires_grad(dit, out)

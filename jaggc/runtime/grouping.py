@@ -12,7 +12,9 @@ sampling step and when two calls can share one batched call.
 2. **Runs.** Within a stream, consecutive calls with equal batch keys (argument structure; for
    recorded calls also the module state) form a run; a call that breaks it starts a new run.
 3. **Windows.** Each run is cut into windows of ``window`` steps; a shorter tail is a window of
-   its own length (exact when it has <= 2 steps, since then every step is a knot).
+   its own length (exact when it has <= 2 steps, since then every step is a knot). ``window`` is
+   the largest window, not a demand: a run shorter than it (a trajectory of 3 trained steps at
+   ``window=4``, MixGRPO's window near the end of its run) is one window of its length.
 
 Windows are listed stream by stream, run by run; indices refer to the caller's call list.
 """
@@ -76,17 +78,10 @@ def runs(stream: Sequence[int], batch_key: Callable[[int], Hashable]) -> list[li
 
 
 def group_windows(num_calls: int, window: int, *, same_step: Callable[[int, int], bool],
-                  batch_key: Callable[[int], Hashable], calls_named: str = "grad-enabled DiT calls in the loss"
-                  ) -> Grouping:
-    """The windows of ``num_calls`` calls (module docstring). Refuses a ``window`` longer than the
-    shortest stream: no window of that size could be formed."""
+                  batch_key: Callable[[int], Hashable]) -> Grouping:
+    """The windows of ``num_calls`` calls (module docstring)."""
     check_window_size(window)
     by_stream = streams(num_calls, same_step)
-    shortest = min(len(s) for s in by_stream)
-    if window > shortest:
-        what = (calls_named.split(" in ")[0] + f" per stream ({len(by_stream)} calls per sampling step)"
-                if len(by_stream) > 1 else calls_named)
-        raise JaggInputError(f"window={window} is larger than the {shortest} {what}; use window <= {shortest}")
     runs_per_stream = [runs(s, batch_key) for s in by_stream]
     windows = [[run[i] for i in idx] for rs in runs_per_stream for run in rs for idx in partition(len(run), window)]
     return Grouping(by_stream, windows, cut=any(len(rs) > 1 for rs in runs_per_stream))
@@ -130,12 +125,10 @@ def structure(call: DitCall) -> Hashable:
 
 
 def group_calls(calls: Sequence[DitCall], window: int, *, time_arg: str | int | None = None,
-                states: Sequence[Hashable] | None = None,
-                calls_named: str = "grad-enabled DiT calls in the loss") -> Grouping:
+                states: Sequence[Hashable] | None = None) -> Grouping:
     """The windows of recorded calls; with ``states`` (one module state per call), calls in
     different states never share a run."""
     def batch_key(k: int) -> Hashable:
         return structure(calls[k]) if states is None else (structure(calls[k]), states[k])
 
-    return group_windows(len(calls), window, same_step=same_step_of(calls, time_arg), batch_key=batch_key,
-                         calls_named=calls_named)
+    return group_windows(len(calls), window, same_step=same_step_of(calls, time_arg), batch_key=batch_key)

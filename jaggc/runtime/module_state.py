@@ -2,10 +2,11 @@
 
 Two DiT calls with equal inputs give different outputs when the module is in another state:
 a peft adapter disabled (Flow-GRPO's KL reference runs under ``disable_adapter()``), another
-adapter active or merged, ``train()``/``eval()`` (dropout), other forward hooks, or another
-autocast dtype. Anything that reuses or pairs DiT outputs across calls (a JAGG window, the rollout
-cache, the intercept fallback's recording, a compiled graph replaying a traced call) must compare
-this state, not only the inputs.
+adapter active or merged, ``train()``/``eval()`` (dropout), or other forward hooks; and when the
+thread is in another autocast state (``autocast.py``; a thread mode like grad mode, not a module
+flag). Anything that reuses or pairs DiT outputs across calls (a JAGG window, the rollout cache,
+the intercept fallback's recording, a compiled graph replaying a traced call) must compare both,
+not only the inputs: ``CallState`` is the pair.
 
 ``module_state(m)`` takes a hashable snapshot; ``applied(m, state)`` puts a module into a recorded
 state for the duration of a call (what a compiled graph does for a reference call traced under
@@ -18,12 +19,10 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from .._compat import compiled_inner_module, module_hook_keys
-
-_AUTOCAST_DEVICES = ("cpu", "cuda")
+from .autocast import AutocastState, autocast_applied, current_autocast
 
 
 def module_chain(module: nn.Module) -> list[nn.Module]:
@@ -64,23 +63,17 @@ class ModuleState:
     ``training`` holds one flag per submodule and ``requires_grad`` one per parameter, in
     ``modules()`` / ``parameters()`` order; ``adapters`` one (disabled, active, merged) triple per
     peft tuner layer; ``hooks`` the registered forward (pre-)hook handles of every submodule that
-    has any; ``autocast`` the (device, enabled, dtype) autocast state of the call."""
+    has any."""
 
     training: tuple[bool, ...]
     requires_grad: tuple[bool, ...]
     adapters: tuple[tuple, ...]
     hooks: tuple[tuple, ...]
-    autocast: tuple[tuple, ...]
 
     def output_key(self) -> tuple:
-        """What decides the output's *values* (requires_grad and hooks installed by tools, such as a
-        rollout cache's own recording hook, do not): the key for reusing recorded outputs."""
-        return (self.training, self.adapters, self.autocast)
-
-
-def autocast_state() -> tuple:
-    """(device, dtype) of each device with autocast on; a disabled block's dtype changes nothing."""
-    return tuple((d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d))
+        """What of the module decides the output's *values* (requires_grad and hooks installed by
+        tools, such as a rollout cache's own recording hook, do not)."""
+        return (self.training, self.adapters)
 
 
 def module_state(module: nn.Module, *, hooks: bool = True) -> ModuleState:
@@ -93,7 +86,6 @@ def module_state(module: nn.Module, *, hooks: bool = True) -> ModuleState:
         adapters=tuple((i, bool(m._disable_adapters), _active(m), tuple(getattr(m, "merged_adapters", ())))
                        for i, m in enumerate(modules) if _is_tuner_layer(m)),
         hooks=tuple((i, keys) for i, m in enumerate(modules) if (keys := module_hook_keys(m))) if hooks else (),
-        autocast=autocast_state(),
     )
 
 
@@ -115,16 +107,14 @@ def difference(a: ModuleState, b: ModuleState) -> str:
         parts.append(f"requires_grad of {sum(x != y for x, y in zip(a.requires_grad, b.requires_grad))} parameter(s)")
     if a.hooks != b.hooks:
         parts.append("registered forward hooks")
-    if a.autocast != b.autocast:
-        parts.append("the autocast state (" + (", ".join(f"{d}: {dt}" for d, dt in b.autocast) or "off") + ")")
     return "; ".join(parts) or "nothing"
 
 
 def applicable(a: ModuleState, b: ModuleState) -> bool:
-    """True if ``applied`` can turn state ``a`` into ``b`` (flags only: hooks, merged weights and
-    autocast cannot be set on a module)."""
+    """True if ``applied`` can turn state ``a`` into ``b`` (flags only: hooks and merged weights
+    cannot be set on a module)."""
     merged = [x[3] for x in a.adapters] == [x[3] for x in b.adapters]
-    return (merged and a.hooks == b.hooks and a.autocast == b.autocast
+    return (merged and a.hooks == b.hooks
             and len(a.training) == len(b.training) and len(a.requires_grad) == len(b.requires_grad)
             and [x[0] for x in a.adapters] == [x[0] for x in b.adapters])
 
@@ -165,3 +155,34 @@ def applied(module: nn.Module, state: ModuleState | None):
         yield
     finally:
         set_state(module, before)
+
+
+@dataclass(frozen=True)
+class CallState:
+    """What besides its inputs decides a recorded DiT call's output: the module's state and the
+    thread's autocast state when it was made (the intercept fallback records one per call and runs
+    each window in its calls' state)."""
+
+    module: ModuleState
+    autocast: AutocastState
+
+    @staticmethod
+    def of(module: nn.Module) -> "CallState":
+        return CallState(module_state(module), current_autocast())
+
+    def difference(self, other: "CallState") -> str:
+        parts = [difference(self.module, other.module)] if self.module != other.module else []
+        if self.autocast != other.autocast:
+            parts.append(f"autocast {self.autocast.describe()} vs {other.autocast.describe()}")
+        return "; ".join(parts) or "nothing"
+
+    @contextlib.contextmanager
+    def applied(self, module: nn.Module):
+        with applied(module, self.module), autocast_applied(self.autocast):
+            yield
+
+
+def output_key(module: nn.Module) -> tuple:
+    """What decides a call's output values besides its inputs, now: the key a recorded output
+    (the rollout cache) is reused under."""
+    return module_state(module, hooks=False).output_key() + (current_autocast(),)

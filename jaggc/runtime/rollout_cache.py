@@ -15,7 +15,7 @@ back to real forwards. Lookups copy the inputs to host memory to hash them (one 
 interior call): still far cheaper than a DiT forward, but not free.
 
 A row is also keyed by the DiT's module state (``module_state.py``: peft adapters enabled and
-active, train/eval, autocast): a reference call recorded under ``disable_adapter()`` never
+active, train/eval) and the autocast state: a reference call recorded under ``disable_adapter()`` never
 answers a lookup made with the adapter on, though its inputs are the same.
 """
 
@@ -31,7 +31,7 @@ from torch import nn
 
 from .._compat import tree_flatten, tree_unflatten, version_counter
 from .calls import DitCall, batch_size, batched_time, get_time, resolve_time_arg, set_time
-from .module_state import module_state
+from .module_state import output_key
 
 
 def parameter_versions(dit: nn.Module) -> tuple:
@@ -102,7 +102,7 @@ class RolloutCache:
             self.stats.misses += 1
             return None
         rows = []
-        state = module_state(self.dit, hooks=False).output_key()
+        state = output_key(self.dit)
         for key in self._row_keys(call):
             entry = self._rows.get((state, key))
             if entry is None:
@@ -119,7 +119,7 @@ class RolloutCache:
     def _store(self, call: DitCall, output: Any) -> None:
         batch = batch_size(call)
         leaves, spec = tree_flatten(output)
-        state = module_state(self.dit, hooks=False).output_key()
+        state = output_key(self.dit)
         # one copy per output leaf; the rows are views of it (a clone per row costs more than the hash)
         leaves = [leaf.detach().clone() if isinstance(leaf, torch.Tensor) and leaf.ndim >= 1
                   and leaf.shape[0] == batch else leaf for leaf in leaves]

@@ -1,7 +1,7 @@
 """Run a whole trajectory of DiT calls window by window: the eager driver.
 
 ``run_trajectory`` runs given windows (plain, routed or all exact, each in its calls' module
-state) and is shared by ``jagg_calls`` and the intercept path; the windows themselves come from
+and autocast state) and is shared by ``jagg_calls`` and the intercept path; the windows themselves come from
 the one grouping rule (``grouping.py``), which the window pass applies to graphs. It sits above
 both ``window.py`` (one window) and ``routing.py`` (windows chosen as JAGG or exact by their
 score, which itself runs windows), so that neither of those imports the other back.
@@ -9,46 +9,46 @@ score, which itself runs windows), so that neither of those imports the other ba
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Sequence
+import contextlib
+from typing import Any, Sequence
 
 from torch import nn
 
-from ..errors import JaggInputError
 from .calls import DitCall
 from .deferred import BackwardGroup
 from .grouping import group_calls
-from .module_state import applied
+from .module_state import CallState
 from .routing import Routing, RoutingDecision, run_routed
 from .window import WindowOptions, check_window_size, deferred_grad_forwards, run_exact, run_window
 
 
 def run_trajectory(dit: nn.Module, calls: Sequence[DitCall], windows: Sequence[Sequence[int]], *,
                    options: WindowOptions = WindowOptions(), exact_windows: Sequence[int] = (),
-                   routing: Routing | None = None, states: Sequence[Hashable] | None = None
+                   routing: Routing | None = None, states: Sequence[CallState] | None = None
                    ) -> tuple[list[Any], RoutingDecision | None]:
     """The outputs of ``calls`` (in call order), run as ``windows`` (lists of call indices), and
     the routing decision (None without routing).
 
     Windows listed in ``exact_windows`` (by index) run as plain per-step calls; ``routing`` (a
     ``Routing``) chooses JAGG windows at run time by score, over the other windows together;
-    ``states`` (one module state per call) puts the DiT in each window's state while it runs
-    (routing needs one state: its windows are scored together)."""
+    ``states`` (one ``CallState`` per call) puts the DiT and the thread in each window's module and
+    autocast state while it runs (routing needs one state: its windows are scored together)."""
     outs: list[Any] = [None] * len(calls)
 
     def put(idx, window_outs):
         for k, o in zip(idx, window_outs):
             outs[k] = o
 
-    def state_of(idx):
-        return states[idx[0]] if states is not None else None
+    def in_state(idx):
+        return states[idx[0]].applied(dit) if states is not None and idx else contextlib.nullcontext()
 
     def exact(idx):
-        with applied(dit, state_of(idx)):
+        with in_state(idx):
             put(idx, run_exact(dit, [calls[k] for k in idx], steps=list(idx), options=options))
 
     if routing is not None and routing.active:
         kept = [list(w) for i, w in enumerate(windows) if i not in exact_windows]
-        with applied(dit, state_of(kept[0]) if kept else None):
+        with in_state(kept[0] if kept else []):
             routed, decision = run_routed(dit, [[calls[k] for k in w] for w in kept], kept, options, routing)
         for idx, window_outs in zip(kept, routed):
             put(idx, window_outs)
@@ -61,7 +61,7 @@ def run_trajectory(dit: nn.Module, calls: Sequence[DitCall], windows: Sequence[S
         if i in exact_windows:
             exact(idx)
             continue
-        with applied(dit, state_of(idx)):
+        with in_state(idx):
             put(idx, run_window(dit, [calls[k] for k in idx], steps=list(idx), options=options, group=group))
     return outs, None
 
@@ -75,17 +75,14 @@ def jagg_calls(dit: nn.Module, calls: Sequence[DitCall], *, window: int = 4,
     stream, a change of argument structure a cut.
 
     Windows listed in ``exact_windows`` (by index) run as plain per-step calls. ``routing`` (a
-    ``Routing``) chooses JAGG windows at run time by score.
+    ``Routing``) chooses JAGG windows at run time by score. ``window`` is the largest window: a
+    trajectory of fewer calls is one window of its length (one or two calls: exact), an empty one
+    has no outputs.
     """
-    if not calls:
-        raise JaggInputError("no DiT calls to run: the trajectory is empty")
     check_window_size(window)
-    if len(calls) < 2:
-        raise JaggInputError(
-            f"window={window}: the trajectory has 1 step and a JAGG window needs at least 2, so there is nothing "
-            f"to aggregate; run the call uncompiled (run_exact or plain autograd: one backward per step is the "
-            f"minimum)")
-    grouping = group_calls(calls, window, time_arg=options.time_arg, calls_named="steps of the trajectory")
+    if not calls:
+        return []
+    grouping = group_calls(calls, window, time_arg=options.time_arg)
     outs, _ = run_trajectory(dit, calls, grouping.windows, options=options, exact_windows=exact_windows,
                              routing=routing)
     return outs

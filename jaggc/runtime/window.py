@@ -130,11 +130,7 @@ def prepare_window(dit: nn.Module, calls: Sequence[DitCall], steps: Sequence[int
         knot_out = forward_batched(dit, [calls[p] for p in knots], [steps[p] for p in knots], time_arg,
                                    options.unbatched)
     else:
-        outs = [calls[p](dit) for p in knots]
-        knot_leaves = [tree_flatten(o)[0] for o in outs]
-        spec = tree_flatten(outs[0])[1]
-        knot_out = tree_unflatten(
-            [torch.cat(ls, 0) if isinstance(ls[0], torch.Tensor) else ls[0] for ls in zip(*knot_leaves)], spec)
+        knot_out = _concatenated_outputs(dit, [calls[p] for p in knots])
     return PreparedWindow(calls=calls, steps=steps, time_arg=time_arg, batch=batch, times=times, knots=knots,
                           phi=phi, knot_out=knot_out, interior_out=interior_out)
 
@@ -151,9 +147,20 @@ def prepare_exact_window(dit: nn.Module, calls: Sequence[DitCall], steps: Sequen
     n = len(calls)
     times = torch.stack([per_sample_time(c, time_arg, s) for c, s in zip(calls, steps)])
     phi = torch.eye(n, dtype=torch.float64, device=times.device)[:, :, None].expand(n, n, batch)
-    knot_out = forward_batched(dit, calls, steps, time_arg, options.unbatched)
+    # one forward per step, as the uncompiled loss runs them: an exact window is the exact gradient,
+    # also under bf16 autocast, where a batched forward would differ by batch-size roundoff
+    knot_out = _concatenated_outputs(dit, calls)
     return PreparedWindow(calls=calls, steps=steps, time_arg=time_arg, batch=batch, times=times,
                           knots=tuple(range(n)), phi=phi, knot_out=knot_out, interior_out={})
+
+
+def _concatenated_outputs(dit: nn.Module, calls: Sequence[DitCall]) -> Any:
+    """The calls run one by one, their outputs concatenated along the batch (one knot batch)."""
+    outs = [c(dit) for c in calls]
+    leaves = [tree_flatten(o)[0] for o in outs]
+    spec = tree_flatten(outs[0])[1]
+    return tree_unflatten([torch.cat(ls, 0) if isinstance(ls[0], torch.Tensor) else ls[0] for ls in zip(*leaves)],
+                          spec)
 
 
 def run_window(dit: nn.Module, calls: Sequence[DitCall], *, steps: Sequence[int] | None = None,
