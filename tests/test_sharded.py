@@ -25,7 +25,8 @@ windows). Checked, per wrapper, checkpointing and mode (joint, per_window, lowme
     ``set_requires_gradient_sync(False)``: no reduce-scatter in the micro-step, the sum after the
     synced one);
   * a weight the DiT computes with through a trainable stand-in (an injected "parameter got no
-    gradient" case) is refused under every wrapper before anything reaches ``.grad``.
+    gradient" case) is refused under every wrapper before anything reaches ``.grad``; so is a
+    second backward of a retained lowmem loss under FSDP (its buffer went to ``.grad`` in the first).
 
 One fork of 2 ranks runs every case (``ranks.run_ranks``; about a minute on 2 cores).
 """
@@ -138,6 +139,18 @@ def stand_in_refused(dit, share: dict) -> tuple[str, bool]:
     return message, all(p.grad is None for p in dit.parameters()) and stand_in.grad is None
 
 
+def backward_twice_refused(dit, lowmem, share: dict) -> str:
+    """A retained lowmem loss backpropagated twice: its buffer went into .grad in the first."""
+    zero(dit)
+    loss = lowmem(dit, share)
+    loss.backward(retain_graph=True)
+    try:
+        loss.backward()
+    except JaggUnsupportedError as e:
+        return str(e)
+    return ""
+
+
 def run_rank(problem, rank: int, world: int) -> dict:
     warnings.filterwarnings("ignore", message=".*returned a view tensor")
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -164,6 +177,7 @@ def run_rank(problem, rank: int, world: int) -> dict:
         res[key + "/one_window_peak"] = one_window_peak(dit, share)
         if not ac:
             res[key + "/stand_in"] = stand_in_refused(dit, share)
+            res[key + "/twice"] = backward_twice_refused(dit, lowmem, share)
             continue
         # the trainers' configuration: the user's no-sync micro-step, then a synced one
         zero(dit)
@@ -307,3 +321,9 @@ def test_a_stand_in_parameter_is_refused(rank_results, wrapper):
         message, clean_grads = res[wrapper + "/stand_in"]
         assert "trainable tensor(s) that are not the DiT's parameters" in message and "window 0" in message, message
         assert clean_grads
+
+
+@pytest.mark.parametrize("wrapper", FSDP)
+def test_a_second_backward_of_a_lowmem_loss_is_refused(rank_results, wrapper):
+    for res in rank_results:
+        assert "backpropagated twice" in res[wrapper + "/twice"], res[wrapper + "/twice"]

@@ -28,6 +28,9 @@ The package, in import order (each module imports only those before it, never th
   runner.py      ``run_bench``: the run itself
   rss_child.py   the fresh process ``memory.py`` starts (``python -m jaggc.bench.rss_child``);
                  imported by nobody
+  sharded.py     the DDP / FSDP1 / FSDP2 table of every backward mode on torchrun ranks
+                 (``torchrun --nproc-per-node 2 -m jaggc.bench.sharded``, docs/distributed.md);
+                 not re-exported here (``-m`` would run it twice), tests/test_sharded.py imports it
 
 This module only re-exports the names the CLI, the tests and the README use.
 """
