@@ -198,6 +198,19 @@ def run_rank(problem, rank: int, world: int) -> dict:
         scaler.scale(lowmem(dit, share)).backward()
         scaler.unscale_(optimizer)
         res[key + "/scaler"] = full_grads(dit, wrapper)
+    # FSDP2 with bf16 mixed precision: fp32 states go in (FSDP casts them), W=2 is the exact loss
+    dit = wrap_dit(copy.deepcopy(problem.model), "fsdp2", checkpointing=False, param_dtype=torch.bfloat16)
+    zero(dit)
+    dance_grpo_loss(dit, share).backward()
+    res["fsdp2+bf16/exact"] = full_grads(dit, "fsdp2")
+    for mode in ("joint", "lowmem"):
+        zero(dit)
+        jagg_compile(dance_grpo_loss, dit=dit, window=2, backward=mode)(dit, share).backward()
+        res[f"fsdp2+bf16/{mode}"] = full_grads(dit, "fsdp2")
+    dit = wrap_dit(copy.deepcopy(problem.model), "fsdp2", checkpointing=False)
+    zero(dit)
+    dance_grpo_loss(dit, share).backward()
+    res["fsdp2/exact_fp32"] = full_grads(dit, "fsdp2")
     return res
 
 
@@ -327,3 +340,18 @@ def test_a_stand_in_parameter_is_refused(rank_results, wrapper):
 def test_a_second_backward_of_a_lowmem_loss_is_refused(rank_results, wrapper):
     for res in rank_results:
         assert "backpropagated twice" in res[wrapper + "/twice"], res[wrapper + "/twice"]
+
+
+def test_fsdp2_bf16_mixed_precision_takes_fp32_states(rank_results):
+    """MixedPrecisionPolicy(param_dtype=bf16) casts the inputs itself: fp32 stored states are not
+    refused. At W=2 the joint mode gives the exact loss's gradient under the same policy bit for bit;
+    lowmem sums its windows' reduced gradients in float32 where the one backward sums the steps' bf16
+    gradients before the reduce, so it differs from it by bf16 rounding, and is no further from the
+    float32 gradient than the bf16 exact one is."""
+    for res in rank_results:
+        exact, fp32 = res["fsdp2+bf16/exact"], res["fsdp2/exact_fp32"]
+        assert rel_err(res["fsdp2+bf16/joint"], exact) < 1e-6
+        bf16_error = rel_err(exact, fp32)
+        assert 1e-4 < bf16_error < 5e-2                       # the policy computes in bf16
+        assert rel_err(res["fsdp2+bf16/lowmem"], exact) < 2 ** -7
+        assert rel_err(res["fsdp2+bf16/lowmem"], fp32) <= 1.5 * bf16_error

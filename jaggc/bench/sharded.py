@@ -99,8 +99,10 @@ def checkpoint_blocks(model: nn.Module) -> None:
     apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, blocks))
 
 
-def wrap_dit(model: nn.Module, wrapper: str, *, checkpointing: bool) -> nn.Module:
-    """``model`` wrapped as the trainers wrap it (module docstring); needs a process group."""
+def wrap_dit(model: nn.Module, wrapper: str, *, checkpointing: bool, param_dtype: torch.dtype | None = None) -> nn.Module:
+    """``model`` wrapped as the trainers wrap it (module docstring); needs a process group.
+    ``param_dtype`` (FSDP2): a ``MixedPrecisionPolicy`` computing in that dtype, gradients reduced
+    in float32 (what bf16 training of a 12B DiT uses)."""
     if wrapper == "ddp":
         if checkpointing:
             checkpoint_blocks(model)
@@ -117,13 +119,15 @@ def wrap_dit(model: nn.Module, wrapper: str, *, checkpointing: bool) -> nn.Modul
             checkpoint_blocks(wrapped)
         return wrapped
     if wrapper == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         if checkpointing:
             checkpoint_blocks(model)
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
+        options = dict(mp_policy=policy) if policy is not None else {}
         for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
-            fully_shard(block)
-        return fully_shard(model)
+            fully_shard(block, **options)
+        return fully_shard(model, **options)
     raise ValueError(f"wrapper {wrapper!r}: use one of {WRAPPERS}")
 
 

@@ -11,7 +11,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .._compat import tree_flatten_with_path, tree_unflatten
+from .._compat import fsdp_version, tree_flatten_with_path, tree_unflatten
 from ..errors import JaggInputError
 from .calls import DitCall, input_name, primary_input
 
@@ -52,7 +52,10 @@ def check_placement(dit: nn.Module, call: DitCall, where: str, *, dtypes: bool =
             )
         if not dtypes or not (t.is_floating_point() and param.is_floating_point()) or t.dtype == param.dtype:
             continue
-        if torch.is_autocast_enabled(t.device.type):
+        if torch.is_autocast_enabled(t.device.type) or fsdp_version(dit) is not None:
+            # autocast casts what the DiT computes with; so does FSDP's mixed precision
+            # (MixedPrecision / MixedPrecisionPolicy casts the inputs and the gathered parameters),
+            # whose stored parameters' dtype says nothing about the call's
             continue
         if t is state:
             raise JaggInputError(
