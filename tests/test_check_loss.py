@@ -113,3 +113,42 @@ def test_cli(tmp_path, capsys):
     entry = json.loads(out.read_text())[0]
     assert entry["passed"] and entry["kind"] == "loss" and entry["max_rel_err"] < 1e-10
     assert main_verify(["--loss", "no_such_module:f"]) == 2
+
+
+FACTORY_MODULE = '''
+from jaggc import example_losses
+
+
+def factory():
+    ex = example_losses.flow_grpo_sd3(num_steps=6, batch=2, seed=0)
+    return ex.loss_fn, ex.model, ex.batch
+
+
+def with_window():
+    ex = example_losses.flow_grpo_sd3(num_steps=6, batch=2, seed=0)
+    return ex.loss_fn, ex.model, ex.batch, dict(window=4)
+'''
+
+
+def test_cli_finds_a_module_in_the_current_directory_and_refuses_owned_options(tmp_path):
+    """``jaggc verify --loss mymod:factory`` run from the module's folder (no PYTHONPATH), as
+    ``python -m`` users expect; a factory whose compile options hold ``window`` gets a jaggc message
+    naming it (it was a raw ``TypeError: ... multiple values for keyword argument 'window'``)."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "mymod.py").write_text(FACTORY_MODULE)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # `python -c` would put '' on sys.path; -I (isolated) starts as the `jaggc` console script does:
+    # without the current directory on it
+    script = [sys.executable, "-I", "-c", "import sys; from jaggc.verify.cli import main_verify; "
+                                          "sys.exit(main_verify(sys.argv[1:]))"]
+    ok = subprocess.run(script + ["--loss", "mymod:factory", "--examples", "2", "--windows", "2,3"],
+                        cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert "check_loss: PASSED" in ok.stdout
+    owned = subprocess.run(script + ["--loss", "mymod:with_window", "--examples", "2"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True)
+    assert owned.returncode == 2
+    assert "compile option(s) ['window'] are check_loss's own" in owned.stderr and "Traceback" not in owned.stderr

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Callable, Sequence
@@ -33,7 +34,8 @@ def build_parser(prog: str = "jaggc verify") -> argparse.ArgumentParser:
                                 "the runtime's exactness properties and known counterexamples with hypothesis.")
     p.add_argument("--examples", type=int, default=None,
                    help="hypothesis examples per property (default: the profile's: ci=15, thorough=300)")
-    p.add_argument("--profile", choices=sorted(PROFILES), default="ci")
+    p.add_argument("--profile", choices=sorted(PROFILES), default="ci",
+                   help="hypothesis profile when --examples is not given: ci (15 examples) or thorough (300)")
     p.add_argument("--seed", type=int, default=0, help="mixed into every example's random data")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
     p.add_argument("--no-symbolic", action="store_true", help="skip the sympy proofs")
@@ -54,10 +56,15 @@ def verify_loss(spec: str, examples: int, seed: int, windows: tuple, json_path: 
 
     from .loss_check import check_loss
 
+    from ..errors import JaggError
+
     module_name, _, factory_name = spec.partition(":")
     if not module_name or not factory_name:
         print(f"jaggc verify: --loss wants MODULE:FACTORY, got {spec!r}", file=sys.stderr)
         return 2
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        # as `python -m` does: a module in the current directory is found without PYTHONPATH=.
+        sys.path.insert(0, os.getcwd())
     try:
         factory = getattr(importlib.import_module(module_name), factory_name)
     except (ImportError, AttributeError) as e:
@@ -65,7 +72,11 @@ def verify_loss(spec: str, examples: int, seed: int, windows: tuple, json_path: 
         return 2
     built = factory()
     loss_fn, dit, batch, options = (*built, {}) if len(built) == 3 else built
-    check = check_loss(loss_fn, dit, batch, windows=windows, examples=examples, seed=seed, **options)
+    try:
+        check = check_loss(loss_fn, dit, batch, windows=windows, examples=examples, seed=seed, **options)
+    except JaggError as e:
+        print(f"jaggc verify: {spec}: {e}", file=sys.stderr)
+        return 2
     print(check.table())
     if json_path:
         with open(json_path, "w") as f:

@@ -35,6 +35,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from .._compat import is_fake, tree_flatten, tree_map, tree_unflatten
+from ..errors import JaggInputError
 from ..runtime.calls import DitCall
 from ..runtime.rollout_cache import RolloutCache
 from .harness import rel_err, run_exact_property
@@ -233,6 +234,12 @@ def check_loss(loss_fn: Callable, dit: nn.Module, batch, *, windows=(2, 3, 4), e
     that computes in float32 internally, ``.float()``, needs about 1e-5 in float64)."""
     from ..api import jagg_compile
 
+    owned = sorted({"dit", "window"} & set(compile_options))
+    if owned:
+        raise JaggInputError(
+            f"check_loss: compile option(s) {owned} are check_loss's own (it compiles the loss with its stand-in "
+            f"DiT at each window of windows={tuple(windows)}); drop them from the compile options and pass "
+            f"windows=(...) instead of window=")
     start = time.perf_counter()
     tolerance = tolerance if tolerance is not None else (1e-8 if dtype == torch.float64 else 1e-4)
     args = _args(dit, batch)
