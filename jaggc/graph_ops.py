@@ -74,6 +74,17 @@ def dit_call(dit, args: tuple, kwargs: dict, step: int | None = None, options: W
 
 
 @torch.fx.wrap
+def live_tensor(module, path: str):
+    """A parameter or buffer of ``module`` (``path`` as in ``named_parameters``), read when the graph
+    runs: a loss term such as ``(dit.W1 ** 2).sum()`` must see the current parameter, never the
+    value it had when the loss was traced (frontends/live_tensors.py)."""
+    value = module
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
+@torch.fx.wrap
 def batch_chunk(x, state, chunks: int, index: int | tuple[int, ...]):
     """Chunk ``index`` of ``chunks`` of a DiT input along the batch (several chunks, concatenated,
     for a tuple), if it is batched (its leading dim is the state's batch); other inputs (shared

@@ -45,6 +45,7 @@ from ..graph_ops import dit_call, is_in_place, set_module_state, user_source
 from ..runtime.module_state import ModuleState, applicable, autocast_state, difference, module_state
 from . import example_values
 from .example_values import ExampleValues
+from .live_tensors import LiveTensors
 from .value_reads import Guard, ValueReads
 
 
@@ -157,6 +158,7 @@ class DiTLeafTracer(fx.Tracer):
         self.modes = _unrecorded_modes()
         self.grad_mode = torch.is_grad_enabled()     # the mode the recorded nodes run under
         self.entry_grad = self.grad_mode
+        self.live: LiveTensors | None = None           # set by capture_fx (live_tensors.py)
 
     def _root_value(self, target: str):
         if target in self.installed:
@@ -182,6 +184,16 @@ class DiTLeafTracer(fx.Tracer):
         return self.reads.read(obj.node, "bool")
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None) -> fx.Node:
+        # the tracer's own tensor code (fake copies of inputs, example values) is not the loss's
+        with self.live.suspended() if self.live is not None else contextlib.nullcontext():
+            return self._create_traced_node(kind, target, args, kwargs, name, type_expr)
+
+    def create_arg(self, a):
+        if self.live is not None and self.live.is_live(a):
+            return self.live.proxy_of(a).node      # a parameter as an op's argument: read at run time
+        return super().create_arg(a)
+
+    def _create_traced_node(self, kind, target, args, kwargs, name=None, type_expr=None) -> fx.Node:
         if kind != "placeholder":
             self._record_grad_mode()
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
@@ -368,9 +380,11 @@ def capture_fx(fn: Callable, args: tuple, kwargs: dict, dits: list[nn.Module]) -
     concrete = concrete_args_for(fn, args, kwargs)
     inputs = [leaf for value in _bind(fn, args, kwargs).arguments.values() for leaf in tree_flatten(value)[0]]
     tracer = DiTLeafTracer(dits, inputs)
+    tracer.live = LiveTensors(tracer, dits, _where)
     entry = {id(m): module_state(m) for m in dits}
     try:
-        with _refuse_direct_forward(dits), _RefuseFunctionApply(), _RandomDrawsRefused(), warnings.catch_warnings():
+        with _refuse_direct_forward(dits), _RefuseFunctionApply(), _RandomDrawsRefused(), tracer.live, \
+                warnings.catch_warnings():
             # fx cannot add an assertion for a module-valued concrete argument; the cache key has its id
             warnings.filterwarnings("ignore", message="Was not able to add assertion")
             graph = tracer.trace(fn, concrete_args=concrete)
