@@ -17,7 +17,8 @@ from torch import fx, nn
 from . import _compat
 from .backends import BACKENDS, compile_glue
 from .errors import JaggCaptureError, JaggGraphError, JaggInputError, JaggUnsupportedError
-from .frontends.dynamo import STATE_CHANGE_MARK, canonicalize_dynamo_calls, opaque_modules
+from .frontends.dynamo import STATE_CHANGE_MARK, opaque_modules
+from .frontends.dynamo_backend import copy_graph_module, running_loss, shared_backend
 from .frontends.fx import capture_fx
 from .frontends.fx_cache import FxEntry, FxGraphCache
 from .frontends.fx_guards import constant_reads, is_constant, object_fingerprint
@@ -93,6 +94,7 @@ class JaggCompiled:
         self.traces = 0
         self._path: str | None = None if capture == "auto" else capture
         self._dynamo_fn = None
+        self._dynamo_graphs: dict[int, tuple] = {}
         self._fx_cache = FxGraphCache(self.__qualname__)
         self._fx_reads = None
         self.capture_failures: list[str] = []   # why earlier paths of capture="auto" were left
@@ -188,12 +190,14 @@ class JaggCompiled:
             self._reset_dynamo()
         self._dynamo_modules = modules
         if self._dynamo_fn is None:
-            # a fresh backend object per reset: Dynamo's cache entries only match their own backend
-            backend = lambda gm, example_inputs: self._dynamo_backend(gm, example_inputs)  # noqa: E731
-            self._dynamo_fn = torch.compile(self.fn, backend=backend, fullgraph=True, dynamic=False)
+            # one backend object per module set, shared by every compiled loss: Dynamo's cache
+            # entries only match their own backend, and a backend per jagg_compile made each compiled
+            # loss of one function a recompile of its code (dynamo_backend.py)
+            self._dynamo_fn = torch.compile(self.fn, backend=shared_backend(candidates), fullgraph=True,
+                                            dynamic=False)
         try:
             self._graph_ran = False
-            with opaque_modules(candidates):
+            with opaque_modules(candidates), running_loss(self):
                 out = self._dynamo_fn(*args, **kwargs)
             if not self._graph_ran:
                 # Dynamo built no graph for these inputs (on a first call, or a retrace for a new
@@ -255,8 +259,15 @@ class JaggCompiled:
                 h.remove()
         return None
 
-    def _dynamo_backend(self, gm: fx.GraphModule, example_inputs):
-        gm = canonicalize_dynamo_calls(gm)
+    def _dynamo_graph(self, captured: fx.GraphModule):
+        """This loss's rewrite of a graph Dynamo captured (and cached, possibly for another compiled
+        loss of the same function): made once per captured graph."""
+        known = self._dynamo_graphs.get(id(captured))
+        if known is None:
+            known = self._dynamo_graphs[id(captured)] = (captured, self._dynamo_backend(copy_graph_module(captured)))
+        return known[1]
+
+    def _dynamo_backend(self, gm: fx.GraphModule):
         gm, report = self._rewrite(gm, "dynamo")
         if self.backend is not None:
             gm = self._dynamo_split = compile_glue(gm, self.backend)
