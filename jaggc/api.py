@@ -18,6 +18,7 @@ from . import _compat
 from .backends import BACKENDS, compile_glue
 from .errors import JaggCaptureError, JaggGraphError, JaggInputError, JaggUnsupportedError
 from .frontends.dynamo import STATE_CHANGE_MARK, opaque_modules
+from .frontends.aliasing import storage_groups
 from .frontends.dynamo_backend import copy_graph_module, running_loss, shared_backend
 from .frontends.fx import capture_fx
 from .frontends.fx_cache import FxEntry, FxGraphCache
@@ -259,15 +260,18 @@ class JaggCompiled:
                 h.remove()
         return None
 
-    def _dynamo_graph(self, captured: fx.GraphModule):
-        """This loss's rewrite of a graph Dynamo captured (and cached, possibly for another compiled
-        loss of the same function): made once per captured graph."""
-        known = self._dynamo_graphs.get(id(captured))
+    def _dynamo_graph(self, pristine: fx.GraphModule, own: fx.GraphModule | None = None):
+        """This loss's rewrite of a graph Dynamo captured and cached, possibly for another compiled
+        loss of the same function (dynamo_backend.py): made once per captured graph, from ``own``
+        (the capture itself, when this loss compiled it) or a copy of ``pristine``."""
+        known = self._dynamo_graphs.get(id(pristine))
         if known is None:
-            known = self._dynamo_graphs[id(captured)] = (captured, self._dynamo_backend(copy_graph_module(captured)))
+            gm = own if own is not None else copy_graph_module(pristine)
+            known = self._dynamo_graphs[id(pristine)] = (pristine, self._dynamo_backend(gm))
         return known[1]
 
     def _dynamo_backend(self, gm: fx.GraphModule):
+        traced_aliasing = _input_aliasing(gm)
         gm, report = self._rewrite(gm, "dynamo")
         if self.backend is not None:
             gm = self._dynamo_split = compile_glue(gm, self.backend)
@@ -276,6 +280,12 @@ class JaggCompiled:
         forward = gm.forward
 
         def run_graph(*args):
+            if traced_aliasing is not None and storage_groups(args) != traced_aliasing:
+                raise JaggCaptureError(
+                    f"{self.__qualname__} writes in place into its inputs, and this call's inputs share storage "
+                    f"differently from the call Dynamo traced; the graph's order of those writes would not hold. "
+                    f"Pass the inputs as they were (or copies), or use capture='fx' (it traces each aliasing)",
+                    path="dynamo")
             # Dynamo keeps one compiled graph per guard set; .report follows the one that runs
             self._report = report
             self._graph_ran = True
@@ -300,7 +310,8 @@ class JaggCompiled:
             capture = capture_fx(self.fn, args, kwargs, candidates)
             gm, report = self._rewrite(capture.gm, "fx", entry_grad=capture.entry_grad)
             report.guarded_reads = len(capture.guard) if capture.guard is not None else 0
-            entry = FxEntry(gm, report, capture.guard)
+            entry = FxEntry(gm, report, capture.guard,
+                            aliasing=storage_groups(values) if _passes().input_writes(gm) else None)
             changed = self._fx_cache.add(key, entry, values)
             if changed:
                 report.notes.append("re-traced: values read as Python numbers changed: " + "; ".join(changed[:3]))
@@ -347,6 +358,14 @@ class JaggCompiled:
         self._report = build_report(frontend, gm, stages, ctx, self.traces)
         self._report.capture_failures = list(self.capture_failures)
         return gm, self.report
+
+
+def _input_aliasing(gm: fx.GraphModule) -> tuple | None:
+    """Which of a Dynamo graph's inputs share storage, if the graph writes into its inputs (the
+    effects analysis assumed that sharing; aliasing.py), else None."""
+    if not _passes().input_writes(gm):
+        return None
+    return storage_groups([n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"])
 
 
 def _structure_key(arguments: dict):

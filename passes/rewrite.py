@@ -20,12 +20,13 @@ import warnings
 
 from torch import fx
 
-from jaggc.errors import JaggGraphError
+from jaggc.errors import JaggInternalError
 from jaggc.graph_ops import (DeferredGroupPlan, LowMemPlan, LowMemWindowPlan, TrajectoryPlan, WindowPlan,
                              jagg_lowmem_window, jagg_trajectory, jagg_window)
 from jaggc.runtime.window import deferred_grad_forwards
 
 from .context import PassContext
+from .effects import effect_order
 
 
 def rewrite_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -75,9 +76,10 @@ def rewrite_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             out.meta["jagg_grad"] = True
             old.replace_all_uses_with(out)
         for old in w.nodes:
+            ctx.replaced[old] = window_node
             graph.erase_node(old)
         w.nodes = [u for u in window_node.users]
-    restore_topological_order(gm.graph)
+    restore_topological_order(gm.graph, effect_order(ctx))
     return gm
 
 
@@ -95,28 +97,41 @@ def _cached_references(gm: fx.GraphModule, ctx: PassContext) -> None:
             node.kwargs = {**node.kwargs, "options": attr}
 
 
-def restore_topological_order(graph: fx.Graph) -> None:
-    """Reorder ``graph`` in place so every node follows its inputs, keeping the original order
-    wherever the dependencies allow (Kahn's algorithm, ready nodes taken by original position).
+def restore_topological_order(graph: fx.Graph, effects: list[tuple[fx.Node, fx.Node]] = ()) -> None:
+    """Reorder ``graph`` in place so every node follows its inputs and every ``(earlier, later)``
+    pair of ``effects`` (in-place writes and the reads around them, effects.py) keeps its order,
+    keeping the original order wherever the dependencies allow (Kahn's algorithm, ready nodes taken
+    by original position).
 
     A window node sits after the window's last call, so the glue of its earlier steps, which now
     reads the window's outputs, must move below it. Nodes are relinked, not copied: fx's
     ``stable_topological_sort`` rebuilds the whole graph (2.5 s for a 50-step loss)."""
     nodes = list(graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
+    effects = {(a, b) for a, b in effects if a in position and b in position}
+    after: dict[fx.Node, list[fx.Node]] = {}
+    for earlier, later in effects:
+        after.setdefault(earlier, []).append(later)
     waiting = {n: len(n.all_input_nodes) for n in nodes}
+    for _, later in effects:
+        waiting[later] += 1
     ready = [position[n] for n in nodes if waiting[n] == 0]
     heapq.heapify(ready)
     order = []
     while ready:
         node = nodes[heapq.heappop(ready)]
         order.append(node)
-        for user in node.users:
+        for user in list(node.users) + after.get(node, []):
             waiting[user] -= 1
             if waiting[user] == 0:
                 heapq.heappush(ready, position[user])
     if len(order) != len(nodes):
-        raise JaggGraphError(f"the rewritten graph has a cycle through {[n.name for n in nodes if waiting[n]]}")
+        stuck = [n for n in nodes if waiting[n]]
+        steps = sorted({n.meta["jagg_call"].step for n in stuck
+                        if "jagg_call" in n.meta and n.meta["jagg_call"].step is not None})
+        raise JaggInternalError(
+            f"the rewritten graph cannot be ordered: DiT steps {steps} wait for each other ({len(stuck)} nodes, "
+            f"from {stuck[0].name}); check_window_inputs should have refused this loss naming the steps")
     if order == nodes:
         return
     nodes[0].prepend(order[0])
@@ -159,6 +174,7 @@ def _rewrite_routed(gm: fx.GraphModule, ctx: PassContext) -> None:
         out.meta["jagg_grad"] = True
         old.replace_all_uses_with(out)
     for old in nodes:
+        ctx.replaced[old] = node
         graph.erase_node(old)
     for w in routed:
         w.node, w.plan = node, plan

@@ -40,16 +40,18 @@ def running_loss(loss):
 class SharedBackend:
     """The Dynamo backend of every compiled loss over one set of modules (module docstring).
 
-    The running loss provides ``_dynamo_graph(captured) -> callable``: its rewrite of a captured
-    graph (made on first use, then cached by the loss)."""
+    The running loss provides ``_dynamo_graph(pristine, own=None) -> callable``: its rewrite of a
+    captured graph (of ``own``, else of a copy of ``pristine``; made on first use, then cached by
+    the loss under ``pristine``)."""
 
     def __call__(self, gm: fx.GraphModule, example_inputs) -> Callable:
         captured = canonicalize_dynamo_calls(gm)
-        owner = _RUNNING.get()
-        owner._dynamo_graph(captured)       # the compiling loss rewrites now: its refusals surface here
+        pristine = copy_graph_module(captured)      # what the other compiled losses rewrite
+        # the compiling loss rewrites the capture itself, now: its refusals surface at compile time
+        _RUNNING.get()._dynamo_graph(pristine, own=captured)
 
         def run_graph(*args):
-            return _RUNNING.get()._dynamo_graph(captured)(*args)
+            return _RUNNING.get()._dynamo_graph(pristine)(*args)
 
         return run_graph
 

@@ -45,6 +45,7 @@ from ..graph_ops import dit_call, is_in_place, set_module_state, user_source
 from ..runtime.module_state import ModuleState, applicable, autocast_state, difference, module_state
 from . import example_values
 from .example_values import ExampleValues
+from .aliasing import storage_of
 from .live_tensors import LiveTensors
 from .value_reads import Guard, ValueReads
 
@@ -210,6 +211,9 @@ class DiTLeafTracer(fx.Tracer):
         if kind == "placeholder":
             value = self._inputs.pop()
             node.meta["jagg_requires_grad"] = isinstance(value, torch.Tensor) and value.requires_grad
+            if isinstance(value, torch.Tensor):
+                # inputs sharing storage share an alias root (passes/effects.py); aliasing.py rechecks it
+                node.meta["jagg_storage"] = storage_of(value)
             self.examples.set_input(node, value)
             self.reads.real_inputs[node] = value
         elif is_in_place(node):
