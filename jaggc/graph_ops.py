@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.fx
 
-from ._compat import tree_flatten
+from ._compat import tree_flatten, tree_map
 from .runtime.calls import DitCall, per_sample_time, resolve_time_arg
 from .runtime.deferred import BackwardGroup
 from .runtime.lowmem import LowMemRun
@@ -82,6 +82,13 @@ def live_tensor(module, path: str):
     for part in path.split("."):
         value = getattr(value, part)
     return value
+
+
+@torch.fx.wrap
+def copy_output(output: Any) -> Any:
+    """A copy of a window's step output (its tensor leaves cloned, autograd kept), for a loss that
+    writes into the DiT's output in place (passes/rewrite.py)."""
+    return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, output)
 
 
 @torch.fx.wrap

@@ -40,6 +40,7 @@ import torch
 from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from jaggc._compat import traced_input_value
 from jaggc.errors import JaggCaptureError
 from jaggc.graph_ops import dit_call, is_in_place, live_tensor, user_source
 
@@ -122,11 +123,11 @@ def effect_edges(gm: fx.GraphModule, ctx: PassContext) -> list[tuple[fx.Node, fx
         return ctx.effects
     roots = alias_roots(gm)
     written_roots = frozenset().union(*(roots[w.args[0]] for w in writes if isinstance(w.args[0], fx.Node)))
-    # what a DiT call reads without taking it as an argument: written parameters and written
-    # inputs that require grad (Dynamo lifts a parameter the loss touches to an input)
+    # what a DiT call reads without taking it as an argument: written parameters (FX reads them
+    # with get_attr / live_tensor; Dynamo lifts a parameter the loss touches to an input)
     param_roots = frozenset(r for r in written_roots if r[0] == "attr") | frozenset(
         _input_root(n) for n in gm.graph.nodes if n.op == "placeholder" and _input_root(n) in written_roots
-        and (n.meta.get("jagg_requires_grad") or getattr(n.meta.get("example_value"), "requires_grad", False)))
+        and isinstance(traced_input_value(n), torch.nn.Parameter))
     last_write: dict[Hashable, fx.Node] = {}
     reads_since: dict[Hashable, list[fx.Node]] = {}
     edges = set()
@@ -145,6 +146,16 @@ def effect_edges(gm: fx.GraphModule, ctx: PassContext) -> list[tuple[fx.Node, fx
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     ctx.effects = sorted(edges, key=lambda e: (position[e[0]], position[e[1]]))
     return ctx.effects
+
+
+def written_outputs(gm: fx.GraphModule) -> set[fx.Node]:
+    """The DiT calls whose output the loss writes in place (``v.mul_(0.5)``, ``v[:, 0] = 0``)."""
+    calls = {("node", n.name): n for n in gm.graph.nodes if n.op == "call_function" and n.target is dit_call}
+    writes = [n for n in gm.graph.nodes if is_in_place(n) and isinstance(n.args[0], fx.Node)]
+    if not calls or not writes:
+        return set()
+    roots = alias_roots(gm)
+    return {calls[r] for w in writes for r in roots[w.args[0]] if r in calls}
 
 
 def effect_order(ctx: PassContext) -> list[tuple[fx.Node, fx.Node]]:

@@ -22,11 +22,11 @@ from torch import fx
 
 from jaggc.errors import JaggInternalError
 from jaggc.graph_ops import (DeferredGroupPlan, LowMemPlan, LowMemWindowPlan, TrajectoryPlan, WindowPlan,
-                             jagg_lowmem_window, jagg_trajectory, jagg_window)
+                             copy_output, jagg_lowmem_window, jagg_trajectory, jagg_window)
 from jaggc.runtime.window import deferred_grad_forwards
 
 from .context import PassContext
-from .effects import effect_order
+from .effects import effect_order, written_outputs
 
 
 def rewrite_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -37,6 +37,7 @@ def rewrite_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if lowmem:
         gm.jagg_lowmem_plan = LowMemPlan(num_windows=len(ctx.windows), first_window=ctx.windows[0].index)
     _cached_references(gm, ctx)
+    written = written_outputs(gm)
     for w in ctx.windows:
         if w.mode == "routed":
             continue
@@ -74,6 +75,8 @@ def rewrite_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             out.meta["jagg_call"] = old.meta["jagg_call"]
             out.meta["jagg_window"] = w.index
             out.meta["jagg_grad"] = True
+            if old in written:
+                out = anchor = _writable_copy(graph, out)
             old.replace_all_uses_with(out)
         for old in w.nodes:
             ctx.replaced[old] = window_node
@@ -81,6 +84,16 @@ def rewrite_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         w.nodes = [u for u in window_node.users]
     restore_topological_order(gm.graph, effect_order(ctx))
     return gm
+
+
+def _writable_copy(graph: fx.Graph, out: fx.Node) -> fx.Node:
+    """A window hands out its steps' outputs as views of one autograd function's outputs, which
+    autograd does not let the loss write in place; a step output the loss writes into (``v.mul_``)
+    is handed out as a copy, which only the loss holds, as it held the DiT's output."""
+    with graph.inserting_after(out):
+        copy = graph.call_function(copy_output, (out,))
+    copy.meta.update({k: out.meta[k] for k in ("jagg_call", "jagg_window", "jagg_grad")})
+    return copy
 
 
 def _cached_references(gm: fx.GraphModule, ctx: PassContext) -> None:
@@ -165,6 +178,7 @@ def _rewrite_routed(gm: fx.GraphModule, ctx: PassContext) -> None:
         node = graph.call_function(jagg_trajectory, (last.args[0], calls, plan_node))
     node.meta["jagg_grad"] = True
     anchor = node
+    written = written_outputs(gm)
     for pos, old in enumerate(nodes):
         with graph.inserting_after(anchor):
             out = graph.call_function(operator.getitem, (node, pos))
@@ -172,6 +186,8 @@ def _rewrite_routed(gm: fx.GraphModule, ctx: PassContext) -> None:
         out.meta["jagg_call"] = old.meta["jagg_call"]
         out.meta["jagg_window"] = old.meta["jagg_call"].window
         out.meta["jagg_grad"] = True
+        if old in written:
+            out = anchor = _writable_copy(graph, out)
         old.replace_all_uses_with(out)
     for old in nodes:
         ctx.replaced[old] = node

@@ -30,6 +30,7 @@ import contextlib
 import inspect
 import os
 import linecache
+import operator
 import traceback
 import warnings
 from dataclasses import dataclass
@@ -99,6 +100,10 @@ class ShapedProxy(fx.Proxy):
 
     def item(self):
         return self.tracer.reads.read(self.node, "item")
+
+    def __setitem__(self, key, value):
+        # ``x[:, 0] = 0``: an in-place node like ``x.copy_``; the effects analysis keeps its order
+        self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
 
     def tolist(self):
         return self.tracer.reads.read(self.node, "tolist")

@@ -36,6 +36,7 @@ from torch import nn
 
 from .._compat import tree_flatten, tree_map
 from ..errors import JaggCaptureError, JaggGraphError
+from ..graph_ops import copy_output
 from ..runtime.calls import DitCall
 from ..runtime.checks import check_placement
 from ..runtime.rollout_cache import RolloutCache
@@ -44,6 +45,7 @@ from ..runtime.module_state import ModuleState, difference, module_state
 from ..runtime.routing import Routing
 from ..runtime.trajectory import run_trajectory
 from ..runtime.window import WindowOptions
+from .intercept_effects import RecordingRun
 
 
 class DitProxy:
@@ -78,7 +80,10 @@ def _grad_leaves(call: DitCall) -> list[str]:
 def _as_leaf(output: Any) -> Any:
     def mark(x):
         if isinstance(x, torch.Tensor) and x.is_floating_point():
-            return x.detach().requires_grad_()
+            # a non-leaf that requires grad: the loss may write into the DiT's output in place
+            # (``v.mul_(0.5)``), which autograd refuses on a leaf
+            with torch.enable_grad():
+                return x.detach().requires_grad_().clone()
         return x
 
     return tree_map(mark, output)
@@ -111,6 +116,7 @@ class InterceptedLoss:
         self.notes: list[str] = []
         self.recorded: list[DitCall] = []
         self.states: list[ModuleState] = []
+        self.written_outputs: set[int] = set()     # calls whose output the loss writes in place
 
     def __call__(self, dit: nn.Module, bound: inspect.BoundArguments):
         recorded, states, cache = self._record(dit, bound)
@@ -151,13 +157,19 @@ class InterceptedLoss:
                 # before the recording forward runs the DiT on it: a 'meta' or wrong-dtype input
                 # would otherwise fail inside the DiT with a bare torch error
                 check_placement(dit, call, f"step {len(recorded)}")
-            recorded.append(call)
+            run.add_call(call)
             states.append(module_state(dit))
-            with torch.no_grad():
-                return _as_leaf(dit(*call.args, **call.kwargs))
+            with torch.no_grad(), run.dit_forward():
+                out = _as_leaf(dit(*call.args, **call.kwargs))
+            run.add_output(out)
+            return out
 
-        with cache.record():
+        # the recording's in-place writes and container changes are undone before the replay,
+        # and each recorded call keeps the inputs it was called with (intercept_effects.py)
+        run = RecordingRun(bound.arguments, dit, recorded)
+        with cache.record(), run:
             self._run(bound, DitProxy(dit, on_call))
+        self.written_outputs = run.written_outputs
         return recorded, states, cache
 
     def _replay(self, dit, bound, recorded, outs):
@@ -178,7 +190,8 @@ class InterceptedLoss:
                     f"needs the same module state at every call. Reset the state at the top of the loss "
                     f"(dit.train()) or outside it", path="intercept")
             position[0] += 1
-            return outs[k]
+            # a window's outputs are views autograd does not let the loss write in place
+            return copy_output(outs[k]) if k in self.written_outputs else outs[k]
 
         result = self._run(bound, DitProxy(dit, on_call))
         if position[0] != len(recorded):
