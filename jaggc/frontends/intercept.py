@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -40,7 +41,7 @@ from ..graph_ops import copy_output
 from ..runtime.calls import DitCall
 from ..runtime.checks import check_placement
 from ..runtime.rollout_cache import RolloutCache
-from ..runtime.grouping import group_calls
+from ..runtime.grouping import cut_announcement, group_calls, leaf_difference
 from ..runtime.module_state import ModuleState, difference, module_state
 from ..runtime.routing import Routing
 from ..runtime.trajectory import run_trajectory
@@ -125,6 +126,7 @@ class InterceptedLoss:
                 f"the loss made no grad-enabled call of its DiT argument {self.dit_arg!r}; nothing to rewrite")
         grouping = group_calls(recorded, self.window, time_arg=self.options.time_arg, states=states)
         self.windows, self.notes = grouping.windows, grouping.notes()
+        self._announce_cuts(grouping, recorded, states)
         self.recorded, self.states = recorded, states
         options = dataclasses.replace(self.options, rollout_cache=cache)
         routing = self.routing if self.routing is not None and self.routing.active and not self.exact else None
@@ -136,6 +138,19 @@ class InterceptedLoss:
         outs, self.decision = run_trajectory(dit, recorded, self.windows, options=options, routing=routing,
                                              states=states, exact_windows=range(len(self.windows)) if self.exact else ())
         return self._replay(dit, bound, recorded, outs)
+
+    def _announce_cuts(self, grouping, recorded: list[DitCall], states: list[ModuleState]) -> None:
+        """A cut that makes more windows is a slower gradient: announced (grouping.cut_announcement)."""
+        def differ(j: int, k: int) -> str:
+            if states[j] != states[k]:
+                return f"module state ({difference(states[j], states[k])})"
+            return leaf_difference((recorded[j].args, recorded[j].kwargs), (recorded[k].args, recorded[k].kwargs),
+                                   is_value=lambda x: isinstance(x, torch.Tensor))
+
+        note = cut_announcement(grouping, self.window, differ, calls_named="steps")
+        if note is not None:
+            self.notes.append(note)
+            warnings.warn(f"jaggc: {note}", stacklevel=4)
 
     def _run(self, bound: inspect.BoundArguments, proxy: DitProxy):
         swapped = inspect.BoundArguments(bound.signature, {**bound.arguments, self.dit_arg: proxy})
