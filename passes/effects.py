@@ -218,23 +218,34 @@ def check_window_inputs(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 
 def _window_cycle_error(cycle, g: nx.DiGraph, via, frontend: str) -> JaggCaptureError:
-    """Name the two calls of one window that wait for each other, and what links them."""
+    """Name the two calls of one window that wait for each other, and what links them: a value
+    computed from the earlier call's output (through a detached value or an in-place write), or a
+    read that must come before an in-place write that the later call must come after."""
     path = [g.edges[u, v]["via"] for u, v, *_ in cycle]
     start = next(i for i, (u, _) in enumerate(cycle) if isinstance(u, tuple) and u[0] == "window")
     path = path[start:] + path[:start]
-    producer = path[0][0]                         # the call whose output (or read) leaves the window
-    consumer = path[-1][1]                        # the call whose input needs it
-    writes = [via[e] for e in path if e in via]
+    producer, consumer = path[0][0], path[-1][1]
     a, b = producer.meta["jagg_call"], consumer.meta["jagg_call"]
     if a.step > b.step:
         a, b = b, a
-    through = (f" through the in-place write at {user_source(writes[0]) or 'node ' + writes[0].name} "
-               f"({writes[0].name})" if writes else " through a detached value")
-    where = b.source or a.source
+        producer, consumer = consumer, producer
+    anti = [e for e in path if e in via and via[e] is e[1] and not is_in_place(e[0])]
+    writes = [via[e] for e in path if e in via]
+
+    def line(n):
+        return user_source(n) or f"node {n.name}"
+
+    if anti:
+        reader, write = anti[0]
+        why = (f"the loss reads a tensor at {line(reader)} ({reader.name}, which needs step {a.step}'s output) "
+               f"before the in-place write at {line(write)} ({write.name}) into its storage, and step {b.step} "
+               f"reads that storage after the write")
+    else:
+        through = f"the in-place write at {line(writes[0])} ({writes[0].name})" if writes else "a detached value"
+        why = f"step {b.step}'s input is computed from the output of step {a.step} through {through}"
     return JaggCaptureError(
-        f"step {b.step} ({b.source or 'node ' + consumer.name}) takes an input computed from the output of step "
-        f"{a.step} ({a.source or 'node ' + producer.name}) of the same JAGG window{through}. A window runs its "
-        f"calls together, so step {b.step}'s input cannot wait for step {a.step}'s output. Read the stored "
-        f"states (not states recomputed from this pass's DiT outputs, nor written in place from them), use "
-        f"window=2, or let the intercept path take the loss (capture='auto' or 'intercept': it records the "
-        f"calls one by one)", path=frontend, where=where)
+        f"step {b.step} ({b.source or 'node ' + consumer.name}) and step {a.step} ({a.source or 'node ' + producer.name}) "
+        f"are in the same JAGG window, but {why}. A window runs its calls together at its last call, so that order "
+        f"cannot be kept. Read the stored states (not states recomputed from this pass's DiT outputs or written in "
+        f"place around them), use window=2, or let the intercept path take the loss (capture='auto' or 'intercept': "
+        f"it records the calls one by one)", path=frontend, where=b.source or a.source)

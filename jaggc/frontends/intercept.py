@@ -11,8 +11,10 @@ interceptor finds out by running the loss:
   2. **replay**: the recorded calls are cut into windows by jaggc's one grouping rule
      (``runtime/grouping.py``) and run by the eager driver ``run_trajectory`` (interior outputs
      come from the cache, so only the knot forwards run again), then the loss runs a second time
-     and the proxy hands back the window outputs in call order, refusing any call whose inputs
-     differ from the recording (the loss must be deterministic given its inputs).
+     and the proxy hands back, in call order, the recording's output values carrying the windows'
+     JAGG backward (so the replay computes the recording's numbers bit for bit), refusing any call
+     whose inputs differ from the recording (the loss must be deterministic given its inputs). The
+     recording's side effects are undone before the replay (``intercept_effects.py``).
 
 It costs one extra forward of every step compared with a captured graph (the knots are computed
 twice: once without grad in the recording, once with grad) and runs the loss's Python twice. No-grad
@@ -35,9 +37,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .._compat import tree_flatten, tree_map
+from .._compat import tree_flatten, tree_map, tree_unflatten
 from ..errors import JaggCaptureError, JaggGraphError
-from ..graph_ops import copy_output
 from ..runtime.calls import DitCall
 from ..runtime.checks import check_placement
 from ..runtime.rollout_cache import RolloutCache
@@ -63,9 +64,10 @@ class DitProxy:
 
     def __getattr__(self, name):
         if name == "forward":
+            step = getattr(self._on_call, "next_step", None)
             raise JaggGraphError(
-                "the loss calls dit.forward(...): that bypasses the module call (and its hooks, DDP, "
-                "FSDP), so jaggc cannot intercept it. Call dit(...) instead")
+                f"{f'step {step()}: ' if step is not None else ''}the loss calls dit.forward(...): that bypasses "
+                f"the module call (and its hooks, DDP, FSDP), so jaggc cannot intercept it. Call dit(...) instead")
         return getattr(self._dit, name)
 
 
@@ -88,6 +90,20 @@ def _as_leaf(output: Any) -> Any:
         return x
 
     return tree_map(mark, output)
+
+
+def _with_recorded_values(values: Any, outs: Any) -> Any:
+    """A window's outputs for the replay: the values of the recording's plain DiT call, with the
+    window's (JAGG) backward (``value + (out - out.detach())``). The window computes its knots as
+    one batched forward, which a float32 DiT rounds differently from the recording's calls; with
+    those values a state the loss computes from a DiT output would differ from the recorded
+    input in the last bits, and the replay would refuse a deterministic loss. It is also a fresh
+    tensor, so the loss may write into it in place (a window's own outputs are views)."""
+    flat_values, spec = tree_flatten(values)
+    flat_outs = tree_flatten(outs)[0]
+    mixed = [v + (o - o.detach()) if isinstance(o, torch.Tensor) and o.requires_grad else v
+             for v, o in zip(flat_values, flat_outs)]
+    return tree_unflatten(mixed, spec)
 
 
 def _same_inputs(a: DitCall, b: DitCall) -> bool:
@@ -117,7 +133,7 @@ class InterceptedLoss:
         self.notes: list[str] = []
         self.recorded: list[DitCall] = []
         self.states: list[ModuleState] = []
-        self.written_outputs: set[int] = set()     # calls whose output the loss writes in place
+        self.values: list = []       # the recording's DiT outputs, handed back by the replay
 
     def __call__(self, dit: nn.Module, bound: inspect.BoundArguments):
         recorded, states, cache = self._record(dit, bound)
@@ -157,6 +173,7 @@ class InterceptedLoss:
         return self.fn(*swapped.args, **swapped.kwargs)
 
     def _record(self, dit, bound):
+        self.values = []
         recorded: list[DitCall] = []
         states: list[ModuleState] = []
         cache = RolloutCache(dit, time_arg=self.options.time_arg, unbatched=self.options.unbatched)
@@ -175,16 +192,16 @@ class InterceptedLoss:
             run.add_call(call)
             states.append(module_state(dit))
             with torch.no_grad(), run.dit_forward():
-                out = _as_leaf(dit(*call.args, **call.kwargs))
-            run.add_output(out)
-            return out
+                out = dit(*call.args, **call.kwargs)
+            self.values.append(out)
+            return _as_leaf(out)
 
+        on_call.next_step = lambda: len(recorded)      # named by refusals raised between calls
         # the recording's in-place writes and container changes are undone before the replay,
         # and each recorded call keeps the inputs it was called with (intercept_effects.py)
         run = RecordingRun(bound.arguments, dit, recorded)
         with cache.record(), run:
             self._run(bound, DitProxy(dit, on_call))
-        self.written_outputs = run.written_outputs
         return recorded, states, cache
 
     def _replay(self, dit, bound, recorded, outs):
@@ -205,8 +222,7 @@ class InterceptedLoss:
                     f"needs the same module state at every call. Reset the state at the top of the loss "
                     f"(dit.train()) or outside it", path="intercept")
             position[0] += 1
-            # a window's outputs are views autograd does not let the loss write in place
-            return copy_output(outs[k]) if k in self.written_outputs else outs[k]
+            return _with_recorded_values(self.values[k], outs[k])
 
         result = self._run(bound, DitProxy(dit, on_call))
         if position[0] != len(recorded):

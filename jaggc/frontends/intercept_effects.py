@@ -59,8 +59,6 @@ class RecordingRun:
         self.recorded = recorded
         self.by_storage: dict[Any, set[int]] = {}   # storage -> recorded calls with an input in it
         self.in_dit = False                         # the DiT's own forward writes only its activations
-        self.outputs: dict[Any, int] = {}           # storage of a recorded output -> its call
-        self.written_outputs: set[int] = set()
         self.inputs: dict[Any, list[torch.Tensor]] = {}
         for x in tree_flatten(list(arguments.values()))[0]:
             if isinstance(x, torch.Tensor):
@@ -78,8 +76,6 @@ class RecordingRun:
                 f"(before its DiT call {len(self.recorded)}); the intercept path runs its windows between two runs of "
                 f"the loss, so the DiT calls would not see the parameter as the loss left it at each call. Change "
                 f"parameters outside the loss", path="intercept")
-        if storage in self.outputs:
-            self.written_outputs.add(self.outputs[storage])
         self._protect_recorded(storage)
         if storage in self.inputs and storage not in self.saved:
             self.saved[storage] = [(x, x.detach().clone()) for x in self.inputs[storage]]
@@ -90,12 +86,6 @@ class RecordingRun:
         for x in tree_flatten((call.args, call.kwargs))[0]:
             if isinstance(x, torch.Tensor):
                 self.by_storage.setdefault(storage_of(x), set()).add(len(self.recorded) - 1)
-
-    def add_output(self, output) -> None:
-        """The recorded output of the latest call (a write into it is noted: the replay hands out a copy)."""
-        for x in tree_flatten(output)[0]:
-            if isinstance(x, torch.Tensor):
-                self.outputs[storage_of(x)] = len(self.recorded) - 1
 
     @contextlib.contextmanager
     def dit_forward(self):

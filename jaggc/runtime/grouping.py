@@ -39,7 +39,12 @@ class Grouping:
     windows: list[list[int]]
     cut: bool           # some stream holds calls of different batch keys, so windows were cut there
     cuts: tuple[tuple[int, int], ...] = ()    # (last call of a run, first call of the next), per cut
-    uncut_windows: int = 0                    # how many windows the streams would make without cuts
+    uncut_knots: int = 0          # knots (DiT backward rows) the streams' windows would have without cuts
+
+    @property
+    def knots(self) -> int:
+        """Knot calls of the windows (plain JAGG: two per window, every call of a window of <= 2)."""
+        return sum(min(len(w), 2) for w in self.windows)
 
     def notes(self) -> list[str]:
         """What the rule did beyond plain consecutive windows, in words for a report."""
@@ -93,20 +98,20 @@ def group_windows(num_calls: int, window: int, *, same_step: Callable[[int, int]
     windows = [[run[i] for i in idx] for rs in runs_per_stream for run in rs for idx in partition(len(run), window)]
     cuts = tuple((a[-1], b[0]) for rs in runs_per_stream for a, b in zip(rs, rs[1:]))
     return Grouping(by_stream, windows, cut=bool(cuts), cuts=cuts,
-                    uncut_windows=sum(len(partition(len(s), window)) for s in by_stream))
+                    uncut_knots=sum(min(len(p), 2) for s in by_stream for p in partition(len(s), window)))
 
 
 def cut_announcement(grouping: Grouping, window: int, differ: Callable[[int, int], str],
                      calls_named: str = "DiT calls") -> str | None:
     """The words for a cut that makes windows smaller (a slower gradient: more DiT backward passes),
     or None if the cuts cost nothing. ``differ(j, k)`` says how calls j and k differ."""
-    if len(grouping.windows) <= grouping.uncut_windows:
+    if grouping.knots <= grouping.uncut_knots:
         return None
     j, k = grouping.cuts[0]
     more = f" (and {len(grouping.cuts) - 1} more cuts)" if len(grouping.cuts) > 1 else ""
     return (f"windows were cut between {calls_named} {j} and {k}{more} because the calls differ in {differ(j, k)}: "
-            f"{len(grouping.windows)} windows instead of {grouping.uncut_windows} at window={window}, so more steps "
-            f"run their own DiT backward. Calls batch into one window only with the same argument structure; pass "
+            f"{len(grouping.windows)} windows with {grouping.knots} knot calls instead of {grouping.uncut_knots} at "
+            f"window={window}, so more steps run their own DiT backward. Calls batch into one window only with the same argument structure; pass "
             f"such a value as a tensor (a Python-number timestep: `torch.full((batch,), t)`) or keep it equal "
             f"across steps")
 
