@@ -2,8 +2,9 @@
 by command.
 
 Quick profile (always): every capture path x backward mode (fx, dynamo, intercept, auto x joint,
-per_window, lowmem; intercept has no lowmem: it needs a captured graph) on 19 derandomized
-programs each, 209 cases, about two minutes on two shared cores. Each case checks value, gradient
+per_window, lowmem; intercept has no lowmem: it needs a captured graph) on 22 derandomized
+programs each, 242 cases, about one minute on two shared cores (``test_fuzz_quick_ran_every_case``
+prints the outcome counts with ``-s``). Each case checks value, gradient
 (exact at window 2, the exactness theorem on affine fields with chord states, a hand-computed
 JAGG otherwise), the writes into the inputs, a second call after a parameter step, and that
 mutations are refused naming a step.
@@ -39,17 +40,37 @@ _QUICK = settings(max_examples=QUICK_EXAMPLES, derandomize=True, deadline=None, 
 _RESET_EVERY = 40     # a fresh Dynamo cache now and then: every case compiles new code
 
 
-def _run(program, capture, backward):
+_QUICK_STATS: Counter = Counter()
+
+
+def _run(program, capture, backward, stats=None):
     if sum(fuzz.STATS.values()) % _RESET_EVERY == _RESET_EVERY - 1:
         torch.compiler.reset()
-    fuzz.run_case(program, capture, backward)
+    outcome = fuzz.run_case(program, capture, backward)
+    if stats is not None:
+        stats[(capture, backward, outcome)] += 1
 
 
 @pytest.mark.parametrize("capture,backward", COMBOS, ids=[f"{c}-{b}" for c, b in COMBOS])
 @_QUICK
 @given(program=fuzz.programs(long=False))
 def test_fuzz_quick(capture, backward, program):
-    _run(program, capture, backward)
+    _run(program, capture, backward, _QUICK_STATS)
+
+
+def test_fuzz_quick_ran_every_case():
+    """After the quick profile (run in this session, in file order): at least 200 cases, on every
+    combination, with right answers on every path and refusals of the mutations among them."""
+    ran = {(c, b) for c, b, _ in _QUICK_STATS}
+    if ran != set(COMBOS):
+        pytest.skip("the quick profile did not run in full in this session (-k?)")
+    summary = _summary(_QUICK_STATS, 0)
+    print(json.dumps({k: summary[k] for k in ("cases", "outcomes", "per_combination")}, indent=1))
+    assert summary["cases"] >= 200
+    assert all(n >= QUICK_EXAMPLES for n in summary["per_combination"].values())
+    right = {c for (c, _, o) in _QUICK_STATS if o.startswith("right")}
+    assert right == set(fuzz.CAPTURES), right
+    assert summary["outcomes"].get("refused", 0) > 0
 
 
 def test_fuzz_quick_covers_the_grammar():
