@@ -196,25 +196,37 @@ def check_window_inputs(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         return gm
     group_of = {n: i for i, g in enumerate(groups) for n in g}
     edges = effect_edges(gm, ctx)
-    via = {(a, b): w for a, b, w in edges}
-    g = nx.DiGraph()
 
     def key(n):
         return ("window", group_of[n]) if n in group_of else n
 
-    for node in gm.graph.nodes:
-        g.add_node(key(node))
-        for inp in node.all_input_nodes:
-            if key(inp) != key(node):
-                g.add_edge(key(inp), key(node), via=(inp, node))
-    for a, b, _ in edges:
-        if key(a) != key(b):
-            g.add_edge(key(a), key(b), via=(a, b))
-    try:
-        cycle = nx.find_cycle(g)
-    except nx.NetworkXNoCycle:
+    pairs = [(inp, node) for node in gm.graph.nodes for inp in node.all_input_nodes] + [(a, b) for a, b, _ in edges]
+    contracted = {(key(a), key(b)): (a, b) for a, b in pairs if key(a) != key(b)}
+    if _acyclic({key(n) for n in gm.graph.nodes}, contracted):
         return gm
-    raise _window_cycle_error(cycle, g, via, ctx.frontend)
+    g = nx.DiGraph()
+    for (ka, kb), (a, b) in contracted.items():
+        g.add_edge(ka, kb, via=(a, b))
+    raise _window_cycle_error(nx.find_cycle(g), g, {(a, b): w for a, b, w in edges}, ctx.frontend)
+
+
+def _acyclic(keys: set, edges) -> bool:
+    """Kahn's algorithm on the contracted graph (networkx only describes a cycle once found)."""
+    waiting = dict.fromkeys(keys, 0)
+    after: dict = {}
+    for a, b in edges:
+        waiting[b] += 1
+        after.setdefault(a, []).append(b)
+    ready = [k for k, n in waiting.items() if n == 0]
+    done = 0
+    while ready:
+        k = ready.pop()
+        done += 1
+        for b in after.get(k, ()):
+            waiting[b] -= 1
+            if waiting[b] == 0:
+                ready.append(b)
+    return done == len(waiting)
 
 
 def _window_cycle_error(cycle, g: nx.DiGraph, via, frontend: str) -> JaggCaptureError:

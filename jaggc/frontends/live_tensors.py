@@ -22,13 +22,14 @@ order it arbitrarily against the DiT calls that read the parameter.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from typing import Any
 
 import torch
 from torch import fx, nn
 from torch.overrides import TorchFunctionMode
 
-from .._compat import tree_flatten, tree_map
+from .._compat import tree_map
 from ..errors import JaggCaptureError
 from ..graph_ops import live_tensor
 from . import example_values
@@ -38,6 +39,9 @@ _METADATA_METHODS = frozenset({
     "size", "dim", "ndimension", "numel", "nelement", "element_size", "stride", "is_contiguous",
     "is_floating_point", "is_complex", "is_signed", "data_ptr", "storage_offset", "get_device", "__len__",
     "__hash__", "__repr__", "__str__", "__format__", "has_names", "is_pinned", "is_shared",
+    # module-state changes, not writes (peft's disable_adapter() flips requires_grad): the FX
+    # frontend replays them as module states (runtime/module_state.py)
+    "requires_grad_", "retain_grad", "register_hook", "register_post_accumulate_grad_hook",
 })
 _IN_PLACE_DUNDERS = frozenset({
     "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__", "__imatmul__",
@@ -75,6 +79,18 @@ class LiveTensors(TorchFunctionMode):
         return (isinstance(x, torch.Tensor) and not isinstance(x, fx.Proxy)
                 and (isinstance(x, nn.Parameter) or id(x) in self.owned or x.requires_grad))
 
+    def _any_live(self, args: tuple, kwargs: dict) -> bool:
+        """A live tensor among a torch function's arguments (tensors, or lists of them: a scan, not
+        a tree_flatten, since this runs for every op the trace makes)."""
+        for x in itertools.chain(args, kwargs.values()):
+            if isinstance(x, torch.Tensor):
+                if self.is_live(x):
+                    return True
+            elif isinstance(x, (list, tuple)):
+                if any(isinstance(y, torch.Tensor) and self.is_live(y) for y in x):
+                    return True
+        return False
+
     def proxy_of(self, x: torch.Tensor) -> fx.Proxy:
         """The one graph value of live tensor ``x`` in this trace."""
         known = self.proxies.get(id(x))
@@ -98,8 +114,7 @@ class LiveTensors(TorchFunctionMode):
         kwargs = kwargs or {}
         if self._suspended or example_values.running():
             return func(*args, **kwargs)
-        leaves = tree_flatten((args, kwargs))[0]
-        if not any(self.is_live(x) for x in leaves):
+        if not self._any_live(args, kwargs):
             return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         if name == "__get__":            # a property: p.dtype, p.shape (metadata), p.data, p.T (values)
