@@ -2,9 +2,9 @@
 by command.
 
 Quick profile (always): every capture path x backward mode (fx, dynamo, intercept, auto x joint,
-per_window, lowmem; intercept has no lowmem: it needs a captured graph) on 22 programs each
-(a fixed seed per combination), 242 cases, about one minute on two shared cores (``test_fuzz_quick_ran_every_case``
-prints the outcome counts with ``-s``). Each case checks value, gradient
+per_window, lowmem; intercept has no lowmem: it needs a captured graph) on 22 programs each (a
+fixed seed per combination), 242 cases, about 75 s on two shared cores
+(``test_fuzz_quick_ran_every_case`` prints the outcome counts with ``-s``). Each case checks value, gradient
 (exact at window 2, the exactness theorem on affine fields with chord states, a hand-computed
 JAGG otherwise), the writes into the inputs, a second call after a parameter step, and that
 mutations are refused naming a step.

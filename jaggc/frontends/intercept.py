@@ -153,7 +153,10 @@ class InterceptedLoss:
                 f"use jagg_frac=1 without routing, or keep the trained calls in one state", path="intercept")
         outs, self.decision = run_trajectory(dit, recorded, self.windows, options=options, routing=routing,
                                              states=states, exact_windows=range(len(self.windows)) if self.exact else ())
-        return self._replay(dit, bound, recorded, outs)
+        try:
+            return self._replay(dit, bound, recorded, outs)
+        finally:
+            self.values = []         # the recording's outputs are not kept past the call
 
     def _announce_cuts(self, grouping, recorded: list[DitCall], states: list[ModuleState]) -> None:
         """A cut that makes more windows is a slower gradient: announced (grouping.cut_announcement)."""
