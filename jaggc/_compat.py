@@ -272,6 +272,31 @@ def dispatch_mode_base():
     return TorchDispatchMode
 
 
+def written_arguments(func, args: tuple, kwargs: dict) -> list:
+    """The tensors an aten op (as a dispatch mode sees it) writes in place: the arguments its
+    schema marks as written (``Tensor(a!)``: ``self`` of ``add_``, ``out=``, each of a written
+    list). The intercept path saves an input before the loss's first write into it. The schema is
+    only reachable as ``OpOverload._schema``."""
+    out = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        out.extend(v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, torch.Tensor))
+    return out
+
+
+def traced_input_value(node):
+    """The real value a Dynamo graph's placeholder stood for when Dynamo traced it (a parameter the
+    loss read is lifted to an input; the effects analysis must know it is one). Dynamo keeps it in
+    ``node.meta["grapharg"]``, a private structure; None for other graphs."""
+    arg = node.meta.get("grapharg")
+    try:
+        return arg.example if arg is not None else None
+    except Exception:  # noqa: BLE001 - the example is a weak reference that may be gone
+        return None
+
+
 def new_fake_mode(*, allow_non_fake_inputs: bool):
     """A fresh FakeTensorMode: the FX frontend's example values (shapes and dtypes while tracing)
     come from running the loss's ops on fake tensors; torch has no public fake-tensor API."""

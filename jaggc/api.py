@@ -17,7 +17,9 @@ from torch import fx, nn
 from . import _compat
 from .backends import BACKENDS, compile_glue
 from .errors import JaggCaptureError, JaggInputError, JaggUnsupportedError
-from .frontends.dynamo import STATE_CHANGE_MARK, canonicalize_dynamo_calls, opaque_modules
+from .frontends.aliasing import storage_groups
+from .frontends.dynamo import STATE_CHANGE_MARK, opaque_modules
+from .frontends.dynamo_backend import copy_graph_module, running_loss, shared_backend
 from .frontends.fake_boundary import check_real_grads_after_backward, check_real_output
 from .frontends.fx import capture_fx
 from .frontends.fx_cache import FxEntry, FxGraphCache
@@ -96,6 +98,7 @@ class JaggCompiled:
         self.traces = 0
         self._path: str | None = None if capture == "auto" else capture
         self._dynamo_fn = None
+        self._dynamo_graphs: dict[int, tuple] = {}
         self._fx_cache = FxGraphCache(self.__qualname__)
         self._fx_reads = None
         self.capture_failures: list[str] = []   # why earlier paths of capture="auto" were left
@@ -210,14 +213,16 @@ class JaggCompiled:
             self._reset_dynamo()
         self._dynamo_modules = modules
         if self._dynamo_fn is None:
-            # a fresh backend object per reset: Dynamo's cache entries only match their own backend
-            backend = lambda gm, example_inputs: self._dynamo_backend(gm, example_inputs)  # noqa: E731
-            self._dynamo_fn = torch.compile(self.fn, backend=backend, fullgraph=True, dynamic=False)
+            # one backend object per module set, shared by every compiled loss: Dynamo's cache
+            # entries only match their own backend, and a backend per jagg_compile made each compiled
+            # loss of one function a recompile of its code (dynamo_backend.py)
+            self._dynamo_fn = torch.compile(self.fn, backend=shared_backend(candidates), fullgraph=True,
+                                            dynamic=False)
         try:
             self._graph_ran = False
             self._dynamo_entry_autocast = current_autocast()   # the backend's graph is entered in it
             traces = self.traces
-            with opaque_modules(candidates):
+            with opaque_modules(candidates), running_loss(self):
                 out = self._dynamo_fn(*args, **kwargs)
             if not self._graph_ran:
                 # Dynamo built no graph for these inputs (an empty trajectory: no DiT call, no tensor
@@ -283,8 +288,19 @@ class JaggCompiled:
                 h.remove()
         return None
 
-    def _dynamo_backend(self, gm: fx.GraphModule, example_inputs):
-        gm = canonicalize_dynamo_calls(gm)
+    def _dynamo_graph(self, pristine: fx.GraphModule, own: fx.GraphModule | None = None):
+        """This loss's rewrite of a graph Dynamo captured and cached, possibly for another compiled
+        loss of the same function (dynamo_backend.py): made once per captured graph, from ``own``
+        (the capture itself, when this loss compiled it) or a copy of ``pristine``."""
+        known = self._dynamo_graphs.get(id(pristine))
+        if known is None:
+            gm = own if own is not None else copy_graph_module(pristine)
+            known = self._dynamo_graphs[id(pristine)] = (pristine, self._dynamo_backend(gm))
+        return known[1]
+
+    def _dynamo_backend(self, gm: fx.GraphModule):
+        traced_aliasing = _input_aliasing(gm)
+        # Dynamo guards the autocast state: a cached graph only runs in the state it was captured in
         gm, report = self._rewrite(gm, "dynamo", entry_autocast=self._dynamo_entry_autocast)
         if self.backend is not None:
             gm = self._dynamo_split = compile_glue(gm, self.backend)
@@ -293,6 +309,12 @@ class JaggCompiled:
         forward = gm.forward
 
         def run_graph(*args):
+            if traced_aliasing is not None and storage_groups(args) != traced_aliasing:
+                raise JaggCaptureError(
+                    f"{self.__qualname__} writes in place into its inputs, and this call's inputs share storage "
+                    f"differently from the call Dynamo traced; the graph's order of those writes would not hold. "
+                    f"Pass the inputs as they were (or copies), or use capture='fx' (it traces each aliasing)",
+                    path="dynamo")
             # Dynamo keeps one compiled graph per guard set; .report follows the one that runs
             self._report = report
             self._graph_ran = True
@@ -324,7 +346,8 @@ class JaggCompiled:
             gm, report = self._rewrite(capture.gm, "fx", entry_grad=capture.entry_grad,
                                        entry_autocast=capture.entry_autocast)
             report.guarded_reads = len(capture.guard) if capture.guard is not None else 0
-            entry = FxEntry(gm, report, capture.guard)
+            entry = FxEntry(gm, report, capture.guard,
+                            aliasing=storage_groups(values) if _passes().input_writes(gm) else None)
             changed = self._fx_cache.add(key, entry, values)
             if changed:
                 report.notes.append("re-traced: values read as Python numbers changed: " + "; ".join(changed[:3]))
@@ -378,6 +401,14 @@ class JaggCompiled:
         self._report = build_report(frontend, gm, stages, ctx, self.traces)
         self._report.capture_failures = list(self.capture_failures)
         return gm, self.report
+
+
+def _input_aliasing(gm: fx.GraphModule) -> tuple | None:
+    """Which of a Dynamo graph's inputs share storage, if the graph writes into its inputs (the
+    effects analysis assumed that sharing; aliasing.py), else None."""
+    if not _passes().input_writes(gm):
+        return None
+    return storage_groups([n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"])
 
 
 def _structure_key(arguments: dict):

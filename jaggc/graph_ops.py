@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.fx
 
-from ._compat import DYNAMO_ENTER_AUTOCAST, DYNAMO_EXIT_AUTOCAST, tree_flatten
+from ._compat import DYNAMO_ENTER_AUTOCAST, DYNAMO_EXIT_AUTOCAST, tree_flatten, tree_map
 from .runtime.calls import DitCall, per_sample_time, resolve_time_arg
 from .runtime import autocast as _autocast
 from .runtime.autocast import AutocastState
@@ -73,6 +73,24 @@ def dit_call(dit, args: tuple, kwargs: dict, step: int | None = None, options: W
                     return out
             return call(dit)
         return run_exact(dit, [call], steps=[step], options=options or WindowOptions())[0]
+
+
+@torch.fx.wrap
+def live_tensor(module, path: str):
+    """A parameter or buffer of ``module`` (``path`` as in ``named_parameters``), read when the graph
+    runs: a loss term such as ``(dit.W1 ** 2).sum()`` must see the current parameter, never the
+    value it had when the loss was traced (frontends/live_tensors.py)."""
+    value = module
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
+@torch.fx.wrap
+def copy_output(output: Any) -> Any:
+    """A copy of a window's step output (its tensor leaves cloned, autograd kept), for a loss that
+    writes into the DiT's output in place (passes/rewrite.py)."""
+    return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, output)
 
 
 @torch.fx.wrap

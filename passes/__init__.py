@@ -5,6 +5,7 @@ after each."""
 from .check_frontend import check_frontend
 from .cleanup import cleanup
 from .context import CallSite, CompileConfig, PassContext, Window
+from .effects import check_window_inputs, input_writes
 from .find_dit_calls import find_dit_calls
 from .modes import place_modes
 from .independence import check_independence
@@ -17,6 +18,6 @@ from .windows import assign_windows
 
 __all__ = [
     "CallSite", "CompileConfig", "DEFAULT_PASSES", "PassContext", "Stage", "Window", "assign_windows",
-    "check_frontend", "check_independence", "cleanup", "compute_weights", "find_dit_calls",
-    "place_lowmem_terms", "place_modes", "rewrite_windows", "run_passes", "split_cfg_batches",
+    "check_frontend", "check_independence", "check_window_inputs", "cleanup", "compute_weights", "find_dit_calls",
+    "input_writes", "place_lowmem_terms", "place_modes", "rewrite_windows", "run_passes", "split_cfg_batches",
 ]

@@ -65,6 +65,8 @@ class PassContext:
     entry_grad: bool = True    # the grad mode the graph is entered in (the caller's, at capture)
     entry_autocast: AutocastState = AUTOCAST_OFF   # the autocast state it is entered in
     splits: list = field(default_factory=list)          # split_cfg_batches: the DiT calls it split
+    effects: list | None = None    # effects.effect_edges: (earlier, later, write) order constraints
+    replaced: dict = field(default_factory=dict)        # rewrite_windows: erased call -> the node running it
 
     def dit_calls(self, gm: fx.GraphModule) -> list[fx.Node]:
         return [n for n in gm.graph.nodes if "jagg_call" in n.meta]

@@ -31,6 +31,7 @@ from jaggc.errors import JaggGraphError
 from jaggc.graph_ops import jagg_lowmem_output, jagg_lowmem_term, jagg_lowmem_window, user_source
 
 from .context import PassContext
+from .effects import effect_order
 from .rewrite import restore_topological_order
 
 _ADD = {operator.add, operator.iadd, torch.add}
@@ -187,7 +188,7 @@ def place_lowmem_terms(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         wrapped = graph.call_function(jagg_lowmem_output, (loss, _plan_attr(graph, output)))
     wrapped.meta.update(jagg_grad=True, jagg_autocast=ctx.entry_autocast)
     output.args = ([wrapped] if flat else wrapped,)
-    restore_topological_order(graph)
+    restore_topological_order(graph, effect_order(ctx))
     ctx.notes.append(f"backward='lowmem': {len(terms)} per-step terms; each window's joint backward runs as soon as "
                      f"its terms are known (peak activations: one window)")
     return gm

@@ -20,6 +20,7 @@ from jaggc.errors import JaggError, JaggInternalError
 from .check_frontend import check_frontend
 from .cleanup import cleanup
 from .context import PassContext
+from .effects import check_window_inputs
 from .find_dit_calls import find_dit_calls
 from .modes import place_modes
 from .independence import check_independence
@@ -32,13 +33,14 @@ from .windows import assign_windows
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
 DEFAULT_PASSES: tuple[Pass, ...] = (
-    check_frontend, split_cfg_batches, find_dit_calls, check_independence, assign_windows, compute_weights,
-    rewrite_windows, cleanup, place_modes,
+    check_frontend, split_cfg_batches, find_dit_calls, check_independence, assign_windows, check_window_inputs,
+    compute_weights, rewrite_windows, cleanup, place_modes,
 )
 
 
 # passes that only read the graph and store facts in node.meta
-ANALYSES: frozenset = frozenset({check_frontend, find_dit_calls, check_independence, assign_windows, compute_weights})
+ANALYSES: frozenset = frozenset({check_frontend, find_dit_calls, check_independence, assign_windows, check_window_inputs,
+                                 compute_weights})
 
 
 @dataclass

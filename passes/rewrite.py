@@ -20,12 +20,13 @@ import warnings
 
 from torch import fx
 
-from jaggc.errors import JaggGraphError
+from jaggc.errors import JaggGraphError, JaggInternalError
 from jaggc.graph_ops import (DeferredGroupPlan, LowMemPlan, LowMemWindowPlan, TrajectoryPlan, WindowPlan,
-                             jagg_lowmem_window, jagg_trajectory, jagg_window)
+                             copy_output, jagg_lowmem_window, jagg_trajectory, jagg_window)
 from jaggc.runtime.window import deferred_grad_forwards
 
 from .context import PassContext
+from .effects import effect_order, written_outputs
 
 
 def rewrite_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -36,6 +37,7 @@ def rewrite_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if lowmem and ctx.windows:
         gm.jagg_lowmem_plan = LowMemPlan(num_windows=len(ctx.windows), first_window=ctx.windows[0].index)
     _cached_references(gm, ctx)
+    written = written_outputs(gm)
     for w in ctx.windows:
         if w.mode == "routed":
             continue
@@ -74,12 +76,25 @@ def rewrite_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             out.meta["jagg_call"] = old.meta["jagg_call"]
             out.meta["jagg_window"] = w.index
             out.meta.update(jagg_grad=True, jagg_autocast=w.autocast)
+            if old in written:
+                out = anchor = _writable_copy(graph, out)
             old.replace_all_uses_with(out)
         for old in w.nodes:
+            ctx.replaced[old] = window_node
             graph.erase_node(old)
         w.nodes = [u for u in window_node.users]
-    restore_topological_order(gm.graph)
+    restore_topological_order(gm.graph, effect_order(ctx))
     return gm
+
+
+def _writable_copy(graph: fx.Graph, out: fx.Node) -> fx.Node:
+    """A window hands out its steps' outputs as views of one autograd function's outputs, which
+    autograd does not let the loss write in place; a step output the loss writes into (``v.mul_``)
+    is handed out as a copy, which only the loss holds, as it held the DiT's output."""
+    with graph.inserting_after(out):
+        copy = graph.call_function(copy_output, (out,))
+    copy.meta.update({k: out.meta[k] for k in ("jagg_call", "jagg_window", "jagg_grad", "jagg_autocast")})
+    return copy
 
 
 def _cached_references(gm: fx.GraphModule, ctx: PassContext) -> None:
@@ -96,28 +111,41 @@ def _cached_references(gm: fx.GraphModule, ctx: PassContext) -> None:
             node.kwargs = {**node.kwargs, "options": attr}
 
 
-def restore_topological_order(graph: fx.Graph) -> None:
-    """Reorder ``graph`` in place so every node follows its inputs, keeping the original order
-    wherever the dependencies allow (Kahn's algorithm, ready nodes taken by original position).
+def restore_topological_order(graph: fx.Graph, effects: list[tuple[fx.Node, fx.Node]] = ()) -> None:
+    """Reorder ``graph`` in place so every node follows its inputs and every ``(earlier, later)``
+    pair of ``effects`` (in-place writes and the reads around them, effects.py) keeps its order,
+    keeping the original order wherever the dependencies allow (Kahn's algorithm, ready nodes taken
+    by original position).
 
     A window node sits after the window's last call, so the glue of its earlier steps, which now
     reads the window's outputs, must move below it. Nodes are relinked, not copied: fx's
     ``stable_topological_sort`` rebuilds the whole graph (2.5 s for a 50-step loss)."""
     nodes = list(graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
+    effects = {(a, b) for a, b in effects if a in position and b in position}
+    after: dict[fx.Node, list[fx.Node]] = {}
+    for earlier, later in effects:
+        after.setdefault(earlier, []).append(later)
     waiting = {n: len(n.all_input_nodes) for n in nodes}
+    for _, later in effects:
+        waiting[later] += 1
     ready = [position[n] for n in nodes if waiting[n] == 0]
     heapq.heapify(ready)
     order = []
     while ready:
         node = nodes[heapq.heappop(ready)]
         order.append(node)
-        for user in node.users:
+        for user in list(node.users) + after.get(node, []):
             waiting[user] -= 1
             if waiting[user] == 0:
                 heapq.heappush(ready, position[user])
     if len(order) != len(nodes):
-        raise JaggGraphError(f"the rewritten graph has a cycle through {[n.name for n in nodes if waiting[n]]}")
+        stuck = [n for n in nodes if waiting[n]]
+        steps = sorted({n.meta["jagg_call"].step for n in stuck
+                        if "jagg_call" in n.meta and n.meta["jagg_call"].step is not None})
+        raise JaggInternalError(
+            f"the rewritten graph cannot be ordered: DiT steps {steps} wait for each other ({len(stuck)} nodes, "
+            f"from {stuck[0].name}); check_window_inputs should have refused this loss naming the steps")
     if order == nodes:
         return
     nodes[0].prepend(order[0])
@@ -159,6 +187,7 @@ def _rewrite_routed(gm: fx.GraphModule, ctx: PassContext) -> None:
         node = graph.call_function(jagg_trajectory, (last.args[0], calls, plan_node))
     node.meta.update(jagg_grad=True, jagg_autocast=routed[0].autocast)
     anchor = node
+    written = written_outputs(gm)
     for pos, old in enumerate(nodes):
         with graph.inserting_after(anchor):
             out = graph.call_function(operator.getitem, (node, pos))
@@ -166,8 +195,11 @@ def _rewrite_routed(gm: fx.GraphModule, ctx: PassContext) -> None:
         out.meta["jagg_call"] = old.meta["jagg_call"]
         out.meta["jagg_window"] = old.meta["jagg_call"].window
         out.meta.update(jagg_grad=True, jagg_autocast=routed[0].autocast)
+        if old in written:
+            out = anchor = _writable_copy(graph, out)
         old.replace_all_uses_with(out)
     for old in nodes:
+        ctx.replaced[old] = node
         graph.erase_node(old)
     for w in routed:
         w.node, w.plan = node, plan

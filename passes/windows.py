@@ -20,10 +20,12 @@ within each stream, and each call's CallSite has its window index and role ("kno
 
 from __future__ import annotations
 
+import warnings
+
 from torch import fx
 
 from jaggc._compat import tree_flatten
-from jaggc.runtime.grouping import group_windows
+from jaggc.runtime.grouping import cut_announcement, group_windows, leaf_difference
 from jaggc.runtime.window import check_window_size
 
 from .context import PassContext, Window
@@ -71,6 +73,22 @@ def static_signature(node: fx.Node):
     return node.args[0].target, spec, tuple("<node>" if isinstance(x, fx.Node) else repr(x) for x in leaves)
 
 
+def _announce_cuts(grouping, trained: list[fx.Node], window: int, ctx: PassContext) -> None:
+    """Never silently slow: a cut that makes more windows (more DiT backward passes) is announced,
+    naming the argument that differs (a Python-number timestep makes every step its own structure)."""
+    def differ(j: int, k: int) -> str:
+        a, b = trained[j].meta["jagg_call"].autocast, trained[k].meta["jagg_call"].autocast
+        if a != b:
+            return f"the autocast state ({a.describe()} vs {b.describe()})"
+        return leaf_difference(tuple(trained[j].args[1:3]), tuple(trained[k].args[1:3]),
+                               is_value=lambda x: isinstance(x, fx.Node))
+
+    note = cut_announcement(grouping, window, differ, calls_named="steps")
+    if note is not None:
+        ctx.notes.append(note)
+        warnings.warn(f"jaggc: {note}", stacklevel=2)
+
+
 def assign_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     cfg = ctx.config
     check_window_size(cfg.window)
@@ -81,6 +99,7 @@ def assign_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     grouping = group_windows(len(trained), cfg.window, same_step=same_step_of(trained, cfg.time_arg),
                              batch_key=lambda k: (static_signature(trained[k]), trained[k].meta["jagg_call"].autocast))
     ctx.notes.extend(grouping.notes())
+    _announce_cuts(grouping, trained, cfg.window, ctx)
     for idx in grouping.windows:
         nodes = [trained[k] for k in idx]
         if len(nodes) <= 2:

@@ -6,8 +6,9 @@
     call with ``weights="index"`` fails with a shrunk counterexample;
   * every trainer shape of ``jaggc.trainer_shapes`` passes (peft adapters followed by the stand-in);
   * the silently wrong result of the real-trainer issue (the intercept path serving an adapter-off
-    output as the policy's) is caught: with module state left out of the recording's key, the
-    intercept path fails the check;
+    output as the policy's) is caught: with module state left out of the recording's key and the
+    replay handing back the window outputs, the intercept path fails the check (with the replay
+    handing back the recording's values, as it does since issue 28, it passes);
   * ``assert_loss_exact`` raises with the table; ``jaggc verify --loss module:factory`` runs it.
 """
 
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 from jaggc import example_losses, trainer_shapes
+from jaggc.frontends import intercept
 from jaggc.runtime import module_state
 from jaggc.verify import assert_loss_exact, check_loss
 from jaggc.verify.cli import main_verify
@@ -89,12 +91,17 @@ def test_trainer_shapes_pass(name):
 
 def test_catches_the_adapter_state_bug(monkeypatch):
     """With the rollout cache keyed by inputs only (the bug the real-trainer issue found), the
-    intercept path pairs the adapter-off reference output with the policy's call: check_loss fails."""
+    windows' interior values pair the adapter-off reference output with the policy's call. The
+    intercept replay now hands the loss the recording's own output values (issue 28), so that bug
+    no longer reaches the result; with the replay handing back the window outputs, as it did when
+    the bug was found, check_loss fails."""
     shape = trainer_shapes.flow_grpo_sd3()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert check_loss(shape.loss_fn, shape.model, shape.args, examples=4, capture="intercept").passed
         monkeypatch.setattr(module_state.ModuleState, "output_key", lambda self: ())
+        assert check_loss(shape.loss_fn, shape.model, shape.args, examples=4, capture="intercept").passed
+        monkeypatch.setattr(intercept, "_with_recorded_values", lambda values, outs: outs)
         broken = check_loss(shape.loss_fn, shape.model, shape.args, examples=4, capture="intercept")
     assert not broken.passed and broken.max_rel_err > 1e-3
 

@@ -79,7 +79,7 @@ class TestGolden(expecttest.TestCase):
         report = compiled.report
         self.assertEqual([s.name for s in report.stages],
                          ["capture (fx)", "check_frontend", "split_cfg_batches", "find_dit_calls", "check_independence",
-                          "assign_windows", "compute_weights", "rewrite_windows", "cleanup",
+                          "assign_windows", "check_window_inputs", "compute_weights", "rewrite_windows", "cleanup",
                           "place_modes"])
         assert_rewritten(self, report.graph_module, [[0, 1, 2], [3, 4, 5]])
         self.assertExpectedInline(normalise(report.stages[-1].code), """\

@@ -27,7 +27,7 @@ from torch import fx, nn
 from .. import _compat
 from .._compat import tree_map
 from ..errors import JaggCaptureError, JaggError, JaggInternalError
-from ..graph_ops import dit_call, is_in_place
+from ..graph_ops import dit_call, is_in_place, live_tensor
 from ..runtime.autocast import autocast_applied, autocast_cache_disabled
 from .dynamo import is_distributed, real_run_as_fake
 from .fake_cache import TensorMeta, cached_fake_call
@@ -170,6 +170,8 @@ class ExampleValues:
             # a fake run would only fail (and failing costs more than the real op)
             return self.mode.from_tensor(self.concrete(node))
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), self.values.__getitem__)
+        if node.op == "call_function" and node.target is live_tensor:
+            return self.mode.from_tensor(live_tensor(*args))     # a parameter read at run time
         try:
             if node.op == "call_function" and node.target is dit_call:
                 module, dit_args, dit_kwargs = args

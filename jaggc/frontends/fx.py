@@ -35,6 +35,7 @@ import contextlib
 import inspect
 import os
 import linecache
+import operator
 import traceback
 import warnings
 from dataclasses import dataclass
@@ -51,6 +52,8 @@ from ..runtime.autocast import AUTOCAST_OFF, AutocastState, autocast_cache_disab
 from ..runtime.module_state import ModuleState, applicable, difference, module_state
 from . import example_values
 from .example_values import ExampleValues
+from .aliasing import storage_of
+from .live_tensors import LiveTensors
 from .value_reads import Guard, ValueReads
 
 
@@ -103,6 +106,10 @@ class ShapedProxy(fx.Proxy):
 
     def item(self):
         return self.tracer.reads.read(self.node, "item")
+
+    def __setitem__(self, key, value):
+        # ``x[:, 0] = 0``: an in-place node like ``x.copy_``; the effects analysis keeps its order
+        self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
 
     def tolist(self):
         return self.tracer.reads.read(self.node, "tolist")
@@ -157,6 +164,7 @@ class DiTLeafTracer(fx.Tracer):
         # the modes the recorded nodes run under, and those the loss was entered in
         self.grad_mode = self.entry_grad = torch.is_grad_enabled()
         self.autocast = self.entry_autocast = current_autocast()
+        self.live: LiveTensors | None = None           # set by capture_fx (live_tensors.py)
 
     def _root_value(self, target: str):
         if target in self.installed:
@@ -182,6 +190,16 @@ class DiTLeafTracer(fx.Tracer):
         return self.reads.read(obj.node, "bool")
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None) -> fx.Node:
+        # the tracer's own tensor code (fake copies of inputs, example values) is not the loss's
+        with self.live.suspended() if self.live is not None else contextlib.nullcontext():
+            return self._create_traced_node(kind, target, args, kwargs, name, type_expr)
+
+    def create_arg(self, a):
+        if self.live is not None and self.live.is_live(a):
+            return self.live.proxy_of(a).node      # a parameter as an op's argument: read at run time
+        return super().create_arg(a)
+
+    def _create_traced_node(self, kind, target, args, kwargs, name=None, type_expr=None) -> fx.Node:
         if kind != "placeholder":
             self._record_modes()
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
@@ -192,6 +210,9 @@ class DiTLeafTracer(fx.Tracer):
         if kind == "placeholder":
             value = self._inputs.pop()
             node.meta["jagg_requires_grad"] = isinstance(value, torch.Tensor) and value.requires_grad
+            if isinstance(value, torch.Tensor):
+                # inputs sharing storage share an alias root (passes/effects.py); aliasing.py rechecks it
+                node.meta["jagg_storage"] = storage_of(value)
             self.examples.set_input(node, value)
             self.reads.real_inputs[node] = value
         elif is_in_place(node):
@@ -370,12 +391,13 @@ def capture_fx(fn: Callable, args: tuple, kwargs: dict, dits: list[nn.Module]) -
     concrete = concrete_args_for(fn, args, kwargs)
     inputs = [leaf for value in _bind(fn, args, kwargs).arguments.values() for leaf in tree_flatten(value)[0]]
     tracer = DiTLeafTracer(dits, inputs)
+    tracer.live = LiveTensors(tracer, dits, _where)
     entry = {id(m): module_state(m) for m in dits}
     try:
         # nothing the trace runs may leave casts in the caller's autocast weight-cast cache: the
         # graph's first run in the same region would share them (autocast.py)
-        with _refuse_direct_forward(dits), _RefuseFunctionApply(), _RandomDrawsRefused(), warnings.catch_warnings(), \
-                autocast_cache_disabled():
+        with _refuse_direct_forward(dits), _RefuseFunctionApply(), _RandomDrawsRefused(), tracer.live, \
+                warnings.catch_warnings(), autocast_cache_disabled():
             # fx cannot add an assertion for a module-valued concrete argument; the cache key has its id
             warnings.filterwarnings("ignore", message="Was not able to add assertion")
             graph = tracer.trace(fn, concrete_args=concrete)

@@ -21,6 +21,7 @@ from typing import Any
 
 from torch import fx
 
+from .aliasing import storage_groups
 from .value_reads import Guard
 
 MAX_ENTRIES = 64
@@ -32,6 +33,7 @@ class FxEntry:
     gm: fx.GraphModule
     report: Any
     guard: Guard | None
+    aliasing: tuple | None = None      # a graph that writes into its inputs: their traced storage sharing
 
 
 @dataclass
@@ -56,6 +58,8 @@ class FxGraphCache:
             return None
         self._keys.move_to_end(key)
         for i, entry in enumerate(slot.entries):
+            if entry.aliasing is not None and storage_groups(args) != entry.aliasing:
+                continue    # the inputs share storage otherwise than traced (aliasing.py): trace again
             if entry.guard is None or entry.guard.check(*args):
                 if i:
                     slot.entries.insert(0, slot.entries.pop(i))

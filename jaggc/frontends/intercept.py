@@ -11,8 +11,10 @@ interceptor finds out by running the loss:
   2. **replay**: the recorded calls are cut into windows by jaggc's one grouping rule
      (``runtime/grouping.py``) and run by the eager driver ``run_trajectory`` (interior outputs
      come from the cache, so only the knot forwards run again), then the loss runs a second time
-     and the proxy hands back the window outputs in call order, refusing any call whose inputs
-     differ from the recording (the loss must be deterministic given its inputs).
+     and the proxy hands back, in call order, the recording's output values carrying the windows'
+     JAGG backward (so the replay computes the recording's numbers bit for bit), refusing any call
+     whose inputs differ from the recording (the loss must be deterministic given its inputs). The
+     recording's side effects are undone before the replay (``intercept_effects.py``).
 
 It costs one extra forward of every step compared with a captured graph (the knots are computed
 twice: once without grad in the recording, once with grad) and runs the loss's Python twice. No-grad
@@ -33,21 +35,23 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from .._compat import tree_flatten, tree_map
+from .._compat import tree_flatten, tree_map, tree_unflatten
 from ..errors import JaggCaptureError, JaggGraphError
 from ..runtime.calls import DitCall
 from ..runtime.checks import check_placement
 from ..runtime.rollout_cache import RolloutCache
-from ..runtime.grouping import group_calls
+from ..runtime.grouping import cut_announcement, group_calls, leaf_difference
 from ..runtime.module_state import CallState
 from ..runtime.routing import Routing
 from ..runtime.trajectory import run_trajectory
 from ..runtime.window import WindowOptions
+from .intercept_effects import RecordingRun
 
 
 class DitProxy:
@@ -64,9 +68,10 @@ class DitProxy:
 
     def __getattr__(self, name):
         if name == "forward":
+            step = getattr(self._on_call, "next_step", None)
             raise JaggGraphError(
-                "the loss calls dit.forward(...): that bypasses the module call (and its hooks, DDP, "
-                "FSDP), so jaggc cannot intercept it. Call dit(...) instead")
+                f"{f'step {step()}: ' if step is not None else ''}the loss calls dit.forward(...): that bypasses "
+                f"the module call (and its hooks, DDP, FSDP), so jaggc cannot intercept it. Call dit(...) instead")
         return getattr(self._dit, name)
 
 
@@ -82,10 +87,27 @@ def _grad_leaves(call: DitCall) -> list[str]:
 def _as_leaf(output: Any) -> Any:
     def mark(x):
         if isinstance(x, torch.Tensor) and x.is_floating_point():
-            return x.detach().requires_grad_()
+            # a non-leaf that requires grad: the loss may write into the DiT's output in place
+            # (``v.mul_(0.5)``), which autograd refuses on a leaf
+            with torch.enable_grad():
+                return x.detach().requires_grad_().clone()
         return x
 
     return tree_map(mark, output)
+
+
+def _with_recorded_values(values: Any, outs: Any) -> Any:
+    """A window's outputs for the replay: the values of the recording's plain DiT call, with the
+    window's (JAGG) backward (``value + (out - out.detach())``). The window computes its knots as
+    one batched forward, which a float32 DiT rounds differently from the recording's calls; with
+    those values a state the loss computes from a DiT output would differ from the recorded
+    input in the last bits, and the replay would refuse a deterministic loss. It is also a fresh
+    tensor, so the loss may write into it in place (a window's own outputs are views)."""
+    flat_values, spec = tree_flatten(values)
+    flat_outs = tree_flatten(outs)[0]
+    mixed = [v + (o - o.detach()) if isinstance(o, torch.Tensor) and o.requires_grad else v
+             for v, o in zip(flat_values, flat_outs)]
+    return tree_unflatten(mixed, spec)
 
 
 def _same_inputs(a: DitCall, b: DitCall) -> bool:
@@ -115,17 +137,19 @@ class InterceptedLoss:
         self.notes: list[str] = []
         self.recorded: list[DitCall] = []
         self.states: list[CallState] = []
+        self.values: list = []       # the recording's DiT outputs, handed back by the replay
 
     def __call__(self, dit: nn.Module, bound: inspect.BoundArguments):
-        recorded, states, cache, value = self._record(dit, bound)
+        recorded, states, cache = self._record(dit, bound)
         if not recorded:
-            # the recording run called the DiT only as written (no grad): it is the undecorated loss
-            self.windows, self.recorded, self.states = [], [], []
+            # nothing to rewrite: the loss runs as written (once: the recording's writes were undone)
+            self.windows, self.recorded, self.states, self.values = [], [], [], []
             self.notes = [f"no grad-enabled call of the DiT argument {self.dit_arg!r}: nothing to rewrite, the loss "
                           f"ran as written"]
-            return value
+            return self.fn(*bound.args, **bound.kwargs)
         grouping = group_calls(recorded, self.window, time_arg=self.options.time_arg, states=states)
         self.windows, self.notes = grouping.windows, grouping.notes()
+        self._announce_cuts(grouping, recorded, states)
         self.recorded, self.states = recorded, states
         options = dataclasses.replace(self.options, rollout_cache=cache)
         routing = self.routing if self.routing is not None and self.routing.active and not self.exact else None
@@ -137,13 +161,30 @@ class InterceptedLoss:
                 f"use jagg_frac=1 without routing, or keep the trained calls in one state", path="intercept")
         outs, self.decision = run_trajectory(dit, recorded, self.windows, options=options, routing=routing,
                                              states=states, exact_windows=range(len(self.windows)) if self.exact else ())
-        return self._replay(dit, bound, recorded, outs)
+        try:
+            return self._replay(dit, bound, recorded, outs)
+        finally:
+            self.values = []         # the recording's outputs are not kept past the call
+
+    def _announce_cuts(self, grouping, recorded: list[DitCall], states: list[CallState]) -> None:
+        """A cut that makes more windows is a slower gradient: announced (grouping.cut_announcement)."""
+        def differ(j: int, k: int) -> str:
+            if states[j] != states[k]:
+                return f"module or autocast state ({states[j].difference(states[k])})"
+            return leaf_difference((recorded[j].args, recorded[j].kwargs), (recorded[k].args, recorded[k].kwargs),
+                                   is_value=lambda x: isinstance(x, torch.Tensor))
+
+        note = cut_announcement(grouping, self.window, differ, calls_named="steps")
+        if note is not None:
+            self.notes.append(note)
+            warnings.warn(f"jaggc: {note}", stacklevel=4)
 
     def _run(self, bound: inspect.BoundArguments, proxy: DitProxy):
         swapped = inspect.BoundArguments(bound.signature, {**bound.arguments, self.dit_arg: proxy})
         return self.fn(*swapped.args, **swapped.kwargs)
 
     def _record(self, dit, bound):
+        self.values = []
         recorded: list[DitCall] = []
         states: list[CallState] = []
         cache = RolloutCache(dit, time_arg=self.options.time_arg, unbatched=self.options.unbatched)
@@ -159,14 +200,20 @@ class InterceptedLoss:
                 # before the recording forward runs the DiT on it: a 'meta' or wrong-dtype input
                 # would otherwise fail inside the DiT with a bare torch error
                 check_placement(dit, call, f"step {len(recorded)}")
-            recorded.append(call)
+            run.add_call(call)
             states.append(CallState.of(dit))
-            with torch.no_grad():
-                return _as_leaf(dit(*call.args, **call.kwargs))
+            with torch.no_grad(), run.dit_forward():
+                out = dit(*call.args, **call.kwargs)
+            self.values.append(out)
+            return _as_leaf(out)
 
-        with cache.record():
-            value = self._run(bound, DitProxy(dit, on_call))
-        return recorded, states, cache, value
+        on_call.next_step = lambda: len(recorded)      # named by refusals raised between calls
+        # the recording's in-place writes and container changes are undone before the replay,
+        # and each recorded call keeps the inputs it was called with (intercept_effects.py)
+        run = RecordingRun(bound.arguments, dit, recorded)
+        with cache.record(), run:
+            self._run(bound, DitProxy(dit, on_call))
+        return recorded, states, cache
 
     def _replay(self, dit, bound, recorded, outs):
         position = [0]
@@ -186,7 +233,7 @@ class InterceptedLoss:
                     f"needs the same module and autocast state at every call. Reset the state at the top of the "
                     f"loss (dit.train()) or outside it", path="intercept")
             position[0] += 1
-            return outs[k]
+            return _with_recorded_values(self.values[k], outs[k])
 
         result = self._run(bound, DitProxy(dit, on_call))
         if position[0] != len(recorded):

@@ -27,9 +27,9 @@ from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
-from .._compat import tree_flatten
+from .._compat import tree_flatten, tree_flatten_with_path
 from ..errors import JaggInputError
-from .calls import DitCall, get_time, primary_input, resolve_time_arg
+from .calls import DitCall, get_time, input_name, primary_input, resolve_time_arg
 from .window import check_window_size, partition
 
 
@@ -40,6 +40,13 @@ class Grouping:
     streams: list[list[int]]
     windows: list[list[int]]
     cut: bool           # some stream holds calls of different batch keys, so windows were cut there
+    cuts: tuple[tuple[int, int], ...] = ()    # (last call of a run, first call of the next), per cut
+    uncut_knots: int = 0          # knots (DiT backward rows) the streams' windows would have without cuts
+
+    @property
+    def knots(self) -> int:
+        """Knot calls of the windows (plain JAGG: two per window, every call of a window of <= 2)."""
+        return sum(min(len(w), 2) for w in self.windows)
 
     def notes(self) -> list[str]:
         """What the rule did beyond plain consecutive windows, in words for a report."""
@@ -84,7 +91,42 @@ def group_windows(num_calls: int, window: int, *, same_step: Callable[[int, int]
     by_stream = streams(num_calls, same_step)
     runs_per_stream = [runs(s, batch_key) for s in by_stream]
     windows = [[run[i] for i in idx] for rs in runs_per_stream for run in rs for idx in partition(len(run), window)]
-    return Grouping(by_stream, windows, cut=any(len(rs) > 1 for rs in runs_per_stream))
+    cuts = tuple((a[-1], b[0]) for rs in runs_per_stream for a, b in zip(rs, rs[1:]))
+    return Grouping(by_stream, windows, cut=bool(cuts), cuts=cuts,
+                    uncut_knots=sum(min(len(p), 2) for s in by_stream for p in partition(len(s), window)))
+
+
+def cut_announcement(grouping: Grouping, window: int, differ: Callable[[int, int], str],
+                     calls_named: str = "DiT calls") -> str | None:
+    """The words for a cut that makes windows smaller (a slower gradient: more DiT backward passes),
+    or None if the cuts cost nothing. ``differ(j, k)`` says how calls j and k differ."""
+    if grouping.knots <= grouping.uncut_knots:
+        return None
+    j, k = grouping.cuts[0]
+    more = f" (and {len(grouping.cuts) - 1} more cuts)" if len(grouping.cuts) > 1 else ""
+    return (f"windows were cut between {calls_named} {j} and {k}{more} because the calls differ in {differ(j, k)}: "
+            f"{len(grouping.windows)} windows with {grouping.knots} knot calls instead of {grouping.uncut_knots} at "
+            f"window={window}, so more steps run their own DiT backward. Calls batch into one window only with the same argument structure; pass "
+            f"such a value as a tensor (a Python-number timestep: `torch.full((batch,), t)`) or keep it equal "
+            f"across steps")
+
+
+def leaf_difference(a: tuple[tuple, dict], b: tuple[tuple, dict], is_value: Callable[[Any], bool]) -> str:
+    """The first argument two calls' (args, kwargs) differ in, as ``'timestep' (a Python float: 0.9
+    vs 0.8)``; leaves with ``is_value(x)`` (tensors, graph values) are batched and not compared."""
+    fa, sa = tree_flatten_with_path(a)
+    fb, sb = tree_flatten_with_path(b)
+    if sa != sb:
+        names_a, names_b = {input_name(p) for p, _ in fa}, {input_name(p) for p, _ in fb}
+        changed = sorted(names_a ^ names_b) or [input_name(p) for p, _ in fa][:1]
+        return f"argument structure ({', '.join(changed[:3])})"
+    for (path, x), (_, y) in zip(fa, fb):
+        if is_value(x) or is_value(y):
+            continue
+        if type(x) is not type(y) or repr(x) != repr(y):
+            kind = f"a Python {type(x).__name__}" if type(x) is type(y) else f"{type(x).__name__} vs {type(y).__name__}"
+            return f"{input_name(path)} ({kind}: {x!r} vs {y!r})"
+    return "argument structure"
 
 
 # ---------------------------------------------------------------------------------------------

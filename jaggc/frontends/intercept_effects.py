@@ -1,0 +1,161 @@
+"""The intercept path runs the loss twice; the first run's side effects are undone before the second.
+
+``InterceptedLoss`` records the DiT calls by running the loss once, then replays it. A loss that
+writes in place into its inputs (``batch["latents"].mul_(0.9)``, ``z.add_(...)`` on a stored state,
+``x[i] = ...``) or mutates an argument container (``batch["kl"] = kl``) would see its own writes
+twice: the replay reads states the recording already wrote (wrong values and gradients), and a
+recorded call's input that is a view of written storage changes after it was recorded, so the
+"same inputs on both runs" check compares two views of the same, twice-written storage.
+
+``RecordingRun`` wraps the recording run in a dispatch mode that sees every aten op that writes a
+tensor. Before the first write into the storage of an input tensor of the loss, that input is
+saved; before any write into the storage of a recorded DiT call's input, that input is replaced by
+a copy (copy on write), so each recorded call keeps the values it was called with. On exit the
+saved inputs are written back (again protecting the recorded calls) and the argument containers
+get their entries back. The replay then runs once on the caller's inputs, exactly as the
+undecorated loss would: its writes happen once, with the window outputs' values.
+
+A write into a parameter or buffer of the DiT inside the loss is refused: the windows run between
+the two runs, so no order of the DiT's reads around it would be the loss's.
+
+Nothing is copied when the loss writes nothing: the cost is one Python check per aten op of the
+recording run (also inside the DiT's recording forward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import _compat
+from .._compat import tree_flatten, tree_unflatten
+from ..errors import JaggCaptureError
+from ..runtime.calls import DitCall
+from .aliasing import storage_of
+
+
+class _WriteWatch(_compat.dispatch_mode_base()):
+    # torch runs __torch_dispatch__ with the mode popped: the copies made here are not watched
+    def __init__(self, run: "RecordingRun"):
+        super().__init__()
+        self.run = run
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.run.in_dit:
+            for t in _compat.written_arguments(func, args, kwargs):
+                self.run.before_write(t, func)
+        return func(*args, **kwargs)
+
+
+class RecordingRun:
+    """Context manager around the recording run (module docstring). ``recorded``: the list the
+    recording appends its ``DitCall``s to (entries are replaced by protected copies)."""
+
+    def __init__(self, arguments: dict[str, Any], dit: nn.Module, recorded: list[DitCall]):
+        self.recorded = recorded
+        self.by_storage: dict[Any, set[int]] = {}   # storage -> recorded calls with an input in it
+        self.in_dit = False                         # the DiT's own forward writes only its activations
+        self.inputs: dict[Any, list[torch.Tensor]] = {}
+        for x in tree_flatten(list(arguments.values()))[0]:
+            if isinstance(x, torch.Tensor):
+                self.inputs.setdefault(storage_of(x), []).append(x)
+        self.model = {storage_of(t): name for name, t in list(dit.named_parameters()) + list(dit.named_buffers())}
+        self.saved: dict[Any, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.containers = _container_snapshot(list(arguments.values()))
+        self.watch = _WriteWatch(self)
+
+    def before_write(self, t: torch.Tensor, func) -> None:
+        storage = storage_of(t)
+        if storage in self.model:
+            raise JaggCaptureError(
+                f"step {len(self.recorded)}: the loss writes in place ({func}) into {self.model[storage]!r} of the DiT "
+                f"(before its DiT call {len(self.recorded)}); the intercept path runs its windows between two runs of "
+                f"the loss, so the DiT calls would not see the parameter as the loss left it at each call. Change "
+                f"parameters outside the loss", path="intercept")
+        self._protect_recorded(storage)
+        if storage in self.inputs and storage not in self.saved:
+            self.saved[storage] = [(x, x.detach().clone()) for x in self.inputs[storage]]
+
+    def add_call(self, call: DitCall) -> None:
+        """Record a DiT call (its inputs are watched from now on)."""
+        self.recorded.append(call)
+        for x in tree_flatten((call.args, call.kwargs))[0]:
+            if isinstance(x, torch.Tensor):
+                self.by_storage.setdefault(storage_of(x), set()).add(len(self.recorded) - 1)
+
+    @contextlib.contextmanager
+    def dit_forward(self):
+        self.in_dit = True
+        try:
+            yield
+        finally:
+            self.in_dit = False
+
+    def _protect_recorded(self, storage) -> None:
+        """Copy every recorded call input that lives in ``storage`` (before it is written)."""
+        for k in sorted(self.by_storage.pop(storage, ())):
+            call = self.recorded[k]
+            leaves, spec = tree_flatten((call.args, call.kwargs))
+            leaves = [x.detach().clone() if isinstance(x, torch.Tensor) and storage_of(x) == storage else x
+                      for x in leaves]
+            args, kwargs = tree_unflatten(leaves, spec)
+            self.recorded[k] = DitCall(tuple(args), dict(kwargs))
+
+    @property
+    def wrote(self) -> bool:
+        return bool(self.saved) or any(c.changed() for c in self.containers)
+
+    def __enter__(self):
+        self.watch.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.watch.__exit__(*exc)
+        for storage, pairs in self.saved.items():
+            self._protect_recorded(storage)
+            with torch.no_grad():
+                for x, before in pairs:
+                    x.copy_(before)
+        for c in self.containers:
+            c.restore()
+        return False
+
+
+class _Container:
+    """A dict or list among the arguments, with its entries as the loss was called with."""
+
+    def __init__(self, obj):
+        self.obj = obj
+        self.items = dict(obj) if isinstance(obj, dict) else list(obj)
+
+    def changed(self) -> bool:
+        now = dict(self.obj) if isinstance(self.obj, dict) else list(self.obj)
+        if isinstance(now, dict):
+            return now.keys() != self.items.keys() or any(now[k] is not self.items[k] for k in now)
+        return len(now) != len(self.items) or any(a is not b for a, b in zip(now, self.items))
+
+    def restore(self) -> None:
+        if not self.changed():
+            return
+        if isinstance(self.obj, dict):
+            self.obj.clear()
+            self.obj.update(self.items)
+        else:
+            self.obj[:] = self.items
+
+
+def _container_snapshot(values: list) -> list[_Container]:
+    out, stack, seen = [], list(values), set()
+    while stack:
+        v = stack.pop()
+        if id(v) in seen or not isinstance(v, (dict, list, tuple)):
+            continue
+        seen.add(id(v))
+        if isinstance(v, (dict, list)):
+            out.append(_Container(v))
+        stack.extend(v.values() if isinstance(v, dict) else v)
+    return out

@@ -1,0 +1,263 @@
+"""The order of in-place writes, and check_window_inputs: a window's calls never wait for each other.
+
+FX and Dynamo record an in-place write (``x.add_(y)``, ``x[i] = y``, ``x += y``) as a node whose
+effect lives in the storage it writes, not in its output. The rewrite moves DiT calls (a window's
+calls all run at its last call) and re-sorts the graph by dataflow; without more edges a write
+would move across the reads of the storage it writes. ``effect_edges`` finds, for every in-place
+node, the storages it may write (its alias roots, below) and every node that reads or writes one of
+them, and keeps each such pair in its traced order: an edge from the earlier to the later node.
+Three users read the edges:
+
+* ``check_independence`` follows a write's edges to the later readers as dataflow: a DiT output
+  added with its gradient into a stored state that a later call reads makes that call depend on
+  the earlier one (a final refusal naming both steps and the write's line);
+* ``check_window_inputs`` (this pass) refuses a window one of whose calls needs, through data or
+  effect edges, a value an earlier call of the same window produces: a detached DiT output written
+  into the next stored state, or a state computed from the previous step's detached output. A
+  window runs its calls together, so no order can honour that; the intercept path, which records
+  the calls one by one, takes such a loss (a ``JaggCaptureError``: ``auto`` falls back to it);
+* ``restore_topological_order`` (rewrite.py) keeps the edges when it re-sorts the rewritten graph,
+  so every accepted write runs exactly where it ran in the traced loss.
+
+Alias roots: a node's value may share storage with a loss input (the inputs grouped by the storage
+their traced values share), a parameter or attribute (``get_attr``, ``live_tensor``), or a tensor
+the loss made (the node that made it). Views and ops that may return their input (``to``,
+``reshape``, indexing) pass their input's roots on; anything else makes a new root. The
+frontends recheck, per call, that the inputs share storage as they did when traced, whenever the
+graph writes into its inputs (``input_writes``).
+
+Invariant after ``check_window_inputs``: contracting each rewritten window (all routed windows as
+one, every window in the low-memory mode) to one node leaves the graph, with effect edges, acyclic.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Hashable
+
+import networkx as nx
+import torch
+from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from jaggc._compat import traced_input_value
+from jaggc.errors import JaggCaptureError
+from jaggc.graph_ops import dit_call, is_in_place, live_tensor, user_source
+
+from .context import PassContext
+
+# no data is read: the result is an alias of the input
+_PURE_VIEWS = frozenset({
+    "view", "view_as", "squeeze", "unsqueeze", "transpose", "t", "permute", "expand", "expand_as", "narrow",
+    "select", "slice", "chunk", "split", "split_with_sizes", "tensor_split", "hsplit", "vsplit", "dsplit",
+    "unbind", "unfold", "diagonal", "movedim", "moveaxis", "swapaxes", "swapdims", "as_strided", "detach",
+    "real", "imag", "view_as_real", "view_as_complex", "adjoint", "alias", "unflatten", "broadcast_to",
+    "flatten_output"})
+# may return an alias of the input, or read it into a copy: both a read and an alias
+_MAYBE_VIEWS = frozenset({
+    "reshape", "reshape_as", "flatten", "ravel", "contiguous", "to", "type", "type_as", "float", "double",
+    "half", "bfloat16", "int", "long", "bool", "cpu", "cuda", "getitem", "__getitem__", "getattr", "conj",
+    "resolve_conj", "resolve_neg", "atleast_1d", "atleast_2d", "atleast_3d", "requires_grad_"})
+_METADATA = frozenset({"size", "dim", "numel", "stride", "is_contiguous", "is_floating_point", "element_size",
+                       "nelement", "data_ptr", "storage_offset", "get_device"})
+
+
+def _name(node: fx.Node) -> str:
+    if node.op in ("call_method", "call_module", "get_attr"):
+        return str(node.target)
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def _input_root(node: fx.Node) -> Hashable:
+    """The storage a loss input lives in (inputs sharing storage share a root)."""
+    storage = node.meta.get("jagg_storage")
+    value = node.meta.get("example_value", node.meta.get("val"))
+    if storage is None and isinstance(value, torch.Tensor):
+        storage = StorageWeakRef(value.untyped_storage())
+    return ("input", storage if storage is not None else node.name)
+
+
+def alias_roots(gm: fx.GraphModule) -> dict[fx.Node, frozenset]:
+    """For each node, the storages its value may share (module docstring)."""
+    roots: dict[fx.Node, frozenset] = {}
+    for node in gm.graph.nodes:
+        name = _name(node)
+        first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+        if node.op == "placeholder":
+            roots[node] = frozenset({_input_root(node)})
+        elif node.op == "get_attr":
+            roots[node] = frozenset({("attr", node.target)})
+        elif node.op == "call_function" and node.target is live_tensor:
+            roots[node] = frozenset({("attr", node.args[0].target, node.args[1])})
+        elif first is not None and (is_in_place(node) or name in _PURE_VIEWS or name in _MAYBE_VIEWS
+                                    or node.target is operator.getitem):
+            roots[node] = roots.get(first, frozenset({("node", first.name)}))
+        else:
+            roots[node] = frozenset({("node", node.name)})
+    return roots
+
+
+def _accesses(node: fx.Node, roots: dict, param_roots: frozenset) -> tuple[frozenset, frozenset]:
+    """(roots read, roots written) by ``node``; a pure view or a metadata query touches no data."""
+    name = _name(node)
+    if node.op in ("placeholder", "get_attr") or name in _PURE_VIEWS or name in _METADATA:
+        return frozenset(), frozenset()
+    if node.op == "call_function" and node.target is live_tensor:
+        return frozenset(), frozenset()
+    read = frozenset().union(*(roots[i] for i in node.all_input_nodes))
+    if node.op == "call_function" and node.target is dit_call:
+        read |= param_roots          # the DiT reads its parameters, which are no arguments of the call
+    written = roots[node.args[0]] if is_in_place(node) and isinstance(node.args[0], fx.Node) else frozenset()
+    return read, written
+
+
+def effect_edges(gm: fx.GraphModule, ctx: PassContext) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
+    """(earlier, later, write) for every pair that must keep its traced order: a write and a
+    later read or write of a storage it may write, or a read and a later write. Computed once per
+    graph (``ctx.effects``); empty when the loss writes nothing in place."""
+    if ctx.effects is not None:
+        return ctx.effects
+    ctx.effects = []
+    writes = [n for n in gm.graph.nodes if is_in_place(n)]
+    if not writes:
+        return ctx.effects
+    roots = alias_roots(gm)
+    written_roots = frozenset().union(*(roots[w.args[0]] for w in writes if isinstance(w.args[0], fx.Node)))
+    # what a DiT call reads without taking it as an argument: written parameters (FX reads them
+    # with get_attr / live_tensor; Dynamo lifts a parameter the loss touches to an input)
+    param_roots = frozenset(r for r in written_roots if r[0] == "attr") | frozenset(
+        _input_root(n) for n in gm.graph.nodes if n.op == "placeholder" and _input_root(n) in written_roots
+        and isinstance(traced_input_value(n), torch.nn.Parameter))
+    last_write: dict[Hashable, fx.Node] = {}
+    reads_since: dict[Hashable, list[fx.Node]] = {}
+    edges = set()
+    for node in gm.graph.nodes:
+        read, written = _accesses(node, roots, param_roots)
+        for r in (read | written) & written_roots:
+            if r in last_write:
+                edges.add((last_write[r], node, last_write[r]))
+        for r in written & written_roots:
+            for reader in reads_since.get(r, []):
+                if reader is not node:
+                    edges.add((reader, node, node))
+            last_write[r], reads_since[r] = node, []
+        for r in (read - written) & written_roots:
+            reads_since.setdefault(r, []).append(node)
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    ctx.effects = sorted(edges, key=lambda e: (position[e[0]], position[e[1]]))
+    return ctx.effects
+
+
+def written_outputs(gm: fx.GraphModule) -> set[fx.Node]:
+    """The DiT calls whose output the loss writes in place (``v.mul_(0.5)``, ``v[:, 0] = 0``)."""
+    calls = {("node", n.name): n for n in gm.graph.nodes if n.op == "call_function" and n.target is dit_call}
+    writes = [n for n in gm.graph.nodes if is_in_place(n) and isinstance(n.args[0], fx.Node)]
+    if not calls or not writes:
+        return set()
+    roots = alias_roots(gm)
+    return {calls[r] for w in writes for r in roots[w.args[0]] if r in calls}
+
+
+def effect_order(ctx: PassContext) -> list[tuple[fx.Node, fx.Node]]:
+    """The effect edges on the rewritten graph: a rewritten call stands for the node that runs it."""
+    if not ctx.effects:
+        return []
+    out = []
+    for a, b, _ in ctx.effects:
+        a, b = ctx.replaced.get(a, a), ctx.replaced.get(b, b)
+        if a is not b:
+            out.append((a, b))
+    return out
+
+
+def input_writes(gm: fx.GraphModule) -> bool:
+    """Whether the graph writes in place into storage one of its inputs holds."""
+    roots = None
+    for node in gm.graph.nodes:
+        if is_in_place(node) and isinstance(node.args[0], fx.Node):
+            roots = roots if roots is not None else alias_roots(gm)
+            if any(r[0] == "input" for r in roots[node.args[0]]):
+                return True
+    return False
+
+
+def rewritten_groups(ctx: PassContext) -> list[list[fx.Node]]:
+    """The DiT calls each rewritten node runs together: every JAGG window; all routed windows (one
+    ``jagg_trajectory`` node); in the low-memory mode every window, exact ones too."""
+    lowmem = ctx.config.options.backward == "lowmem"
+    groups = [list(w.nodes) for w in ctx.windows if w.mode == "jagg" or (lowmem and w.mode != "routed")]
+    routed = [n for w in ctx.windows if w.mode == "routed" for n in w.nodes]
+    return groups + ([routed] if routed else [])
+
+
+def check_window_inputs(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    groups = rewritten_groups(ctx)
+    if not groups:
+        return gm
+    group_of = {n: i for i, g in enumerate(groups) for n in g}
+    edges = effect_edges(gm, ctx)
+
+    def key(n):
+        return ("window", group_of[n]) if n in group_of else n
+
+    pairs = [(inp, node) for node in gm.graph.nodes for inp in node.all_input_nodes] + [(a, b) for a, b, _ in edges]
+    contracted = {(key(a), key(b)): (a, b) for a, b in pairs if key(a) != key(b)}
+    if _acyclic({key(n) for n in gm.graph.nodes}, contracted):
+        return gm
+    g = nx.DiGraph()
+    for (ka, kb), (a, b) in contracted.items():
+        g.add_edge(ka, kb, via=(a, b))
+    raise _window_cycle_error(nx.find_cycle(g), g, {(a, b): w for a, b, w in edges}, ctx.frontend)
+
+
+def _acyclic(keys: set, edges) -> bool:
+    """Kahn's algorithm on the contracted graph (networkx only describes a cycle once found)."""
+    waiting = dict.fromkeys(keys, 0)
+    after: dict = {}
+    for a, b in edges:
+        waiting[b] += 1
+        after.setdefault(a, []).append(b)
+    ready = [k for k, n in waiting.items() if n == 0]
+    done = 0
+    while ready:
+        k = ready.pop()
+        done += 1
+        for b in after.get(k, ()):
+            waiting[b] -= 1
+            if waiting[b] == 0:
+                ready.append(b)
+    return done == len(waiting)
+
+
+def _window_cycle_error(cycle, g: nx.DiGraph, via, frontend: str) -> JaggCaptureError:
+    """Name the two calls of one window that wait for each other, and what links them: a value
+    computed from the earlier call's output (through a detached value or an in-place write), or a
+    read that must come before an in-place write that the later call must come after."""
+    path = [g.edges[u, v]["via"] for u, v, *_ in cycle]
+    start = next(i for i, (u, _) in enumerate(cycle) if isinstance(u, tuple) and u[0] == "window")
+    path = path[start:] + path[:start]
+    producer, consumer = path[0][0], path[-1][1]
+    a, b = producer.meta["jagg_call"], consumer.meta["jagg_call"]
+    if a.step > b.step:
+        a, b = b, a
+        producer, consumer = consumer, producer
+    anti = [e for e in path if e in via and via[e] is e[1] and not is_in_place(e[0])]
+    writes = [via[e] for e in path if e in via]
+
+    def line(n):
+        return user_source(n) or f"node {n.name}"
+
+    if anti:
+        reader, write = anti[0]
+        why = (f"the loss reads a tensor at {line(reader)} ({reader.name}, which needs step {a.step}'s output) "
+               f"before the in-place write at {line(write)} ({write.name}) into its storage, and step {b.step} "
+               f"reads that storage after the write")
+    else:
+        through = f"the in-place write at {line(writes[0])} ({writes[0].name})" if writes else "a detached value"
+        why = f"step {b.step}'s input is computed from the output of step {a.step} through {through}"
+    return JaggCaptureError(
+        f"step {b.step} ({b.source or 'node ' + consumer.name}) and step {a.step} ({a.source or 'node ' + producer.name}) "
+        f"are in the same JAGG window, but {why}. A window runs its calls together at its last call, so that order "
+        f"cannot be kept. Read the stored states (not states recomputed from this pass's DiT outputs or written in "
+        f"place around them), use window=2, or let the intercept path take the loss (capture='auto' or 'intercept': "
+        f"it records the calls one by one)", path=frontend, where=b.source or a.source)
