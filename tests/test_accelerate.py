@@ -41,7 +41,7 @@ import pytest
 import torch
 
 import jaggc
-from jaggc import example_losses as el
+from jaggc_studies import example_losses as el
 
 from ranks import run_ranks
 

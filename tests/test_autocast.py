@@ -30,14 +30,15 @@ import pytest
 import torch
 
 from helpers import loss_and_grad, reference_jagg, rel_err
-from jaggc import RolloutCache, example_losses, jagg_compile, models, trainer_shapes
+from jaggc import RolloutCache, jagg_compile, models
+from jaggc_studies import example_losses, trainer_shapes
 from jaggc.errors import JaggInternalError
 from jaggc.frontends.fake_boundary import check_real_output
 from jaggc.runtime import count_dit_passes
 from jaggc.runtime.autocast import current_autocast
 from jaggc.runtime.module_state import module_state, set_state
 from jaggc.testing import cuda_autocast_on_cpu
-from jaggc.trainer_check import trainer_form
+from jaggc_studies.trainer_check import trainer_form
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_dynamo")
 

@@ -1,7 +1,7 @@
 """Bad-input campaign: malformed inputs through the public API, generated with hypothesis.
 
 Two entry points are attacked: ``@jagg_compile`` on the built-in Flow-GRPO loss
-(``jaggc.example_losses.flow_grpo_sd3_loss``, a tiny diffusers SD3 transformer, T=6 trained
+(``jaggc_studies.example_losses.flow_grpo_sd3_loss``, a tiny diffusers SD3 transformer, T=6 trained
 steps, batch 2) and the runtime ``jagg_calls`` on the same trajectory's DiT calls with a linear
 loss Σ_k <v_k, g_k>. Every generated case has an oracle computed without jaggc:
 
@@ -61,7 +61,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import jaggc
-from jaggc import JaggError, JaggGraphError, JaggInputError, example_losses as el
+from jaggc import JaggError, JaggGraphError, JaggInputError
+from jaggc_studies import example_losses as el
 from jaggc.runtime import DitCall, jagg_calls
 from jaggc.verify.reference import reference_jagg
 

@@ -17,10 +17,7 @@ import torch
 
 from helpers import grads, rel_err
 from jaggc import cli
-from jaggc.bench import (BenchConfig, Cost, ModeResult, PassClock, build_problem, exact_cost, fast_cost, format_table,
-                         jagg_cost, parse_mode, per_window_cost, run_bench, summarize, theory_backward_speedup,
-                         theory_fast_backward_speedup, theory_fast_step_speedup, theory_per_window_backward_speedup,
-                         theory_per_window_step_speedup, theory_step_speedup)
+from jaggc_studies.bench import BenchConfig, Cost, ModeResult, PassClock, build_problem, exact_cost, fast_cost, format_table, jagg_cost, parse_mode, per_window_cost, run_bench, summarize, theory_backward_speedup, theory_fast_backward_speedup, theory_fast_step_speedup, theory_per_window_backward_speedup, theory_per_window_step_speedup, theory_step_speedup
 from jaggc.runtime import count_dit_passes
 
 NUM_STEPS, BATCH = 16, 4
@@ -176,7 +173,7 @@ def test_modes_parse_and_refuse():
 
 
 def test_rss_child_reports_a_step_peak():
-    from jaggc.bench import measure_rss
+    from jaggc_studies.bench import measure_rss
 
     rss = measure_rss(BenchConfig(size="tiny", num_steps=4, batch=2), "exact")
     assert rss.get("error") is None, rss
@@ -304,7 +301,7 @@ def test_variant_maps_in_results():
 def test_default_weights_mode_counts_what_its_cost_model_says():
     """jagg_default@W: the library default (σ-aware); the windows of the problem's schedule that reach
     σ < 0.5 run all their steps as knots: counted backward samples and the cost model agree."""
-    from jaggc.bench.strategies import STRATEGIES, default_cost, sigma_exact_windows
+    from jaggc_studies.bench.strategies import STRATEGIES, default_cost, sigma_exact_windows
 
     problem = build_problem("sd3", "tiny", num_steps=NUM_STEPS, batch=BATCH)
     exact_windows = sigma_exact_windows(problem, 4)
@@ -323,8 +320,8 @@ def test_profile_ranges_record_every_runtime_piece():
     """``jaggc bench --profile``'s named ranges sit where the runtime calls each function, so every
     range records on a compiled step and on jagg_calls (they once patched a module that only
     imported concat_calls, and the range stayed empty)."""
-    from jaggc.bench.profile import _RANGES, _profiled_step
-    from jaggc.bench.strategies import compiled_loss, runtime_loss
+    from jaggc_studies.bench.profile import _RANGES, _profiled_step
+    from jaggc_studies.bench.strategies import compiled_loss, runtime_loss
 
     problem = build_problem("sd3", "tiny", num_steps=8, batch=2)
     for loss in (compiled_loss(problem, 4), runtime_loss(problem, 4)):

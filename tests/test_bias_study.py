@@ -12,7 +12,7 @@ import copy
 
 import pytest
 
-from jaggc.fidelity import bias_study as B
+from jaggc_studies.fidelity import bias_study as B
 from jaggc.fidelity import estimators as E
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]

@@ -20,7 +20,8 @@ import torch
 
 import jaggc
 from helpers import loss_and_grad, reference_jagg, rel_err
-from jaggc import example_losses, jagg_compile
+from jaggc_studies import example_losses
+from jaggc import jagg_compile
 from jaggc.runtime import count_dit_passes
 from jaggc.verify.fields import AffineJacobianField
 

@@ -4,7 +4,7 @@
     a KL-like term against a no-grad reference call, per-step sigma weighting, 10 shift-3 steps)
     passes in float64 with max rel. err < 1e-10 for windows 2, 3, 4 in under a minute, and the same
     call with ``weights="index"`` fails with a shrunk counterexample;
-  * every trainer shape of ``jaggc.trainer_shapes`` passes (peft adapters followed by the stand-in);
+  * every trainer shape of ``jaggc_studies.trainer_shapes`` passes (peft adapters followed by the stand-in);
   * the silently wrong result of the real-trainer issue (the intercept path serving an adapter-off
     output as the policy's) is caught: with module state left out of the recording's key and the
     replay handing back the window outputs, the intercept path fails the check (with the replay
@@ -20,7 +20,7 @@ import warnings
 import pytest
 import torch
 
-from jaggc import example_losses, trainer_shapes
+from jaggc_studies import example_losses, trainer_shapes
 from jaggc.frontends import intercept
 from jaggc.runtime import module_state
 from jaggc.verify import assert_loss_exact, check_loss

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from jaggc.cli import _check_names, build_parser, main
-from jaggc.example_losses import EXAMPLES
+from jaggc.cli import build_parser, main
+from jaggc_studies.example_losses import EXAMPLES
 
 
 def test_top_level_help_lists_each_command_once(capsys):
@@ -44,7 +44,8 @@ def test_help_names_the_examples(command, capsys):
 def test_demo_strategies_comma_or_space(given):
     parser = build_parser()
     args = parser.parse_args(["demo", "--strategies", *given])
-    _check_names(parser, args)
+    for check in args.checks:
+        check(parser, args)
     assert args.strategies == ["exact", "jagg"]
 
 

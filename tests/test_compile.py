@@ -1,7 +1,7 @@
 """``@jagg_compile`` end to end: values, gradients, pass counts, caching and the report.
 
 What is checked:
-  * on every built-in example loss (``jaggc.example_losses``: Flow-GRPO SD3, DanceGRPO Flux with
+  * on every built-in example loss (``jaggc_studies.example_losses``: Flow-GRPO SD3, DanceGRPO Flux with
     ``.sample``, CFG-doubled SD3 with a detached unconditional half, SD3 with a no-grad KL
     reference call), captured by Dynamo:
       - the loss value is bit-identical to the undecorated function with ``interior_chunk=1,
@@ -27,7 +27,8 @@ import pytest
 import torch
 
 import jaggc
-from jaggc import example_losses, grpo, jagg_compile
+from jaggc_studies import example_losses
+from jaggc import grpo, jagg_compile
 from jaggc.graph_ops import dit_call, jagg_window
 from jaggc.runtime import DitCall, count_dit_passes, partition, run_window
 from jaggc.verify.fields import AffineJacobianField, CurvedField

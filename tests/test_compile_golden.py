@@ -18,7 +18,8 @@ import re
 import expecttest
 import torch
 
-from jaggc import example_losses, jagg_compile
+from jaggc_studies import example_losses
+from jaggc import jagg_compile
 from jaggc.graph_ops import dit_call, jagg_window
 from jaggc.verify.fields import AffineJacobianField
 

@@ -9,16 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from jaggc.digits.classifier import CLASSIFIER_REGEN_COMMAND, accuracy, classifier_path, load_classifier
-from jaggc.digits.data import NUM_CLASSES, load_digits_split
-from jaggc.digits.model import (BASE_REGEN_COMMAND, DIGITS_CONFIG, WEIGHTS_DIR, MissingWeightsError, build_dit,
-                                class_conditioning, load_base, save_fp16_state)
-from jaggc.digits.quality import sample_quality, save_grid
-from jaggc.digits.sampling import sample_ode
-from jaggc.digits.train_base import main as train_base_main, train_base
+from jaggc_studies.digits.classifier import CLASSIFIER_REGEN_COMMAND, accuracy, classifier_path, load_classifier
+from jaggc_studies.digits.data import NUM_CLASSES, load_digits_split
+from jaggc_studies.digits.model import BASE_REGEN_COMMAND, DIGITS_CONFIG, WEIGHTS_DIR, MissingWeightsError, build_dit, class_conditioning, load_base, save_fp16_state
+from jaggc_studies.digits.quality import sample_quality, save_grid
+from jaggc_studies.digits.sampling import sample_ode
+from jaggc_studies.digits.train_base import main as train_base_main, train_base
 
 # Measured test-split accuracies of the shipped classifiers: reward 0.9844, eval 0.9933
-# (`python -m jaggc.digits.classifier`); thresholds leave ~2 points of margin.
+# (`python -m jaggc_studies.digits.classifier`); thresholds leave ~2 points of margin.
 REWARD_MIN_TEST_ACC = 0.96
 EVAL_MIN_TEST_ACC = 0.97
 

@@ -16,11 +16,9 @@ import pytest
 import torch
 
 from jaggc.cli import main as cli_main
-from jaggc.digits import build_dit
-from jaggc.digits.rewards import (BOLD_INK, bold_reward, classifier_available, classifier_reward, get_reward, ink,
-                                  jpeg_reward)
-from jaggc.digits.trainer import (STRATEGIES, GRPOTrainer, TrainerConfig, grpo_loss, select_steps,
-                                  strategy_gradient, trainable_parameters)
+from jaggc_studies.digits import build_dit
+from jaggc_studies.digits.rewards import BOLD_INK, bold_reward, classifier_available, classifier_reward, get_reward, ink, jpeg_reward
+from jaggc_studies.digits.trainer import STRATEGIES, GRPOTrainer, TrainerConfig, grpo_loss, select_steps, strategy_gradient, trainable_parameters
 from jaggc.errors import JaggInputError
 from jaggc.runtime import count_dit_passes
 
@@ -153,7 +151,7 @@ def test_rollout_cache_serves_the_first_minibatch_and_changes_no_gradient():
     for name, trainer in (("cached", cached), ("plain", plain)):
         with count_dit_passes(trainer.dit) as counts[name]:
             grads[name] = strategy_gradient(trainer.dit, batches[name], trainer.config)
-    from jaggc.digits.trainer import rollout_cache_for
+    from jaggc_studies.digits.trainer import rollout_cache_for
 
     stats = rollout_cache_for(cached.dit).stats
     assert stats.hits > 0 and stats.misses == 0
@@ -235,8 +233,8 @@ def test_jpeg_reward_matches_a_direct_pil_computation():
 
 @pytest.mark.skipif(not classifier_available(), reason="shipped classifier weights are missing")
 def test_classifier_reward_is_the_target_class_probability():
-    from jaggc.digits.classifier import load_classifier
-    from jaggc.digits.data import load_digits_split
+    from jaggc_studies.digits.classifier import load_classifier
+    from jaggc_studies.digits.data import load_digits_split
 
     test = load_digits_split("test")
     images, labels = test.images[:64], test.labels[:64]
@@ -295,7 +293,7 @@ def test_demo_seeds_report_means_and_spread(tmp_path):
 
 
 def test_bold_reward_asks_for_more_ink_than_the_data_has():
-    from jaggc.digits.data import load_digits_split
+    from jaggc_studies.digits.data import load_digits_split
 
     data = load_digits_split("train").images
     assert float(ink(data).quantile(0.99)) < BOLD_INK    # the data set never shows the target
@@ -319,8 +317,8 @@ def test_demo_refuses_a_strategy_list_without_exact():
 def test_lora_trains_only_the_adapter_and_starts_as_the_base():
     """trainable="lora": a peft LoRA on the attention projections, zero B at init (the model's
     output is the base's), only the lora_A/lora_B parameters require grad."""
-    from jaggc.digits.model import build_dit, class_conditioning
-    from jaggc.digits.trainer import trainable_parameters
+    from jaggc_studies.digits.model import build_dit, class_conditioning
+    from jaggc_studies.digits.trainer import trainable_parameters
 
     torch.manual_seed(0)
     dit = build_dit(seed=0)

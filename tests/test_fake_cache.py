@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from jaggc import example_losses, jagg_compile
+from jaggc_studies import example_losses
+from jaggc import jagg_compile
 from jaggc.frontends.fake_cache import cached_fake_call, signature
 
 from helpers import grads, rel_err, zero_grads

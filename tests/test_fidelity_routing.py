@@ -1,4 +1,4 @@
-"""jaggc.fidelity.routing_study: the rank statistics and the per-window fidelity on synthetic cases
+"""jaggc_studies.fidelity.routing_study: the rank statistics and the per-window fidelity on synthetic cases
 whose answer is known.
 
 - a field whose output and parameter Jacobian are affine in the state, with every window's states on
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from jaggc.fidelity import estimators as E
-from jaggc.fidelity.routing_study import correlations, ranks, spearman, window_fidelity
+from jaggc_studies.fidelity.routing_study import correlations, ranks, spearman, window_fidelity
 
 # one intra-op thread for this module only (conftest.one_thread restores the count after it)
 pytestmark = pytest.mark.usefixtures("one_thread")

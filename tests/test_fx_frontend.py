@@ -36,7 +36,8 @@ import warnings
 import pytest
 import torch
 
-from jaggc import JaggCaptureError, JaggUnsupportedError, example_losses, jagg_compile
+from jaggc import JaggCaptureError, JaggUnsupportedError, jagg_compile
+from jaggc_studies import example_losses
 from jaggc.frontends import fake_cache
 from jaggc.verify.fields import AffineJacobianField
 

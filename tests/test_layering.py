@@ -1,4 +1,5 @@
-"""The source tree's layering: private torch APIs only in ``jaggc/_compat.py``, and no import cycles.
+"""The source tree's layering: private torch APIs only in ``jaggc/_compat.py``, imports that point down
+the layers (``MAY_IMPORT``; the compiler never imports the studies), and no import cycles.
 
 * Private torch: a torch upgrade that moves a private name should cost one file. Checked three
   ways on jaggc/, passes/ and verify/ (outside ``_compat.py``): the text ``torch._`` and dotted
@@ -171,10 +172,16 @@ def _with_parents(module: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
 
-def import_edges(module: str) -> set[str]:
+def _all_imports(tree: ast.Module):
+    """Every import statement, those inside functions (lazy) included."""
+    return [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
+
+
+def import_edges(module: str, *, lazy: bool = False) -> set[str]:
     """The jaggc modules ``module`` runs at import time: each imported module, the packages above
     it (their ``__init__`` runs first) except those above ``module`` itself (already running),
-    and for ``from P import x`` the submodule ``P.x`` where x is one."""
+    and for ``from P import x`` the submodule ``P.x`` where x is one. ``lazy=True`` adds the
+    imports inside functions (what the module may import when it runs)."""
     own_parents = set(_with_parents(module)[:-1])
     edges: set[str] = set()
 
@@ -183,7 +190,8 @@ def import_edges(module: str) -> set[str]:
             if name in MODULES and (name not in own_parents or (explicit and name == target)):
                 edges.add(name)
 
-    for node in _module_level_imports(ast.parse(MODULES[module].read_text())):
+    tree = ast.parse(MODULES[module].read_text())
+    for node in (_all_imports(tree) if lazy else _module_level_imports(tree)):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 add(alias.name, explicit=True)
@@ -233,9 +241,10 @@ def test_the_cycle_finder_finds_a_cycle_and_its_path():
 
 def test_relative_imports_resolve_to_modules():
     assert "jaggc._compat" in import_edges("jaggc.frontends.fx")            # from .. import _compat
-    assert "jaggc.runtime" in import_edges("jaggc.bench.config")            # from ..runtime import ...
-    assert "jaggc.bench.problems" in import_edges("jaggc.bench.config")     # from .problems import ...
-    assert "jaggc.bench" not in import_edges("jaggc.bench.runner")          # its own package: running
+    assert "jaggc.runtime" in import_edges("jaggc.passes.context")          # from ..runtime import ...
+    assert "jaggc.frontends.value_reads" in import_edges("jaggc.frontends.fx")  # from .value_reads import ...
+    assert "jaggc.frontends" not in import_edges("jaggc.frontends.fx")      # its own package: running
+    assert "jaggc_studies.digits" in import_edges("jaggc_studies.fidelity.study", lazy=True)
     assert "jaggc.passes.context" in import_edges("jaggc.passes.pipeline")  # passes/ is jaggc.passes
 
 
@@ -243,6 +252,101 @@ def test_no_import_cycles():
     graph = {module: import_edges(module) for module in MODULES}
     cycle = import_cycle(graph)
     assert cycle is None, "module-level import cycle: " + " -> ".join(cycle or [])
+
+
+# ---------------------------------------------------------------------------------------------
+# the direction of imports: each layer imports only the layers below it
+
+# Layer of a module: the first entry of LAYER_PREFIXES that names it or a package above it.
+LAYER_PREFIXES = {
+    "jaggc.errors": "errors", "jaggc._compat": "compat", "jaggc.runtime": "runtime",
+    "jaggc.graph_ops": "graph_ops", "jaggc.frontends": "frontends", "jaggc.passes": "passes",
+    "jaggc.backends": "backends", "jaggc.report_view": "report", "jaggc.report_build": "report",
+    "jaggc.report": "report", "jaggc.fidelity": "fidelity", "jaggc.grpo": "helpers",
+    "jaggc.models": "helpers", "jaggc.testing": "helpers", "jaggc.api": "api", "jaggc.verify": "verify",
+    "jaggc.cli": "cli", "jaggc_studies": "studies", "jaggc": "package",
+}
+_BASE = {"errors", "compat"}
+# layer -> the layers it may import (lazily too). Nothing of the compiler may import the studies;
+# the runtime, which runs inside autograd, knows nothing of graphs, frontends or passes.
+MAY_IMPORT = {
+    "errors": set(),
+    "compat": {"errors"},
+    "helpers": _BASE,
+    "runtime": _BASE,
+    "graph_ops": _BASE | {"runtime"},
+    "frontends": _BASE | {"runtime", "graph_ops"},
+    "passes": _BASE | {"runtime", "graph_ops"},
+    "backends": _BASE | {"runtime", "graph_ops"},
+    "report": _BASE | {"runtime", "graph_ops", "frontends"},
+    "fidelity": _BASE | {"runtime", "frontends"},
+    "api": _BASE | {"runtime", "graph_ops", "frontends", "passes", "backends", "report", "package"},
+    "package": _BASE | {"runtime", "api", "report", "fidelity"},
+    "verify": _BASE | {"runtime", "api", "report", "helpers", "package", "passes", "frontends", "graph_ops"},
+    "cli": {"verify"},
+    "studies": {"errors", "compat", "runtime", "graph_ops", "frontends", "api", "report", "fidelity", "helpers",
+                "package", "verify", "studies", "passes", "backends"},
+}
+COMPILER_LAYERS = set(MAY_IMPORT) - {"studies"}
+
+
+def layer_of(module: str) -> str:
+    for prefix, layer in LAYER_PREFIXES.items():
+        if module == prefix or module.startswith(prefix + "."):
+            return layer
+    raise KeyError(f"{module}: no layer in LAYER_PREFIXES (add it)")
+
+
+def upward_imports(edges: dict[str, set[str]]) -> list[str]:
+    """``a -> b (layer -> layer)`` for every edge the direction table forbids."""
+    bad = []
+    for module, targets in sorted(edges.items()):
+        own = layer_of(module)
+        for target in sorted(targets):
+            if (other := layer_of(target)) != own and other not in MAY_IMPORT[own]:
+                bad.append(f"{module} -> {target} ({own} -> {other})")
+    return bad
+
+
+def test_every_module_has_a_layer_and_every_layer_a_rule():
+    assert {layer_of(m) for m in MODULES} <= set(MAY_IMPORT)
+    assert all(targets <= set(MAY_IMPORT) for targets in MAY_IMPORT.values())
+
+
+def test_imports_point_down_the_layers():
+    edges = {module: import_edges(module, lazy=True) for module in MODULES}
+    bad = upward_imports(edges)
+    assert not bad, "imports against the direction table (MAY_IMPORT):\n" + "\n".join(bad)
+
+
+def test_the_direction_check_fails_on_an_upward_import():
+    assert upward_imports({"jaggc.runtime.window": {"jaggc.passes.rewrite"}}) == [
+        "jaggc.runtime.window -> jaggc.passes.rewrite (runtime -> passes)"]
+    assert upward_imports({"jaggc.fidelity.calibrate": {"jaggc_studies.digits.trainer"}})
+    assert upward_imports({"jaggc.api": {"jaggc_studies.bench"}})
+    assert not upward_imports({"jaggc_studies.bench.runner": {"jaggc.api", "jaggc.runtime"}})
+
+
+def test_the_compiler_reaches_no_study_module():
+    """The installed compiler, lazy imports included, never runs a module of jaggc_studies."""
+    graph = {m: import_edges(m, lazy=True) for m in MODULES}
+    reached, todo = set(), [m for m in MODULES if layer_of(m) in COMPILER_LAYERS]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo += graph[module]
+    studies = sorted(m for m in reached if layer_of(m) == "studies")
+    assert not studies, f"the compiler's imports reach the studies: {studies}"
+
+
+def test_importing_the_compiler_loads_no_study_module():
+    code = ("import sys, importlib, jaggc, jaggc.cli, jaggc.verify, jaggc.fidelity.calibrate, jaggc.passes;"
+            "jaggc.cli.build_parser.__name__;"
+            "print(sorted(m for m in sys.modules if m.startswith('jaggc_studies')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,7 +377,7 @@ _CHILD = textwrap.dedent("""\
         return os.waitpid(pid, 0)[1] == 0, out
 
     def is_jaggc(name):
-        return name == "jaggc" or name.startswith("jaggc.")
+        return name.split(".")[0] in ("jaggc", "jaggc_studies")
 
     every, mine = sys.argv[1].split(","), sys.argv[2].split(",")
 

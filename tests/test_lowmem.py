@@ -19,7 +19,8 @@ import torch
 
 import jaggc
 from helpers import grads, loss_and_grad, rel_err, zero_grads
-from jaggc import JaggGraphError, JaggUnsupportedError, example_losses, jagg_compile
+from jaggc import JaggGraphError, JaggUnsupportedError, jagg_compile
+from jaggc_studies import example_losses
 from jaggc.runtime import count_dit_passes
 from jaggc.runtime.memory import track_saved_tensors
 from jaggc.verify.fields import AffineJacobianField

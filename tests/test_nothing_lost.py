@@ -52,7 +52,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 import jaggc
-from jaggc import example_losses as el
+from jaggc_studies import example_losses as el
 from jaggc._compat import tree_flatten
 
 T = 6

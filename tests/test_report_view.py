@@ -11,7 +11,7 @@ import pytest
 import jaggc
 from jaggc import report_view
 from jaggc.cli import main
-from jaggc.example_losses import build_example
+from jaggc_studies.example_losses import build_example
 from jaggc.graph_ops import is_runtime_target
 from jaggc.passes.modes import is_grad_switch
 from jaggc.report_view import ROLE_LETTER, condensed_view, render_images, to_condensed_dot, to_text

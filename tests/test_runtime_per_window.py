@@ -10,7 +10,7 @@ import torch
 import jaggc
 from helpers import grad_of, grads, linear_loss, rel_err, zero_grads
 from jaggc import models
-from jaggc.example_losses import build_example
+from jaggc_studies.example_losses import build_example
 from jaggc.runtime import DitCall, WindowOptions, count_dit_passes, jagg_calls, run_exact, run_window
 from jaggc.runtime.memory import track_saved_tensors
 

@@ -1,4 +1,4 @@
-"""The second trained base (jaggc.shapes): generated data, tiny Flux DiT, classifiers, GRPO plumbing.
+"""The second trained base (jaggc_studies.shapes): generated data, tiny Flux DiT, classifiers, GRPO plumbing.
 
 Fast (seconds on one core): 48 ODE samples, 2-step training runs, a 4-step GRPO rollout.
 """
@@ -9,14 +9,13 @@ import pytest
 import torch
 from diffusers import FluxTransformer2DModel  # noqa: F401  (import once at collection: ~20 s on a busy CPU)
 
-import jaggc.shapes as shapes
-from jaggc.shapes.classifier import accuracy, classifier_path, classifier_reward, load_classifier
-from jaggc.shapes.data import CLASS_NAMES, NUM_CLASSES, load_shapes_split, render
-from jaggc.shapes.model import (BASE_WEIGHTS, SHAPES_CONFIG, WEIGHTS_DIR, FluxImageDiT, build_dit,
-                                class_conditioning, load_base, pack, unpack)
-from jaggc.shapes.quality import sample_images
+import jaggc_studies.shapes as shapes
+from jaggc_studies.shapes.classifier import accuracy, classifier_path, classifier_reward, load_classifier
+from jaggc_studies.shapes.data import CLASS_NAMES, NUM_CLASSES, load_shapes_split, render
+from jaggc_studies.shapes.model import BASE_WEIGHTS, SHAPES_CONFIG, WEIGHTS_DIR, FluxImageDiT, build_dit, class_conditioning, load_base, pack, unpack
+from jaggc_studies.shapes.quality import sample_images
 
-# Measured on the shipped weights (`python -m jaggc.shapes.classifier`, `python -m jaggc.shapes.train_base`):
+# Measured on the shipped weights (`python -m jaggc_studies.shapes.classifier`, `python -m jaggc_studies.shapes.train_base`):
 # classifier test accuracy reward 0.9992 / eval 1.000; the eval classifier labels 0.958 of 48 base
 # samples (8 per class, 16 Euler steps, seed 0) correctly, 0.104 of an untrained DiT's. Chance is 1/6.
 CLASSIFIER_MIN_TEST_ACC = 0.98
@@ -99,7 +98,7 @@ def test_base_samples_classify_well_above_chance():
 
 
 def test_train_base_regenerates_deterministically(tmp_path):
-    from jaggc.shapes.train_base import main
+    from jaggc_studies.shapes.train_base import main
 
     a, b = tmp_path / "a.pt", tmp_path / "b.pt"
     main(["--steps", "2", "--out", str(a), "--check-per-class", "0"])
@@ -111,7 +110,7 @@ def test_train_base_regenerates_deterministically(tmp_path):
 
 
 def test_grpo_trainer_runs_on_the_shapes_base():
-    from jaggc.digits.trainer import GRPOTrainer, TrainerConfig
+    from jaggc_studies.digits.trainer import GRPOTrainer, TrainerConfig
 
     cfg = TrainerConfig(strategy="exact", num_steps=4, classes_per_iter=2, group_size=2, minibatches=1)
     trainer = GRPOTrainer(load_base(), cfg, **shapes.trainer_kwargs())
@@ -132,8 +131,8 @@ def test_grpo_trainer_runs_on_the_shapes_base():
 def test_trainer_evaluates_every_shapes_class_with_its_own_sampler():
     """GRPOTrainer.evaluate samples the base's 6 classes with its image shape and prompt table: the
     shapes reward classifier then scores the base far above an untrained DiT (chance p = 1/6)."""
-    from jaggc.digits.trainer import GRPOTrainer, TrainerConfig
-    from jaggc.shapes.classifier import classifier_reward
+    from jaggc_studies.digits.trainer import GRPOTrainer, TrainerConfig
+    from jaggc_studies.shapes.classifier import classifier_reward
 
     cfg = TrainerConfig(strategy="exact", num_steps=8)
     scores = GRPOTrainer(load_base(), cfg, **shapes.trainer_kwargs()).evaluate({"p": classifier_reward},
@@ -147,7 +146,7 @@ def test_trainer_evaluates_every_shapes_class_with_its_own_sampler():
 def test_jagg_runtime_on_the_flux_base_matches_the_fidelity_estimator():
     """The trainer's jagg strategy (``jaggc.jagg_compile`` of the GRPO loss) runs on the Flux wrapper and
     its gradient is the estimator that docs/fidelity.md measures (measured rel. difference 2.5e-7, fp32)."""
-    from jaggc.digits.trainer import GRPOTrainer, TrainerConfig, grpo_loss, strategy_gradient
+    from jaggc_studies.digits.trainer import GRPOTrainer, TrainerConfig, grpo_loss, strategy_gradient
     from jaggc.fidelity import estimators as E
 
     cfg = TrainerConfig(strategy="jagg", num_steps=10, classes_per_iter=2, group_size=2, minibatches=1, window=4)

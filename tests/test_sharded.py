@@ -1,6 +1,6 @@
 """The three backward modes under FSDP1 and FSDP2 (and DDP), 2 gloo ranks, a DanceGRPO loss on Flux.
 
-The tiny diffusers Flux is wrapped as the trainers wrap it (``jaggc.bench.sharded.wrap_dit``):
+The tiny diffusers Flux is wrapped as the trainers wrap it (``jaggc_studies.bench.sharded.wrap_dit``):
 FSDP1 with one unit per transformer block, FULL_SHARD, ``use_orig_params`` False (DanceGRPO's)
 and True; FSDP2 ``fully_shard`` per block then the root; each with and without non-reentrant
 activation checkpointing on the blocks (after the FSDP1 wrap, as DanceGRPO does; before
@@ -41,9 +41,8 @@ import torch
 import torch.distributed as dist
 
 from jaggc import JaggUnsupportedError, jagg_compile
-from jaggc.bench.problems import build_problem
-from jaggc.bench.sharded import (GradientWatch, count_collectives, dance_grpo_loss, gradient_sizes,
-                                 install_ddp_counter, parameter_storages, rank_share, step_slice, wrap_dit)
+from jaggc_studies.bench.problems import build_problem
+from jaggc_studies.bench.sharded import GradientWatch, count_collectives, dance_grpo_loss, gradient_sizes, install_ddp_counter, parameter_storages, rank_share, step_slice, wrap_dit
 from jaggc.runtime.memory import track_saved_tensors
 
 from helpers import reference_jagg, rel_err
@@ -239,8 +238,8 @@ def reference(problem):
 def test_the_ppo_clip_is_real(problem):
     """About half of the (sample, step) pairs sit on the clipped branch (no gradient), none near a
     clipping boundary (fp32 noise could flip it between a batched and a per-rank forward)."""
-    from jaggc import example_losses as el
-    from jaggc.bench.sharded import DANCE_CLIP_RANGE
+    from jaggc_studies import example_losses as el
+    from jaggc_studies.bench.sharded import DANCE_CLIP_RANGE
 
     b = problem.batch
     with torch.no_grad():

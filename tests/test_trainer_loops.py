@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from helpers import rel_err
-from jaggc import jagg_compile, trainer_shapes
+from jaggc import jagg_compile
+from jaggc_studies import trainer_shapes
 from jaggc.verify.reference import reference_jagg
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_dynamo")

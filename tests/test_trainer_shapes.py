@@ -1,11 +1,11 @@
-"""Losses in the trainers' own shapes (``jaggc.trainer_shapes``) on the default ``capture="auto"``.
+"""Losses in the trainers' own shapes (``jaggc_studies.trainer_shapes``) on the default ``capture="auto"``.
 
 For Flow-GRPO (scheduler step lookup, CFG, KL under peft's ``disable_adapter()``), DanceGRPO
 (``flux_step`` with ``math.sqrt`` of a schedule tensor, ``train()`` in the step, a random subset of
 steps per sample), MixGRPO (a moving 4-step window, Flow-GRPO's SDE step on a schedule tensor), the
 JAGG author's Qwen-Image loss and a loss built from ``jaggc.grpo``, each in two forms: as it runs on
 this CPU (the trainers' ``torch.autocast("cuda", ...)`` blocks off) and in its GPU form (those blocks
-live bf16 blocks, ``jaggc.trainer_check.trainer_form("gpu")``):
+live bf16 blocks, ``jaggc_studies.trainer_check.trainer_form("gpu")``):
 
   * a graph path is taken (not the intercept fallback), with no fallback warning;
   * the loss value equals the undecorated loss's;
@@ -28,9 +28,10 @@ import pytest
 import torch
 
 from helpers import loss_and_grad, reference_jagg, rel_err
-from jaggc import jagg_compile, trainer_shapes
+from jaggc import jagg_compile
+from jaggc_studies import trainer_shapes
 from jaggc.runtime.module_state import module_state, set_state
-from jaggc.trainer_check import trainer_form
+from jaggc_studies.trainer_check import trainer_form
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_dynamo")
 

@@ -20,7 +20,6 @@ from torch import nn
 
 from .. import grpo
 from .._compat import dynamo_recompile_limits
-from ..example_losses import ADV_CLIP_MAX, flux_step, ppo_clip
 from ..runtime import DitCall, count_dit_passes, jagg_calls
 from .harness import DT, _gen, rel_err, shift_sigmas
 
@@ -29,11 +28,38 @@ ETA = 0.3                    # DanceGRPO's eta
 CLIP_RANGES = (1e-4, 0.1, 0.2)  # Flow-GRPO SD3 / DanceGRPO, the JAGG author's runs, a wide one
 _LOG_SQRT_2PI = math.log(math.sqrt(2 * math.pi))
 CAPTURES = ("fx", "dynamo")
+ADV_CLIP_MAX = 5.0           # the trainers' advantage clamp
 
 
 # ----------------------------------------------------------------------------- the losses (user code)
 # Written as the trainers write them, with the two changes FX needs: the step count is a Python
 # int argument and reductions name their dims (states are (B, D)). Dynamo captures them as well.
+# They are the oracle the jaggc.grpo helpers are checked against, so they use none of them.
+
+def ppo_clip(log_prob, old_log_prob, advantages, clip_range):
+    """Flow-GRPO's (and DanceGRPO's) clipped-ratio loss, mean over the batch."""
+    advantages = torch.clamp(advantages, -ADV_CLIP_MAX, ADV_CLIP_MAX)
+    ratio = torch.exp(log_prob - old_log_prob)
+    unclipped_loss = -advantages * ratio
+    clipped_loss = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    return torch.mean(torch.maximum(unclipped_loss, clipped_loss))
+
+
+def flux_step(model_output, latents, eta, sigma, sigma_next, prev_sample):
+    """DanceGRPO's ``flux_step(grpo=True, sde_solver=True)`` log-probability (B,) of a stored
+    transition with per-sample (B,) sigmas."""
+    sigma = sigma.view(-1, 1)
+    sigma_next = sigma_next.view(-1, 1)
+    dsigma = sigma_next - sigma
+    prev_sample_mean = latents + dsigma * model_output
+    pred_original_sample = latents - sigma * model_output
+    std_dev_t = eta * torch.sqrt(sigma - sigma_next)
+    score_estimate = -(latents - pred_original_sample * (1 - sigma)) / sigma**2
+    log_term = -0.5 * eta**2 * score_estimate
+    prev_sample_mean = prev_sample_mean + log_term * dsigma
+    log_prob = -((prev_sample.detach() - prev_sample_mean) ** 2) / (2 * std_dev_t**2) - torch.log(std_dev_t) - _LOG_SQRT_2PI
+    return log_prob.mean(dim=1)
+
 
 def flow_grpo_sde_loss(transformer, batch, num_steps: int):
     """Flow-GRPO: ``sde_step_with_logprob`` (sde_type='sde') log-prob + PPO clip, mean over steps."""
@@ -64,7 +90,7 @@ def dance_flux_loss(transformer, batch, num_steps: int):
         latents = batch["latents"][:, j]
         model_output = transformer(latents, timestep=batch["timesteps"][:, j])
         log_prob = flux_step(model_output, latents, ETA, batch["sigmas"][:, j], batch["sigmas_next"][:, j],
-                             batch["next_latents"][:, j], log_dtype=latents.dtype)
+                             batch["next_latents"][:, j])
         total = total + ppo_clip(log_prob, batch["log_probs"][:, j], batch["advantages"][:, j],
                                   batch["clip_range"])
     return total / num_steps

@@ -1,4 +1,5 @@
-"""Gradient-fidelity measurement for JAGG: estimators, calibration, the digits study."""
+"""Gradient-fidelity measurement for JAGG on the user's own loss: the estimators and ``calibrate``
+(the studies that use them live in ``jaggc_studies.fidelity``)."""
 
 from .estimators import Estimate, Recording, Setting, estimate, record
 

@@ -109,7 +109,7 @@ def calibrate(loss_fn: Callable, dit: torch.nn.Module, batch: Any, target_cosine
 
     ``loss_fn(dit, batch)`` is the plain (uncompiled) GRPO loss; it may return the loss or a tuple
     whose first element is the loss. ``extras(recording, batch)`` fills what the ``denoised``
-    variant needs (``jaggc.fidelity.estimators.flow_grpo_extras`` for Flow-GRPO batches).
+    variant needs (``jaggc_studies.fidelity.flow_grpo.flow_grpo_extras`` for the digits trainer's Flow-GRPO batches).
     ``states``: one ``dit`` state dict per batch, loaded before that batch is measured (batches
     taken at different parameters, e.g. after an optimizer step); ``dit`` is left at the last one.
     Returns ``{"settings": [...], "subsample": [...], "recommended": {...} | None, "target_cosine",
@@ -181,46 +181,10 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def digits_batches(num_batches: int = 2, *, seed: int = 0, warmup: int = 1, num_steps: int = 10) -> tuple:
-    """Calibration batches for the digits example: per rollout, the trainer's first minibatch
-    on-policy and its second minibatch after one real optimizer step (then θ is restored).
-    Returns (dit, batches)."""
-    import copy
-
-    from jaggc.digits.model import load_base
-    from jaggc.digits.trainer import GRPOTrainer, TrainerConfig
-
-    from .study import FrozenStart
-
-    config = TrainerConfig(strategy="exact", seed=seed, num_steps=num_steps)
-    dit = load_base()
-    trainer = GRPOTrainer(dit, config)
-    frozen = FrozenStart(trainer, warmup)
-    batches = []
-    for r in range(num_batches):
-        it = 2000 + r
-        mbs = frozen.minibatches(it)
-        batches.append(("on", mbs[0], copy.deepcopy(dit.state_dict())))
-        trainer._optimize(mbs[0])
-        batches.append(("off1", mbs[-1], copy.deepcopy(dit.state_dict())))
-        frozen.restore()
-    return dit, batches
-
-
-def calibrate_digits(target_cosine: float = 0.95, num_batches: int = 2, seed: int = 0, candidates=None) -> dict:
-    """``calibrate`` on the digits example, over on-policy and one-step-off-policy batches, each
-    measured at its own parameters; cosines and errors are pooled over all of them."""
-    from jaggc.digits.trainer import grpo_loss
-
-    dit, batches = digits_batches(num_batches, seed=seed)
-    return calibrate(grpo_loss, dit, [b for _, b, _ in batches], target_cosine, candidates, seed=seed,
-                     extras=E.flow_grpo_extras, states=[state for _, _, state in batches])
-
-
 def write_json(result: dict, path: str) -> None:
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
 
 
-__all__ = ["BIAS_LIMIT", "RUNNABLE", "ErrorStats", "calibrate", "calibrate_digits", "default_candidates",
-           "digits_batches", "format_table", "write_json"]
+__all__ = ["BIAS_LIMIT", "RUNNABLE", "ErrorStats", "calibrate", "default_candidates", "format_table",
+           "write_json"]

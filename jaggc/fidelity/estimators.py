@@ -324,11 +324,11 @@ def denoised(rec: Recording, dit: nn.Module, *, window: int, weights: str = "t",
     """Denoised right knot (spec §2.2): window [a, r), knots z_a at t_a and
     z*_r = z_a + Σ_{k=a}^{r-1} (μ_k − z_k) at t_r. ``means`` μ_k (the SDE step means at the
     evaluating parameters) and ``end_time`` (t of the state after the last trained step) default
-    to ``rec.extra`` (``flow_grpo_extras`` fills them for Flow-GRPO batches)."""
+    to ``rec.extra`` (``jaggc_studies.fidelity.flow_grpo.flow_grpo_extras`` fills them for the digits trainer's batches)."""
     means = means if means is not None else rec.extra.get("means")
     end_time = end_time if end_time is not None else rec.extra.get("end_time")
     if means is None or end_time is None:
-        raise JaggInputError("denoised needs the step means μ_k and the end time (see flow_grpo_extras)")
+        raise JaggInputError("denoised needs the step means μ_k and the end time (fill rec.extra['means'] and rec.extra['end_time'])")
     plan = _Plan(rec)
     for w, idx in enumerate(windows_of(rec, window)):
         if w in exact_windows or len(idx) <= 2:
@@ -441,34 +441,6 @@ def routed_exact_windows(rec: Recording, window: int, *, jagg_frac: float = 1.0,
 
 
 # ---------------------------------------------------------------------------------------------
-# Flow-GRPO batches (the digits trainer's layout)
-
-
-def flow_grpo_extras(rec: Recording, batch: dict) -> Recording:
-    """Fill ``rec.extra`` with the SDE step means μ_k (at the evaluating parameters, from the
-    recorded v_k) and the end time, for a batch of ``jaggc.digits.trainer.rollout`` layout whose
-    ``train_steps`` are consecutive from 0."""
-    from ..example_losses import sde_step_with_logprob
-
-    steps = list(batch["train_steps"])
-    if steps != list(range(len(steps))) or len(steps) != rec.num_steps:
-        raise JaggInputError("flow_grpo_extras needs train_steps = 0..S-1 matching the recorded calls")
-    means = []
-    for j, v in zip(steps, rec.outputs):
-        _, _, mu, _ = sde_step_with_logprob(v, batch["latents"][:, j], batch["sigmas"][:, j],
-                                            batch["sigmas_next"][:, j], batch["next_latents"][:, j],
-                                            batch["sigma_max"], noise_level=batch["noise_level"])
-        means.append(mu.detach().to(v.dtype))
-    rec.extra["means"] = means
-    last = steps[-1] + 1
-    if last < batch["timesteps"].shape[1]:
-        rec.extra["end_time"] = batch["timesteps"][:, last]
-    else:   # the state after the last stored step: its time from sigmas_next
-        rec.extra["end_time"] = 1000 * batch["sigmas_next"][:, steps[-1]]
-    return rec
-
-
-# ---------------------------------------------------------------------------------------------
 # one entry point
 
 
@@ -568,7 +540,7 @@ def rel_error(est: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 __all__ = ["Estimate", "RANDOM_VARIANTS", "Recording", "Setting", "VARIANTS", "basis_estimate", "causal", "cosine", "denoised",
-           "estimate", "exact", "extrapolate", "flow_grpo_extras", "hat", "jagg", "lagrange", "matched_subsample",
+           "estimate", "exact", "extrapolate", "hat", "jagg", "lagrange", "matched_subsample",
            "matched_subsample_setting", "random3",
            "record", "rel_error", "routed_exact_windows", "routing_scores", "runtime_gradient", "subsample",
            "trainable", "vjp_sum", "windows_below", "windows_of", "with_state"]
