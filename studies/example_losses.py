@@ -155,6 +155,31 @@ def dance_flux_loss(transformer, batch):
     return total
 
 
+def dance_flux_dev_loss(transformer, batch):
+    """``dance_flux_loss`` on a guidance-distilled Flux (FLUX.1-dev): DanceGRPO passes the
+    distilled guidance scale to every DiT call."""
+    num_steps = batch["timesteps"].shape[1]
+    total = 0.0
+    for j in range(num_steps):
+        latents = batch["latents"][:, j]
+        pred = transformer(
+            hidden_states=latents,
+            encoder_hidden_states=batch["encoder_hidden_states"],
+            timestep=batch["timesteps"][:, j] / 1000,
+            guidance=batch["guidance"],
+            pooled_projections=batch["pooled_prompt_embeds"],
+            txt_ids=batch["text_ids"],
+            img_ids=batch["image_ids"],
+            joint_attention_kwargs=None,
+            return_dict=True,
+        ).sample
+        log_prob = flux_step(pred, latents.to(torch.float32), ETA, batch["sigmas"][:, j],
+                             batch["sigmas_next"][:, j], batch["next_latents"][:, j].to(torch.float32))
+        loss = ppo_clip(log_prob, batch["log_probs"][:, j], batch["advantages"][:, j])
+        total = total + loss / num_steps
+    return total
+
+
 def cfg_sd3_loss(transformer, batch):
     """Flow-GRPO on SD3 with classifier-free guidance in training: one DiT call on the
     [uncond, cond] batch of 2B, ``chunk(2)``, the unconditional half detached, guidance 4.5."""
@@ -226,7 +251,7 @@ def _per_prompt(t: torch.Tensor, batch: int) -> torch.Tensor:
 def _rollout(velocity: Callable, z0: torch.Tensor, num_steps: int, step_kind: str, *, seed: int,
              timestep_scale: float = 1000.0) -> dict:
     """Sample ``num_steps + 1`` SDE steps from z0 and store the first ``num_steps``."""
-    sigmas = grpo.flow_match_sigmas(num_steps + 1, shift=SHIFT).to(torch.float32)
+    sigmas = grpo.flow_match_sigmas(num_steps + 1, shift=SHIFT).to(torch.float32).to(z0.device)
     g = torch.Generator().manual_seed(seed + 1)
     bsz = z0.shape[0]
     z = z0
@@ -247,8 +272,8 @@ def _rollout(velocity: Callable, z0: torch.Tensor, num_steps: int, step_kind: st
         sig_next.append(sn)
         z = step.prev_sample
     keep = slice(0, num_steps)   # Flow-GRPO drops the last step
-    rewards = -(z.float() ** 2).mean(dim=tuple(range(1, z.ndim)))   # a simple image statistic
-    adv = grpo.flow_grpo_advantages(rewards, _prompt_ids(bsz)).to(torch.float32)
+    rewards = -(z.float() ** 2).mean(dim=tuple(range(1, z.ndim))).cpu()   # a simple image statistic
+    adv = grpo.flow_grpo_advantages(rewards, _prompt_ids(bsz)).to(torch.float32).to(z0.device)
     sigma = torch.stack(sig, 1)[:, keep].contiguous()
     return dict(
         latents=torch.stack(lat, 1)[:, keep].contiguous(),

@@ -1,7 +1,9 @@
 """The training steps ``jaggc bench`` times: a GRPO loss on a stored trajectory of a real DiT.
 
-A ``Problem`` is one diffusers transformer (SD3 or Flux, "tiny" or "10m" from ``jaggc.models``),
-a stored SDE rollout of ``num_steps`` trained steps at batch ``batch`` sampled by that same model,
+A ``Problem`` is one diffusers transformer (SD3 or Flux: "tiny" or "10m" from ``jaggc.models``, or a
+published architecture from ``model_configs``, depth-cut, at a real latent size), on a device and in
+a dtype (the DiT and its stored states in that dtype, the log-densities in float32, as the trainers
+compute them), a stored SDE rollout of ``num_steps`` trained steps at batch ``batch`` sampled by that same model,
 and the trainer's loss written three ways that compute the same value:
 
   * ``loss_fn``: the user's loss as Flow-GRPO / DanceGRPO write it (``jaggc_studies.example_losses``),
@@ -23,22 +25,28 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from jaggc_studies import example_losses as el
 from jaggc import models
 from jaggc.runtime import DitCall
+from jaggc_studies import example_losses as el
+from jaggc_studies.bench.model_configs import PUBLISHED, VAE_DOWNSAMPLE, build_published, cast, latent_side
 
 FAMILIES = ("sd3", "flux")
-SIZES = ("tiny", "10m")
+SIZES = ("tiny", "10m")               # jaggc.models' small configs
+PUBLISHED_SIZES = tuple(name for name, m in PUBLISHED.items() if m.family in FAMILIES)
+ALL_SIZES = SIZES + PUBLISHED_SIZES
 # Flux latent grid per size: 4x4 = 16 tokens for the unit-test model, 16x16 = 256 tokens for the
 # 10M model, the token count of the 10M SD3 config (32x32 latent, patch 2)
 _FLUX_GRID = {"tiny": 4, "10m": 16}
+_SMALL_TEXT_LEN = {"sd3": 5, "flux": 4}   # jaggc.models' conditioning defaults
+DEFAULT_RESOLUTION = 512             # published sizes: 64x64 latents
+FLUX_GUIDANCE = 3.5                  # DanceGRPO's distilled guidance for FLUX.1-dev
 
 
 @dataclass
 class Problem:
     """One benchmarked GRPO training step (module docstring)."""
 
-    name: str                                   # "sd3-10m"
+    name: str                                   # "sd3-10m", "sd35-medium-L4-512px"
     family: str
     size: str
     model: nn.Module
@@ -49,25 +57,97 @@ class Problem:
     num_steps: int
     batch_size: int
     cfg: bool = False       # Flow-GRPO's CFG in training: every DiT call on [uncond; cond] (2B)
+    on_policy: bool = False  # parameters as at the rollout (no off-policy step after it)
 
     @property
     def num_params(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
-def build_problem(family: str, size: str, *, num_steps: int = 16, batch: int = 4, seed: int = 0,
-                  cfg: bool = False) -> Problem:
-    """The model, its own SDE rollout and the loss for ``family`` ("sd3"/"flux") at ``size``;
-    ``cfg``: Flow-GRPO's train_sd3 CFG loss (SD3 only)."""
-    if family not in FAMILIES or size not in SIZES:
-        raise ValueError(f"unknown problem {family}-{size}; families {FAMILIES}, sizes {SIZES}")
-    if cfg and family != "sd3":
-        raise ValueError("--cfg benchmarks Flow-GRPO's train_sd3 CFG loss: use --family sd3")
-    build = _sd3_cfg_problem if cfg else _sd3_problem if family == "sd3" else _flux_problem
-    problem = build(size, num_steps=num_steps, batch=batch, seed=seed)
-    # as after one optimizer step of the PPO inner loop: ratios != 1 but far inside the clip range
-    el._off_policy_step(problem.model, seed)
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+
+@dataclass(frozen=True)
+class _Net:
+    """Where a problem's DiT comes from and the shapes of its inputs."""
+
+    family: str
+    size: str
+    layers: int | None
+    side: int              # SD3: latent height/width; Flux: token grid side (packed 2x2 at real sizes)
+    text_len: int
+    device: torch.device
+    dtype: torch.dtype
+    seed: int
+
+    @property
+    def label(self) -> str:
+        if self.size in SIZES:
+            return f"{self.family}-{self.size}"
+        px = (self.side if self.family == "sd3" else 2 * self.side) * VAE_DOWNSAMPLE
+        return f"{self.size}{f'-L{self.layers}' if self.layers else ''}-{px}px"
+
+    def build(self) -> nn.Module:
+        if self.size in SIZES:
+            model = models.sd3(self.size, seed=self.seed) if self.family == "sd3" else models.flux(self.size, seed=self.seed)
+            return cast(model, device=self.device, dtype=self.dtype)
+        return build_published(self.size, layers=self.layers, seed=self.seed, device=self.device, dtype=self.dtype)
+
+    def on_device(self, tensors: dict) -> dict:
+        """Conditioning made on the host (seeded) in the DiT's dtype, moved to its device."""
+        return {k: v.to(self.device) for k, v in tensors.items()}
+
+
+def _net(family: str | None, size: str, *, layers, resolution, seed, device, dtype) -> _Net:
+    if size in PUBLISHED_SIZES:
+        published = PUBLISHED[size]
+        if family not in (None, published.family):
+            raise ValueError(f"--size {size} is a {published.family} model, not {family}")
+        side = latent_side(resolution or DEFAULT_RESOLUTION)
+        return _Net(published.family, size, layers, side if published.family == "sd3" else side // 2,
+                    published.text_len, torch.device(device), dtype, seed)
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; sizes {ALL_SIZES}")
+    if layers is not None or resolution is not None:
+        raise ValueError(f"--layers and --resolution apply to the published sizes {PUBLISHED_SIZES}, not {size!r}")
+    family = family or "sd3"
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; families {FAMILIES}")
+    side = models.SD3_CONFIGS[size]["sample_size"] if family == "sd3" else _FLUX_GRID[size]
+    return _Net(family, size, None, side, _SMALL_TEXT_LEN[family], torch.device(device), dtype, seed)
+
+
+def build_problem(family: str | None, size: str, *, num_steps: int = 16, batch: int = 4, seed: int = 0,
+                  cfg: bool = False, device="cpu", dtype: torch.dtype = torch.float32, layers: int | None = None,
+                  resolution: int | None = None, on_policy: bool = False) -> Problem:
+    """The model, its own SDE rollout and the loss for ``family`` ("sd3"/"flux"; None: the size's)
+    at ``size`` (``SIZES``: jaggc.models' small configs; ``PUBLISHED_SIZES``: the published
+    architectures, ``model_configs``, depth cut to ``layers``, latents of ``resolution`` px), on
+    ``device`` in ``dtype``; ``cfg``: Flow-GRPO's train_sd3 CFG loss (SD3 only); ``on_policy``:
+    skip the parameter step after the rollout (the ratios are then 1 up to the numerics)."""
+    net = _net(family, size, layers=layers, resolution=resolution, seed=seed, device=device, dtype=dtype)
+    if cfg and net.family != "sd3":
+        raise ValueError("--cfg benchmarks Flow-GRPO's train_sd3 CFG loss: use an SD3 size")
+    build = _sd3_cfg_problem if cfg else _sd3_problem if net.family == "sd3" else _flux_problem
+    problem = build(net, num_steps=num_steps, batch=batch, seed=seed)
+    problem.on_policy = on_policy
+    if not on_policy:
+        # as after one optimizer step of the PPO inner loop: ratios != 1 but far inside the clip range
+        el._off_policy_step(problem.model, seed)
     return problem
+
+
+def _rollout(net: _Net, model, velocity, z0: torch.Tensor, num_steps: int, kind: str, seed: int) -> dict:
+    """The example losses' SDE rollout on the DiT's device; the stored states in the DiT's dtype
+    (the values the rollout fed it), the log-density inputs in float32."""
+    data = el._rollout(velocity, z0.to(net.device), num_steps, kind, seed=seed)
+    data["latents"] = data["latents"].to(net.dtype)
+    return data
 
 
 def own_code(fn: Callable) -> Callable:
@@ -86,17 +166,23 @@ def own_code(fn: Callable) -> Callable:
 # SD3: Flow-GRPO's SDE step + PPO clip (example_losses.flow_grpo_sd3_loss)
 
 
-def _sd3_problem(size: str, *, num_steps: int, batch: int, seed: int) -> Problem:
-    model = models.sd3(size, seed=seed)
-    cond = models.sd3_conditioning(model, batch, seed=seed + 3).kwargs
-    z0 = torch.randn(models.sd3_latent_shape(model, batch), generator=torch.Generator().manual_seed(seed + 4))
+def _sd3_inputs(net: _Net, model, batch: int, seed: int):
+    cond = net.on_device(models.sd3_conditioning(model, batch, text_len=net.text_len, seed=seed + 3).kwargs)
+    z0 = torch.randn(batch, model.config.in_channels, net.side, net.side,
+                     generator=torch.Generator().manual_seed(seed + 4))
+    return cond, z0
+
+
+def _sd3_problem(net: _Net, *, num_steps: int, batch: int, seed: int) -> Problem:
+    model = net.build()
+    cond, z0 = _sd3_inputs(net, model, batch, seed)
 
     def velocity(z, sigma):
-        return model(hidden_states=z, timestep=sigma * 1000, return_dict=False, **cond)[0]
+        return model(hidden_states=z.to(net.dtype), timestep=sigma * 1000, return_dict=False, **cond)[0]
 
-    data = el._rollout(velocity, z0, num_steps, "flow_grpo_sde", seed=seed)
+    data = _rollout(net, model, velocity, z0, num_steps, "flow_grpo_sde", seed)
     data.update(prompt_embeds=cond["encoder_hidden_states"], pooled_prompt_embeds=cond["pooled_projections"])
-    return Problem(f"sd3-{size}", "sd3", size, model, data, el.flow_grpo_sd3_loss, _sd3_calls, _sd3_step_loss,
+    return Problem(net.label, "sd3", net.size, model, data, el.flow_grpo_sd3_loss, _sd3_calls, _sd3_step_loss,
                    num_steps, batch)
 
 
@@ -120,24 +206,23 @@ def _sd3_step_loss(output, batch: dict, j: int) -> torch.Tensor:
 # SD3 with CFG in training: one call on [uncond; cond], uncond detached (example_losses.cfg_sd3_loss)
 
 
-def _sd3_cfg_problem(size: str, *, num_steps: int, batch: int, seed: int) -> Problem:
-    model = models.sd3(size, seed=seed)
-    cond = models.sd3_conditioning(model, batch, seed=seed + 3).kwargs
-    null = models.sd3_conditioning(model, 1, seed=seed + 5).kwargs
+def _sd3_cfg_problem(net: _Net, *, num_steps: int, batch: int, seed: int) -> Problem:
+    model = net.build()
+    cond, z0 = _sd3_inputs(net, model, batch, seed)
+    null = net.on_device(models.sd3_conditioning(model, 1, text_len=net.text_len, seed=seed + 5).kwargs)
     negative = {k: v.expand(batch, *v.shape[1:]).contiguous() for k, v in null.items()}
-    z0 = torch.randn(models.sd3_latent_shape(model, batch), generator=torch.Generator().manual_seed(seed + 4))
 
     def velocity(z, sigma):
-        out = model(hidden_states=torch.cat([z] * 2), timestep=torch.cat([sigma * 1000] * 2), return_dict=False,
+        out = model(hidden_states=torch.cat([z.to(net.dtype)] * 2), timestep=torch.cat([sigma * 1000] * 2), return_dict=False,
                     **{k: torch.cat([negative[k], cond[k]]) for k in cond})[0]
         uncond, text = out.chunk(2)
         return uncond + el.GUIDANCE_SCALE * (text - uncond)
 
-    data = el._rollout(velocity, z0, num_steps, "flow_grpo_sde", seed=seed)
+    data = _rollout(net, model, velocity, z0, num_steps, "flow_grpo_sde", seed)
     data.update(prompt_embeds=cond["encoder_hidden_states"], pooled_prompt_embeds=cond["pooled_projections"],
                 negative_prompt_embeds=negative["encoder_hidden_states"],
                 negative_pooled_prompt_embeds=negative["pooled_projections"])
-    return Problem(f"sd3-{size}-cfg", "sd3", size, model, data, el.cfg_sd3_loss, _sd3_cfg_calls, _sd3_cfg_step_loss,
+    return Problem(f"{net.label}-cfg", "sd3", net.size, model, data, el.cfg_sd3_loss, _sd3_cfg_calls, _sd3_cfg_step_loss,
                    num_steps, batch, cfg=True)
 
 
@@ -161,28 +246,35 @@ def _sd3_cfg_step_loss(output, batch: dict, j: int) -> torch.Tensor:
 # Flux: DanceGRPO's flux_step + PPO clip (example_losses.dance_flux_loss)
 
 
-def _flux_problem(size: str, *, num_steps: int, batch: int, seed: int) -> Problem:
-    model = models.flux(size, seed=seed)
-    grid = _FLUX_GRID[size]
-    cond = models.flux_conditioning(model, batch, height=grid, width=grid, seed=seed + 3).kwargs
+def _flux_problem(net: _Net, *, num_steps: int, batch: int, seed: int) -> Problem:
+    model = net.build()
+    grid = net.side
+    cond = models.flux_conditioning(model, batch, height=grid, width=grid, text_len=net.text_len, seed=seed + 3).kwargs
+    cond = net.on_device(cond)
+    guided = model.config.guidance_embeds     # FLUX.1-dev: guidance-distilled
+    if guided:
+        cond["guidance"] = torch.full((batch,), FLUX_GUIDANCE, device=net.device)
     z0 = torch.randn(models.flux_latent_shape(model, batch, height=grid, width=grid),
                      generator=torch.Generator().manual_seed(seed + 4))
 
     def velocity(z, sigma):
-        return model(hidden_states=z, timestep=sigma, return_dict=True, **cond).sample
+        return model(hidden_states=z.to(net.dtype), timestep=sigma, return_dict=True, **cond).sample
 
-    data = el._rollout(velocity, z0, num_steps, "dance_flux", seed=seed)
+    data = _rollout(net, model, velocity, z0, num_steps, "dance_flux", seed)
     data.update(encoder_hidden_states=cond["encoder_hidden_states"], pooled_prompt_embeds=cond["pooled_projections"],
                 text_ids=cond["txt_ids"], image_ids=cond["img_ids"])
-    return Problem(f"flux-{size}", "flux", size, model, data, el.dance_flux_loss, _flux_calls, _flux_step_loss,
-                   num_steps, batch)
+    if guided:
+        data["guidance"] = cond["guidance"]
+    return Problem(net.label, "flux", net.size, model, data, el.dance_flux_dev_loss if guided else el.dance_flux_loss,
+                   _flux_calls, _flux_step_loss, num_steps, batch)
 
 
 def _flux_calls(batch: dict) -> list[DitCall]:
     return [DitCall(kwargs=dict(hidden_states=batch["latents"][:, j], encoder_hidden_states=batch["encoder_hidden_states"],
                                 timestep=batch["timesteps"][:, j] / 1000,
                                 pooled_projections=batch["pooled_prompt_embeds"], txt_ids=batch["text_ids"],
-                                img_ids=batch["image_ids"], joint_attention_kwargs=None, return_dict=True))
+                                img_ids=batch["image_ids"], joint_attention_kwargs=None, return_dict=True,
+                                **({"guidance": batch["guidance"]} if "guidance" in batch else {})))
             for j in range(batch["timesteps"].shape[1])]
 
 
