@@ -29,7 +29,8 @@ from typing import Callable
 import torch
 
 from jaggc._compat import dynamo_unique_graphs, tree_map
-from jaggc_studies.bench.problems import build_problem, own_code
+from jaggc_studies.bench.device import resolve_device, resolve_dtype
+from jaggc_studies.bench.problems import build_problem, family_of, own_code
 from jaggc_studies.bench.strategies import compiled_loss
 
 _TIME_CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
@@ -43,7 +44,8 @@ def compile_probes(config) -> dict:
     overhead = {capture: {} for capture in config.compile_captures}
     details, recompiles = {}, None
     for i, num_steps in enumerate(config.compile_steps):
-        problem = build_problem(config.family, "tiny", num_steps=num_steps, batch=config.batch, seed=config.seed)
+        problem = build_problem(family_of(config.family, config.size), "tiny", num_steps=num_steps, batch=config.batch,
+                                seed=config.seed, device=resolve_device(config.device), dtype=resolve_dtype(config.dtype))
         details[str(num_steps)] = {}
         for capture in config.compile_captures:
             if config.progress:
@@ -57,7 +59,7 @@ def compile_probes(config) -> dict:
         if "dynamo" in config.compile_captures:
             details[str(num_steps)]["glue_trace"] = _glue_trace_time(problem)
     result = dict(compile_overhead_default_s=overhead.get("auto", {}), compile_overhead_s=overhead.get("dynamo", {}),
-                  compile_overhead_fx_s=overhead.get("fx", {}), compile_overhead_model=f"{config.family}-tiny",
+                  compile_overhead_fx_s=overhead.get("fx", {}), compile_overhead_model=f"{family_of(config.family, config.size)}-tiny",
                   compile_overhead_clock=primary, compile_details=details,
                   compile_default_path=sorted({d["auto"]["path"] for d in details.values() if "auto" in d}))
     if recompiles is not None:

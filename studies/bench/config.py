@@ -2,17 +2,18 @@
 record it keeps per mode (``ModeResult``): the data every other bench module shares.
 
 Clocks: ``cpu`` (process CPU time: with one thread it is the least disturbed by other processes on
-the machine), ``wall``, and ``passes`` (the counted cost-model units: a deterministic clock for
-tests and for checking the accounting).
+the machine; CPU runs only), ``wall`` (synchronised with the device on CUDA), ``cuda`` (CUDA events,
+``device.py``), and ``passes`` (the counted cost-model units: a deterministic clock for tests and
+for checking the accounting).
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 from jaggc.runtime import count_dit_passes
+from jaggc_studies.bench.device import cpu_clock, cuda_clock, wall_clock
 from jaggc_studies.bench.problems import Problem
 
 # ---------------------------------------------------------------------------------------------
@@ -38,8 +39,9 @@ class PassClock:
 
 
 CLOCKS: dict[str, Callable[[Problem], Callable[[], float]]] = {
-    "cpu": lambda p: time.process_time,
-    "wall": lambda p: time.perf_counter,
+    "cpu": cpu_clock,
+    "wall": wall_clock,
+    "cuda": cuda_clock,
     "passes": PassClock,
 }
 
@@ -50,8 +52,12 @@ CLOCKS: dict[str, Callable[[Problem], Callable[[], float]]] = {
 
 @dataclass
 class BenchConfig:
-    family: str = "sd3"
+    family: str | None = None  # None: the size's family (sd3 for tiny/10m)
     size: str = "10m"
+    device: str = "cpu"
+    dtype: str = "float32"     # the DiT's parameters and stored states; log-densities stay float32
+    layers: int | None = None          # published sizes: depth cut (model_configs.depth_cut)
+    resolution: int | None = None      # published sizes: image px (512 -> 64x64 latents)
     cfg: bool = False          # Flow-GRPO's train_sd3 CFG loss (guidance 4.5, uncond half detached)
     num_steps: int = 16
     batch: int = 4
@@ -61,7 +67,9 @@ class BenchConfig:
                               "exact_per_step")
     optional_modes: tuple[str, ...] = ()   # added only if the time budget allows (quick: jagg@8)
     repeats: int = 3
-    clocks: tuple[str, ...] = ("cpu", "wall")   # the first is the one speedups are reported in
+    clocks: tuple[str, ...] | None = None   # the first is the one speedups are reported in; None:
+                                            # cpu+wall on the CPU, cuda+wall on CUDA
+    warmup: int | None = None   # untimed rounds of every mode before the timed ones (None: 1 on CUDA, 0 on CPU)
     threads: int | None = 1
     activation_memory: bool = True
     rss: bool = False
@@ -110,3 +118,5 @@ class ModeResult:
     activation_peak_bytes: int | None = None
     traces: int | None = None                            # compiled modes: traces after all rounds
     rss: dict | None = None
+    peak_memory_bytes: int | None = None                 # CUDA: max_memory_allocated over the timed steps
+    step_memory_bytes: int | None = None                 # CUDA: that peak minus what was allocated before the step

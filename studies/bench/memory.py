@@ -30,6 +30,7 @@ _TIMEOUT_S = 3600
 def measure_rss(config, mode: str) -> dict:
     """Run ``mode`` of ``config`` in a fresh process and return its RSS numbers (MB)."""
     spec = dict(family=config.family, size=config.size, cfg=config.cfg, num_steps=config.num_steps, batch=config.batch,
+                dtype=config.dtype, layers=config.layers, resolution=config.resolution,
                 seed=config.seed, threads=config.threads, mode=mode)
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": _MMAP_THRESHOLD}
     proc = subprocess.run([sys.executable, "-m", CHILD_MODULE, json.dumps(spec)], capture_output=True,

@@ -56,6 +56,7 @@ class Problem:
     step_loss: Callable[[Any, dict, int], torch.Tensor]   # (DiT output, batch, step) -> step's share
     num_steps: int
     batch_size: int
+    log_prob: Callable[[Any, dict, int], torch.Tensor] | None = None   # (DiT output, batch, step) -> (B,)
     cfg: bool = False       # Flow-GRPO's CFG in training: every DiT call on [uncond; cond] (2B)
     on_policy: bool = False  # parameters as at the rollout (no off-policy step after it)
 
@@ -101,6 +102,11 @@ class _Net:
     def on_device(self, tensors: dict) -> dict:
         """Conditioning made on the host (seeded) in the DiT's dtype, moved to its device."""
         return {k: v.to(self.device) for k, v in tensors.items()}
+
+
+def family_of(family: str | None, size: str) -> str:
+    """The problem family a (``--family``, ``--size``) pair means."""
+    return family or (PUBLISHED[size].family if size in PUBLISHED else "sd3")
 
 
 def _net(family: str | None, size: str, *, layers, resolution, seed, device, dtype) -> _Net:
@@ -183,7 +189,7 @@ def _sd3_problem(net: _Net, *, num_steps: int, batch: int, seed: int) -> Problem
     data = _rollout(net, model, velocity, z0, num_steps, "flow_grpo_sde", seed)
     data.update(prompt_embeds=cond["encoder_hidden_states"], pooled_prompt_embeds=cond["pooled_projections"])
     return Problem(net.label, "sd3", net.size, model, data, el.flow_grpo_sd3_loss, _sd3_calls, _sd3_step_loss,
-                   num_steps, batch)
+                   num_steps, batch, _sd3_log_prob)
 
 
 def _sd3_calls(batch: dict) -> list[DitCall]:
@@ -193,12 +199,14 @@ def _sd3_calls(batch: dict) -> list[DitCall]:
             for j in range(batch["timesteps"].shape[1])]
 
 
+def _sd3_log_prob(output, batch: dict, j: int) -> torch.Tensor:
+    return el.sde_step_with_logprob(output[0], batch["latents"][:, j], batch["sigmas"][:, j],
+                                    batch["sigmas_next"][:, j], batch["next_latents"][:, j], batch["sigma_max"])[1]
+
+
 def _sd3_step_loss(output, batch: dict, j: int) -> torch.Tensor:
     # the body of example_losses.flow_grpo_sd3_loss for step j, divided as it divides the total
-    _, log_prob, _, _ = el.sde_step_with_logprob(
-        output[0], batch["latents"][:, j], batch["sigmas"][:, j], batch["sigmas_next"][:, j],
-        batch["next_latents"][:, j], batch["sigma_max"])
-    step = el.ppo_clip(log_prob, batch["log_probs"][:, j], batch["advantages"][:, j])
+    step = el.ppo_clip(_sd3_log_prob(output, batch, j), batch["log_probs"][:, j], batch["advantages"][:, j])
     return step / batch["timesteps"].shape[1]
 
 
@@ -223,7 +231,7 @@ def _sd3_cfg_problem(net: _Net, *, num_steps: int, batch: int, seed: int) -> Pro
                 negative_prompt_embeds=negative["encoder_hidden_states"],
                 negative_pooled_prompt_embeds=negative["pooled_projections"])
     return Problem(f"{net.label}-cfg", "sd3", net.size, model, data, el.cfg_sd3_loss, _sd3_cfg_calls, _sd3_cfg_step_loss,
-                   num_steps, batch, cfg=True)
+                   num_steps, batch, _sd3_cfg_log_prob, cfg=True)
 
 
 def _sd3_cfg_calls(batch: dict) -> list[DitCall]:
@@ -235,11 +243,19 @@ def _sd3_cfg_calls(batch: dict) -> list[DitCall]:
             for j in range(batch["timesteps"].shape[1])]
 
 
-def _sd3_cfg_step_loss(output, batch: dict, j: int) -> torch.Tensor:
-    # the body of example_losses.cfg_sd3_loss for step j, divided as it divides the total
+def _guided(output):
     uncond, text = output[0].chunk(2)
     uncond = uncond.detach()
-    return _sd3_step_loss((uncond + el.GUIDANCE_SCALE * (text - uncond),), batch, j)
+    return (uncond + el.GUIDANCE_SCALE * (text - uncond),)
+
+
+def _sd3_cfg_step_loss(output, batch: dict, j: int) -> torch.Tensor:
+    # the body of example_losses.cfg_sd3_loss for step j, divided as it divides the total
+    return _sd3_step_loss(_guided(output), batch, j)
+
+
+def _sd3_cfg_log_prob(output, batch: dict, j: int) -> torch.Tensor:
+    return _sd3_log_prob(_guided(output), batch, j)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,7 +282,7 @@ def _flux_problem(net: _Net, *, num_steps: int, batch: int, seed: int) -> Proble
     if guided:
         data["guidance"] = cond["guidance"]
     return Problem(net.label, "flux", net.size, model, data, el.dance_flux_dev_loss if guided else el.dance_flux_loss,
-                   _flux_calls, _flux_step_loss, num_steps, batch)
+                   _flux_calls, _flux_step_loss, num_steps, batch, _flux_log_prob)
 
 
 def _flux_calls(batch: dict) -> list[DitCall]:
@@ -278,9 +294,11 @@ def _flux_calls(batch: dict) -> list[DitCall]:
             for j in range(batch["timesteps"].shape[1])]
 
 
+def _flux_log_prob(output, batch: dict, j: int) -> torch.Tensor:
+    return el.flux_step(output.sample, batch["latents"][:, j].to(torch.float32), el.ETA, batch["sigmas"][:, j],
+                        batch["sigmas_next"][:, j], batch["next_latents"][:, j].to(torch.float32))
+
+
 def _flux_step_loss(output, batch: dict, j: int) -> torch.Tensor:
-    latents = batch["latents"][:, j]
-    log_prob = el.flux_step(output.sample, latents.to(torch.float32), el.ETA, batch["sigmas"][:, j],
-                            batch["sigmas_next"][:, j], batch["next_latents"][:, j].to(torch.float32))
-    loss = el.ppo_clip(log_prob, batch["log_probs"][:, j], batch["advantages"][:, j])
+    loss = el.ppo_clip(_flux_log_prob(output, batch, j), batch["log_probs"][:, j], batch["advantages"][:, j])
     return loss / batch["timesteps"].shape[1]

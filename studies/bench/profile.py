@@ -28,6 +28,7 @@ from torch.autograd.profiler import record_function
 
 from jaggc.runtime import partition
 from jaggc.runtime.calls import concat_calls
+from jaggc_studies.bench.device import DTYPES
 from jaggc_studies.bench.problems import build_problem
 from jaggc_studies.bench.strategies import compiled_loss, runtime_loss
 
@@ -54,7 +55,8 @@ def profile_window_step(config, window: int = 4, repeats: int = 3) -> dict:
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     problem = build_problem(config.family, config.size, num_steps=config.num_steps, batch=config.batch,
-                            seed=config.seed)
+                            seed=config.seed, device=config.device, dtype=DTYPES[config.dtype], layers=config.layers,
+                            resolution=config.resolution)
     compiled = compiled_loss(problem, window)
     losses = {"compiled": compiled, "runtime": runtime_loss(problem, window), "exact": problem.loss_fn}
     for loss in losses.values():   # trace, and warm every path once

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
 from dataclasses import asdict
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 
 from jaggc_studies.bench.config import BenchConfig, ModeResult
+from jaggc_studies.bench.device import SAVED_TENSORS_KIND, CudaPeakMemory, device_facts
 from jaggc_studies.bench.strategies import theory_backward_speedup, theory_fast_backward_speedup, theory_fast_step_speedup, theory_lowmem_backward_speedup, theory_lowmem_step_speedup, theory_per_window_backward_speedup, theory_per_window_step_speedup, theory_step_speedup
 
 
@@ -42,8 +42,11 @@ def summarize(config: BenchConfig, runner, compile_info: dict, skipped: list[str
     out: dict[str, Any] = dict(
         model=p.name, model_params=p.num_params, family=p.family, size=p.size, cfg=p.cfg, num_steps=p.num_steps,
         batch=p.batch_size, clock=clock, clocks=list(config.clocks), repeats=config.repeats,
-        threads=torch.get_num_threads(), torch_version=torch.__version__, diffusers_version=_diffusers_version(),
-        device="cpu", cpu_count=_cpu_count(), machine=platform.machine(), skipped_modes=skipped,
+        threads=torch.get_num_threads(), diffusers_version=_diffusers_version(),
+        **device_facts(runner.device, runner.dtype), cpu_count=_cpu_count(), skipped_modes=skipped,
+        layers=config.layers, resolution=config.resolution, warmup_rounds=config.warmup,
+        peak_memory_kind=CudaPeakMemory.kind if runner.device.type == "cuda" else SAVED_TENSORS_KIND,
+        failed_modes=dict(runner.failed),
         backward_passes=dict(exact=exact.passes["backwards"], jagg={}),
         backward_samples=dict(exact=exact.passes["backward_samples"], jagg={}),
         speedups={}, modes={},
@@ -155,12 +158,16 @@ def _vs_per_step_loop(results: dict, clock: str) -> dict:
         ratios = _ratios(loop.whole.get(clock, []), res.whole.get(clock, []))
         mem = (res.activation_peak_bytes / loop.activation_peak_bytes
                if res.activation_peak_bytes and loop.activation_peak_bytes else None)
-        out[text] = dict(step_speedup=_stats(ratios), activation_peak_ratio=mem)
+        peak = (res.peak_memory_bytes / loop.peak_memory_bytes
+                if res.peak_memory_bytes and loop.peak_memory_bytes else None)
+        out[text] = dict(step_speedup=_stats(ratios), activation_peak_ratio=mem, peak_memory_ratio=peak)
     return out
 
 
 def _mode_json(res: ModeResult) -> dict:
     d = asdict(res)
+    if d["peak_memory_bytes"] is None:     # the CPU: the autograd-saved tensors' peak (device.py)
+        d["peak_memory_bytes"] = res.activation_peak_bytes
     d["whole_stats"] = {c: _stats(v) for c, v in res.whole.items()}
     d["backward_stats"] = {c: _stats(v) for c, v in res.backward.items()}
     return d
@@ -196,22 +203,25 @@ def format_table(results: dict) -> str:
     clock = results["clock"]
     lines = [
         f"jaggc bench: {results['model']} ({results['model_params'] / 1e6:.2f}M params), {results['num_steps']} "
-        f"steps, batch {results['batch']}, {results['threads']} thread(s), torch {results['torch_version']}, "
+        f"steps, batch {results['batch']}, {results.get('device_name', results.get('device'))} "
+        f"{results.get('dtype', 'float32')}, {results['threads']} thread(s), torch {results['torch_version']}, "
         f"{results['repeats']} interleaved repeats, clock '{clock}'",
         "times: median [min-max]; speedups: per-round ratio to exact in the same round, median [min-max]; "
         "theory: the cost model (per window of the actual partition)",
         "",
     ]
     rows = [("mode", "step s", "backward s", "step x", "theory", "backward x", "theory", "DiT bwd (samples)",
-             "act. MB (x)", "RSS MB", "1st call s")]
+             "act. MB (x)", "peak MB", "RSS MB", "1st call s")]
     for text, mode in results["modes"].items():
-        rows.append(_mode_row(text, mode, results["speedups"][text], clock))
+        rows.append(_mode_row(text, mode, results["speedups"][text], clock, results.get("device") == "cuda"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for k, row in enumerate(rows):
         lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
         if k == 0:
             lines.append("-" * len(lines[-1]))
     lines.append("")
+    for text, why in results.get("failed_modes", {}).items():
+        lines.append(f"{text}: {why}")
     if results.get("skipped_modes"):
         lines.append(f"skipped for the time budget: {', '.join(results['skipped_modes'])}")
     windows = sorted(results["theory_step_speedup"], key=int)
@@ -266,7 +276,7 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def _mode_row(text: str, mode: dict, sp: dict, clock: str) -> tuple[str, ...]:
+def _mode_row(text: str, mode: dict, sp: dict, clock: str, cuda: bool) -> tuple[str, ...]:
     act, mem = mode["activation_peak_bytes"], sp["activation_mem_ratio"]
     rss = mode.get("rss") or {}
     first = mode["first_call"].get(clock)
@@ -274,6 +284,7 @@ def _mode_row(text: str, mode: dict, sp: dict, clock: str) -> tuple[str, ...]:
             _fmt_stat(sp["step"]), f"{sp['theory_step']:.2f}", _fmt_stat(sp["backward"]), f"{sp['theory_backward']:.2f}",
             f"{mode['passes']['backwards']} ({mode['passes']['backward_samples']})",
             f"{act / 2**20:.1f} ({mem:.2f})" if act and mem else "-",
+            f"{mode['peak_memory_bytes'] / 2**20:.0f}" if cuda and mode.get("peak_memory_bytes") else "-",
             f"{rss['step_peak_mb']:.0f}" if rss.get("step_peak_mb") is not None else "-",
             "-" if first is None else f"{first:.2f}")
 

@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from jaggc_studies.bench.device import DTYPES
 from jaggc_studies.bench.problems import build_problem
 from jaggc_studies.bench.strategies import parse_mode
 
@@ -50,7 +51,8 @@ def measure_step(spec: dict) -> dict:
     if spec["threads"] is not None:
         torch.set_num_threads(spec["threads"])
     problem = build_problem(spec["family"], spec["size"], num_steps=spec["num_steps"], batch=spec["batch"],
-                            seed=spec["seed"], cfg=spec.get("cfg", False))
+                            seed=spec["seed"], cfg=spec.get("cfg", False), dtype=DTYPES[spec.get("dtype", "float32")],
+                            layers=spec.get("layers"), resolution=spec.get("resolution"))
     mode = parse_mode(spec["mode"])
     step = mode.strategy.build(problem, mode.window)
     setup_mb = _status_mb("VmRSS")

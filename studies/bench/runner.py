@@ -17,6 +17,7 @@ from jaggc.runtime import count_dit_passes
 from jaggc.runtime.memory import track_saved_tensors
 from jaggc_studies.bench.compile import compile_probes
 from jaggc_studies.bench.config import CLOCKS, BenchConfig, ModeResult
+from jaggc_studies.bench.device import CudaPeakMemory, default_clocks, resolve_device, resolve_dtype
 from jaggc_studies.bench.memory import measure_rss
 from jaggc_studies.bench.problems import build_problem
 from jaggc_studies.bench.report import summarize
@@ -30,11 +31,14 @@ class _Runner:
         self.config = config
         self.t_start = time.perf_counter()
         self.log = config.progress or (lambda msg: None)
+        self.device, self.dtype = resolve_device(config.device), resolve_dtype(config.dtype)
         self.problem = build_problem(config.family, config.size, num_steps=config.num_steps, batch=config.batch,
-                                     seed=config.seed, cfg=config.cfg)
+                                     seed=config.seed, cfg=config.cfg, device=self.device, dtype=self.dtype,
+                                     layers=config.layers, resolution=config.resolution)
         self.clocks = {name: clock_factories[name](self.problem) for name in config.clocks}
         self.steps: dict[str, Any] = {}
         self.results: dict[str, ModeResult] = {}
+        self.failed: dict[str, str] = {}     # mode -> why it did not run (out of memory)
 
     def read(self) -> dict[str, float]:
         return {name: clock() for name, clock in self.clocks.items()}
@@ -52,31 +56,71 @@ class _Runner:
                             dict(forward=cost.forward, backward=cost.backward, step=cost.step))
         self.log(f"  first call of {mode.name} ...")
         wall = time.perf_counter()
-        result.first_call, _, counts, peak = self._run_step(step, counted=True)
-        result.first_call_wall_s = time.perf_counter() - wall
-        if _traces(step):
-            # while Dynamo traced, the DiT also ran on fake tensors and count_dit_passes counted
-            # those forwards: count (and meter) a second call instead
-            _, _, counts, peak = self._run_step(step, counted=True)
+        try:
+            result.first_call, _, counts, peak = self._run_step(step, counted=True)
+            result.first_call_wall_s = time.perf_counter() - wall
+            if _traces(step):
+                # while Dynamo traced, the DiT also ran on fake tensors and count_dit_passes counted
+                # those forwards: count (and meter) a second call instead
+                _, _, counts, peak = self._run_step(step, counted=True)
+        except torch.OutOfMemoryError as e:
+            self._out_of_memory(text, e)
+            return
         result.activation_peak_bytes = peak
         result.passes = dict(grad_forwards=counts.grad_forwards, nograd_forwards=counts.nograd_forwards,
                              backwards=counts.backwards, backward_samples=counts.backward_samples,
                              forward_samples=sum(counts.grad_forward_batches) + sum(counts.nograd_forward_batches))
         self.steps[text], self.results[text] = step, result
 
-    def _run_step(self, step, *, counted: bool = False):
+    def _out_of_memory(self, text: str, error: Exception) -> None:
+        """A mode that does not fit is a result ("out of memory"), not the end of the run; the
+        exact mode is every ratio's base, so without it the run cannot go on."""
+        self.problem.model.zero_grad(set_to_none=True)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        message = f"out of memory: {str(error).splitlines()[0]}"
+        if text == "exact":
+            raise RuntimeError(f"{self.problem.name}: the exact mode (every speedup's base) ran {message}; "
+                               f"use fewer --steps, a smaller --batch or --layers") from error
+        self.log(f"  {text}: {message}")
+        self.failed[text] = message
+
+    def _run_step(self, step, *, counted: bool = False, memory: ModeResult | None = None):
+        """One step; ``memory``: record its CUDA peak into that result (the max over its steps)."""
         self.problem.model.zero_grad(set_to_none=True)
         gc.collect()   # a collection inside a timed step would land on one mode at random
         counts = peak = None
-        if counted:
-            with count_dit_passes(self.problem.model) as counts, _saved_tensor_meter(self.config) as meter:
+        meter = CudaPeakMemory(self.device) if memory is not None and self.device.type == "cuda" else _NullMeter()
+        with meter:
+            if counted:
+                with count_dit_passes(self.problem.model) as counts, _saved_tensor_meter(self.config) as saved:
+                    start, mid, end = step.run(self.read)
+                peak = saved.peak_bytes if saved is not None else None
+            else:
                 start, mid, end = step.run(self.read)
-            peak = meter.peak_bytes if meter is not None else None
-        else:
-            start, mid, end = step.run(self.read)
+        if getattr(meter, "peak_bytes", None) is not None:
+            memory.peak_memory_bytes = max(memory.peak_memory_bytes or 0, meter.peak_bytes)
+            memory.step_memory_bytes = max(memory.step_memory_bytes or 0, meter.step_bytes)
         whole = {k: end[k] - start[k] for k in end}
         backward = {k: end[k] - mid[k] for k in end}
         return whole, backward, counts, peak
+
+    def warmup_rounds(self) -> None:
+        """Untimed rounds (CUDA: allocator, cuBLAS/cuDNN heuristics and autotuning settle)."""
+        rounds = self.config.warmup if self.config.warmup is not None else int(self.device.type == "cuda")
+        for r in range(rounds):
+            self.log(f"  warm-up round {r + 1}/{rounds}")
+            for name in list(self.steps):
+                self._guarded_step(name)
+
+    def _guarded_step(self, name: str, memory: ModeResult | None = None):
+        try:
+            return self._run_step(self.steps[name], memory=memory)
+        except torch.OutOfMemoryError as e:
+            self._out_of_memory(name, e)
+            del self.steps[name], self.results[name]
+            return None
 
     def timed_rounds(self) -> None:
         names = list(self.steps)
@@ -84,8 +128,13 @@ class _Runner:
             order = names[r % len(names):] + names[:r % len(names)]   # rotate: no mode always first
             self.log(f"  round {r + 1}/{self.config.repeats}: {', '.join(order)}")
             for name in order:
-                whole, backward, _, _ = self._run_step(self.steps[name])
+                if name not in self.steps:
+                    continue
                 res = self.results[name]
+                ran = self._guarded_step(name, memory=res)
+                if ran is None:
+                    continue
+                whole, backward, _, _ = ran
                 for clock in whole:
                     res.whole.setdefault(clock, []).append(whole[clock])
                     res.backward.setdefault(clock, []).append(backward[clock])
@@ -123,6 +172,8 @@ def _saved_tensor_meter(config: BenchConfig):
 def run_bench(config: BenchConfig, clock_factories: dict | None = None) -> dict:
     """Run the benchmark and return the JSON-ready results (see ``summarize``)."""
     factories = {**CLOCKS, **(clock_factories or {})}
+    if config.clocks is None:
+        config.clocks = default_clocks(resolve_device(config.device))
     torch.manual_seed(config.seed)
     if config.threads is not None:
         torch.set_num_threads(config.threads)
@@ -138,6 +189,7 @@ def run_bench(config: BenchConfig, clock_factories: dict | None = None) -> dict:
         log("compile probes ...")
         compile_info = compile_probes(config)
         skipped = _add_optional_modes(runner)
+        runner.warmup_rounds()
         runner.timed_rounds()
         for text, step in runner.steps.items():
             runner.results[text].traces = _traces(step)
