@@ -104,9 +104,28 @@ def cmd_demo(args) -> int:
 def cmd_bench(args) -> int:
     from jaggc_studies.bench import (BenchConfig, format_profile, format_table, profile_window_step, quick_config, run_bench,
                              write_json)
+    from jaggc_studies.bench.device import DeviceUnavailable, resolve_device
 
+    try:
+        resolve_device(args.device)
+    except DeviceUnavailable as e:
+        print(f"jaggc bench: error: {e}", file=sys.stderr)
+        return 2
+    progress = (lambda msg: print(msg, file=sys.stderr, flush=True)) if not args.no_progress else None
+    if args.suite:
+        return _bench_suite(args, progress)
+    if args.scaling:
+        from jaggc_studies.bench.scaling import format_scaling, run_scaling
+
+        results = run_scaling(progress=progress, repeats=args.repeats)
+        print(format_scaling(results))
+        if args.json:
+            write_json(results, args.json)
+        return 0
     overrides = {k: v for k, v in dict(
         family=args.family, size=args.size, num_steps=args.steps, batch=args.batch, repeats=args.repeats,
+        device=args.device, dtype=args.dtype or None, layers=args.layers, resolution=args.resolution,
+        warmup=args.warmup,
         threads=args.threads, rss=args.rss or None, budget_s=args.budget, cfg=args.cfg or None,
         modes=tuple(args.modes.split(",")) if args.modes else None,
         clocks=(args.clock,) + tuple(c for c in ("cpu", "wall") if c != args.clock) if args.clock else None,
@@ -119,7 +138,7 @@ def cmd_bench(args) -> int:
         config = BenchConfig()
         for k, v in overrides.items():
             setattr(config, k, v)
-    config.progress = (lambda msg: print(msg, file=sys.stderr, flush=True)) if not args.no_progress else None
+    config.progress = progress
     results = run_bench(config)
     print(format_table(results))
     if args.profile:
@@ -128,6 +147,22 @@ def cmd_bench(args) -> int:
         print(format_profile(results["profile"]))
     if args.json:
         write_json(results, args.json)
+    return 0
+
+
+def _bench_suite(args, progress) -> int:
+    from jaggc_studies.bench import write_json
+    from jaggc_studies.bench.suite import format_markdown, format_suite, run_suite
+
+    results = run_suite(device=args.device, dtype=args.dtype or "bfloat16", size=args.size or "full",
+                        num_steps=args.steps, batch=args.batch, repeats=args.repeats, progress=progress)
+    print(format_suite(results))
+    if args.json:
+        write_json(results, args.json)
+    markdown = args.markdown or (os.path.splitext(args.json)[0] + ".md" if args.json else None)
+    if markdown:
+        with open(markdown, "w") as f:
+            f.write(format_markdown(results) + "\n")
     return 0
 
 
@@ -216,10 +251,28 @@ def add_commands(sub) -> None:
     p.add_argument("--quick", action="store_true",
                    help="10M SD3, 8 trained steps: exact vs jagg@4 and jagg_fast@4 (jagg@8 if the budget "
                         "allows), 3 repeats, under 3 min on 2 cores")
-    p.add_argument("--family", default=None, choices=["sd3", "flux"], help="DiT family (default sd3)")
+    p.add_argument("--suite", default=None, choices=["gpu"],
+                   help="gpu: seconds per GRPO step and peak memory of the per-step loop, exact and JAGG's modes, "
+                        "CFG on/off, SD3.5-Medium and a depth-cut FLUX.1-dev at 512 px, bf16, plus the on-policy "
+                        "ratio check; with --size small the same suite on the tiny configs (CPU, < 3 min)")
+    p.add_argument("--scaling", action="store_true",
+                   help="the W=4 step speedup and backward/forward cost ratio against model width on this machine "
+                        "(sd3 tiny, 10m, SD3.5-Medium cut to 1 layer at 32x32 latents)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="the DiT's parameters and stored states (default float32; the gpu suite: bfloat16)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="published sizes: cut the depth to N layers (Flux: N double + 2N single blocks)")
+    p.add_argument("--resolution", type=int, default=None,
+                   help="published sizes: image size in px (512: 64x64 latents, default; 1024: 128x128)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed rounds before the timed ones (default: 1 on CUDA, 0 on CPU)")
+    p.add_argument("--markdown", default=None, help="--suite: write the markdown table here (default: the JSON path with .md)")
+    p.add_argument("--family", default=None, choices=["sd3", "flux"], help="DiT family (default: the size's, sd3 for tiny/10m)")
     p.add_argument("--cfg", action="store_true",
                    help="Flow-GRPO's train_sd3 CFG loss (one call on [uncond; cond], guidance 4.5, uncond detached)")
-    p.add_argument("--size", default=None, choices=["tiny", "10m"], help="model size (default 10m)")
+    p.add_argument("--size", default=None,
+                   help="model size: tiny, 10m (jaggc.models), or a published architecture: sd35-medium, flux-dev "
+                        "(random init, studies/bench/model_configs.py; default 10m); with --suite: full or small")
     p.add_argument("--steps", type=int, default=None, help="trained steps of the trajectory (default 16)")
     p.add_argument("--batch", type=int, default=None, help="batch (default 4)")
     p.add_argument("--modes", default=None,
@@ -262,6 +315,8 @@ def check_names(parser: argparse.ArgumentParser, args) -> None:
         unknown = [n for n in args.examples if n not in EXAMPLES]
         if unknown:
             parser.error(f"inspect: unknown example {', '.join(unknown)}; choose from {', '.join(EXAMPLES)}")
+    if args.command == "bench":
+        _check_bench(parser, args)
     if args.command == "demo":
         from jaggc_studies.digits.trainer import STRATEGIES
 
@@ -269,3 +324,26 @@ def check_names(parser: argparse.ArgumentParser, args) -> None:
         unknown = [n for n in args.strategies if n not in STRATEGIES]
         if unknown:
             parser.error(f"demo --strategies: unknown {', '.join(unknown)}; choose from {', '.join(STRATEGIES)}")
+
+
+def _check_bench(parser: argparse.ArgumentParser, args) -> None:
+    from jaggc_studies.bench.problems import ALL_SIZES, PUBLISHED_SIZES
+    from jaggc_studies.bench.suite import SUITE_SIZES
+
+    if args.suite:
+        if args.size is not None and args.size not in SUITE_SIZES:
+            parser.error(f"bench --suite {args.suite} --size {args.size}: choose from {', '.join(SUITE_SIZES)}")
+        given = [f"--{n}" for n in ("modes", "family", "layers", "resolution", "profile") if getattr(args, n)]
+        given += ["--cfg"] * args.cfg + ["--quick"] * args.quick + ["--scaling"] * args.scaling
+        if given:
+            parser.error(f"bench --suite fixes its own cases and modes; drop {', '.join(given)}")
+        return
+    if args.size is not None and args.size not in ALL_SIZES:
+        parser.error(f"bench --size {args.size}: choose from {', '.join(ALL_SIZES)} (or --suite gpu --size full|small)")
+    if (args.layers is not None or args.resolution is not None) and args.size not in PUBLISHED_SIZES:
+        parser.error(f"bench --layers/--resolution apply to the published sizes ({', '.join(PUBLISHED_SIZES)})")
+    on_cuda = args.device.startswith("cuda")
+    if on_cuda and args.rss:
+        parser.error("bench --rss measures host RSS (CPU runs); on CUDA every mode's peak allocation is reported")
+    if on_cuda and args.clock == "cpu":
+        parser.error("bench --clock cpu measures the host only; on CUDA use --clock cuda or wall")

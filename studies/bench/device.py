@@ -42,11 +42,13 @@ def resolve_device(name: str, *, cuda=torch.cuda) -> torch.device:
         raise DeviceUnavailable(f"--device {name}: use one of {', '.join(DEVICES)}")
     if device.type == "cuda":
         if not cuda.is_available():
-            build = (f"a CUDA {torch.version.cuda} build" if torch.version.cuda
-                     else "a CPU-only build (torch.version.cuda is None)")
+            if torch.version.cuda is None:
+                raise DeviceUnavailable(
+                    f"--device {name}: torch {torch.__version__} is a CPU-only build and sees no GPU; install a CUDA "
+                    f"build of torch on a machine with an NVIDIA GPU, or use --device cpu")
             raise DeviceUnavailable(
-                f"--device {name}: torch {torch.__version__} sees no CUDA device ({build}); run on a machine with "
-                f"an NVIDIA GPU and a CUDA build of torch, or use --device cpu")
+                f"--device {name}: torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device; check "
+                f"the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES, or use --device cpu")
         if device.index is not None and device.index >= cuda.device_count():
             raise DeviceUnavailable(f"--device {name}: only {cuda.device_count()} CUDA device(s) visible; "
                                     f"use cuda:0..cuda:{cuda.device_count() - 1}")
