@@ -18,6 +18,8 @@ step speedup is 3W/(W+4) and the backward speedup W/2. ``theory_*`` holds that f
 
 The package, in import order (each module imports only those before it, never this facade):
 
+  model_configs.py the published architectures (SD3.5-Medium, FLUX.1-dev, Qwen-Image), depth cut
+  device.py      the device and dtype, CUDA event / synced clocks, the CUDA peak-memory meter
   problems.py    the benchmarked training step: a DiT, its stored rollout, the loss
   strategies.py  the cost model and the table of strategies (how a mode runs a step)
   config.py      ``BenchConfig``, the clocks, ``ModeResult``
@@ -26,6 +28,9 @@ The package, in import order (each module imports only those before it, never th
   report.py      the JSON summary and the printed table
   profile.py     where the time of one JAGG step goes (``jaggc bench --profile W``)
   runner.py      ``run_bench``: the run itself
+  onpolicy.py    the on-policy ratio check (per-step loop vs jaggc's batched windows)
+  suite.py       ``jaggc bench --suite gpu``: the cases, modes, rows and markdown table
+  scaling.py     ``jaggc bench --scaling``: speedup and backward/forward ratio against width
   rss_child.py   the fresh process ``memory.py`` starts (``python -m jaggc_studies.bench.rss_child``);
                  imported by nobody
   sharded.py     the DDP / FSDP1 / FSDP2 table of every backward mode on torchrun ranks
