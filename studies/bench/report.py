@@ -38,15 +38,17 @@ def summarize(config: BenchConfig, runner, compile_info: dict, skipped: list[str
     """The JSON results: run facts, per-window maps for the ``jagg`` strategy, every mode's
     speedups and raw times, the compile probes."""
     p, clock = runner.problem, config.clocks[0]
+    # a runner made by hand (tests) may leave out where it ran: the CPU in float32, nothing failed
+    device, dtype = getattr(runner, "device", torch.device("cpu")), getattr(runner, "dtype", torch.float32)
     exact = runner.results["exact"]
     out: dict[str, Any] = dict(
         model=p.name, model_params=p.num_params, family=p.family, size=p.size, cfg=p.cfg, num_steps=p.num_steps,
         batch=p.batch_size, clock=clock, clocks=list(config.clocks), repeats=config.repeats,
         threads=torch.get_num_threads(), diffusers_version=_diffusers_version(),
-        **device_facts(runner.device, runner.dtype), cpu_count=_cpu_count(), skipped_modes=skipped,
+        **device_facts(device, dtype), cpu_count=_cpu_count(), skipped_modes=skipped,
         layers=config.layers, resolution=config.resolution, warmup_rounds=config.warmup,
-        peak_memory_kind=CudaPeakMemory.kind if runner.device.type == "cuda" else SAVED_TENSORS_KIND,
-        failed_modes=dict(runner.failed),
+        peak_memory_kind=CudaPeakMemory.kind if device.type == "cuda" else SAVED_TENSORS_KIND,
+        failed_modes=dict(getattr(runner, "failed", {})),
         backward_passes=dict(exact=exact.passes["backwards"], jagg={}),
         backward_samples=dict(exact=exact.passes["backward_samples"], jagg={}),
         speedups={}, modes={},
