@@ -47,7 +47,7 @@ def intercept_report(loss: InterceptedLoss, cfg, traces: int) -> Report:
     basis = cfg.options.basis
     rows = []
     for i, steps in enumerate(loss.windows):
-        jagg = len(steps) > 2 and (cfg.jagg_frac != 0.0 or cfg.routing.active)
+        jagg = len(steps) > 2 and (cfg.routing.jagg_frac != 0.0 or cfg.routing.active)
         if jagg and loss.decision is not None:
             jagg = loss.decision.modes[i] == "jagg"
         rows.append(WindowRow(window=i, steps=list(steps), mode="jagg" if jagg else "exact",

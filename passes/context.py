@@ -17,10 +17,10 @@ from jaggc.runtime.window import WindowOptions
 
 @dataclass(frozen=True)
 class CompileConfig:
+    """What the passes compile for: the window size, the runtime's options for every window (its
+    weights, time argument and backward mode among them) and the run-time routing."""
+
     window: int = 4
-    weights: str = "t"
-    jagg_frac: float = 1.0
-    time_arg: str | int | None = None
     options: WindowOptions = WindowOptions()
     routing: Routing = Routing()
     split_batches: bool = True     # split_cfg_batches: run detached batch slices without grad

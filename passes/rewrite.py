@@ -45,7 +45,7 @@ def rewrite_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             for node in w.nodes:
                 node.kwargs = {**node.kwargs, "step": node.meta["jagg_call"].step}
             continue
-        options = dataclasses.replace(ctx.config.options, weights=ctx.config.weights, time_arg=w.time_arg)
+        options = dataclasses.replace(ctx.config.options, time_arg=w.time_arg)
         plan_name = f"jagg_plan_{w.index}"
         if lowmem:
             # every window, exact ones too (all steps knots): each must free its activations early
@@ -171,7 +171,7 @@ def _rewrite_routed(gm: fx.GraphModule, ctx: PassContext) -> None:
             f"{routed[0].steps[0]} in {routed[0].autocast.describe()}. Keep the trained DiT calls in one autocast "
             f"state, or route without a score (jagg_frac=1.0, no threshold)")
     graph = gm.graph
-    options = dataclasses.replace(ctx.config.options, weights=ctx.config.weights, time_arg=routed[0].time_arg)
+    options = dataclasses.replace(ctx.config.options, time_arg=routed[0].time_arg)
     plan = TrajectoryPlan(windows=tuple(tuple(w.steps) for w in routed),
                           window_indices=tuple(w.index for w in routed), options=options,
                           routing=ctx.config.routing)

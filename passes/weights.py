@@ -33,15 +33,15 @@ def resolve_time_arg(node: fx.Node, time_arg):
 
 
 def compute_weights(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    basis = resolve_basis(ctx.config.weights)
+    basis = resolve_basis(ctx.config.options.weights)
     for w in ctx.windows:
         if w.mode not in ("jagg", "routed"):
             continue
-        w.time_arg = resolve_time_arg(w.nodes[0], ctx.config.time_arg)
+        w.time_arg = resolve_time_arg(w.nodes[0], ctx.config.options.time_arg)
         for node in w.nodes[1:]:
             # each call resolved on its own: a call that passes the timestep elsewhere must not be
             # read at the first call's position
-            if resolve_time_arg(node, ctx.config.time_arg) != w.time_arg:
+            if resolve_time_arg(node, ctx.config.options.time_arg) != w.time_arg:
                 raise JaggInputError(f"node {node.name}: timestep argument differs within window {w.index}")
         w.knots = basis.knot_positions(len(w.nodes))
         w.basis = basis.label()

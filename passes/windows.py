@@ -96,7 +96,7 @@ def assign_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     ctx.windows = []
     if not trained:
         return gm
-    grouping = group_windows(len(trained), cfg.window, same_step=same_step_of(trained, cfg.time_arg),
+    grouping = group_windows(len(trained), cfg.window, same_step=same_step_of(trained, cfg.options.time_arg),
                              batch_key=lambda k: (static_signature(trained[k]), trained[k].meta["jagg_call"].autocast))
     ctx.notes.extend(grouping.notes())
     _announce_cuts(grouping, trained, cfg.window, ctx)
@@ -107,7 +107,7 @@ def assign_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         elif cfg.routing.active:
             mode = "routed"
         else:
-            mode = "jagg" if cfg.jagg_frac == 1.0 else "exact"
+            mode = "jagg" if cfg.routing.jagg_frac == 1.0 else "exact"
         w = Window(index=len(ctx.windows), nodes=nodes, mode=mode, steps=[n.meta["jagg_call"].step for n in nodes],
                    autocast=nodes[0].meta["jagg_call"].autocast)
         ctx.windows.append(w)

@@ -185,7 +185,7 @@ def test_build_example_rejects_unknown_name():
 
 # Bit-identity with the eager loss and the 2B-batch counts hold for the rewrite itself; the CFG
 # split (tests/test_cfg.py) changes the calls' batch and so the values by batch-size roundoff.
-UNSPLIT = dict(split_batches=False)
+UNSPLIT = dict(options=jaggc.Options(split_batches=False))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -254,7 +254,7 @@ def test_window_two_is_exact(refs, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_jagg_frac_zero_is_exact(refs, name):
     ref = refs(name)
-    compiled = jagg_compile(ref.ex.loss_fn, window=4, jagg_frac=0.0, capture="dynamo", **UNSPLIT)
+    compiled = jagg_compile(ref.ex.loss_fn, window=4, capture="dynamo", routing=jaggc.Routing(jagg_frac=0.0), **UNSPLIT)
     loss, g, counts = run_compiled(compiled, ref.ex)
     assert {w.mode for w in compiled.report.windows} == {"exact"}
     assert compiled.report.backward_after == NUM_STEPS

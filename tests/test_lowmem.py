@@ -138,7 +138,7 @@ def test_rollout_cache_serves_the_interior_steps():
     with torch.no_grad(), cache.record():
         ex.loss_fn(ex.model, ex.batch)                  # records every step's output, as a rollout would
     _, joint = loss_and_grad(jagg_compile(ex.loss_fn, window=4), (ex.model, ex.batch), ex.model)
-    low = jagg_compile(ex.loss_fn, window=4, backward="lowmem", rollout_cache=cache)
+    low = jagg_compile(ex.loss_fn, window=4, backward="lowmem", options=jaggc.Options(rollout_cache=cache))
     low(ex.model, ex.batch)
     with count_dit_passes(ex.model) as counts:
         _, got = loss_and_grad(low, (ex.model, ex.batch), ex.model)
@@ -199,7 +199,7 @@ def test_another_trainable_input_is_refused():
 
 def test_routing_is_refused():
     with pytest.raises(JaggUnsupportedError, match="needs backward='joint'"):
-        jagg_compile(grpo_like, window=4, backward="lowmem", jagg_frac=0.5)
+        jagg_compile(grpo_like, window=4, backward="lowmem", routing=jaggc.Routing(jagg_frac=0.5))
 
 
 def test_fsdp2_in_one_process_equals_the_plain_module():

@@ -140,7 +140,7 @@ def inputs(n: int, window: int, *, seed: int = 0, on_chord: bool = True):
 
 def context(window: int = 3, *, backward: str = "joint", dit=None, **config) -> PassContext:
     """The context jagg_compile builds (jaggc/api.py ``_rewrite``)."""
-    options = WindowOptions(weights=config.get("weights", "t"), time_arg=config.get("time_arg"), backward=backward)
+    options = WindowOptions(weights=config.pop("weights", "t"), time_arg=config.pop("time_arg", None), backward=backward)
     return PassContext(config=CompileConfig(window=window, options=options, **config), dit=dit, frontend="fx")
 
 
@@ -418,8 +418,8 @@ def test_assign_windows_never_mixes_cfg_streams():
     assert any("one window per stream" in note for note in ctx.notes)
 
 
-@pytest.mark.parametrize("config, mode", [({"jagg_frac": 0.0}, "exact"),
-                                          ({"jagg_frac": 0.5, "routing": Routing(jagg_frac=0.5)}, "routed")])
+@pytest.mark.parametrize("config, mode", [({"routing": Routing(jagg_frac=0.0)}, "exact"),
+                                          ({"routing": Routing(jagg_frac=0.5)}, "routed")])
 def test_assign_windows_mode_follows_jagg_frac_and_routing(config, mode):
     gm, _ = affine_loss(5)
     ctx = context(3, **config)

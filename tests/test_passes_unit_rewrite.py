@@ -177,7 +177,7 @@ def test_rewritten_graph_matches_original_on_the_chord_and_runs_jagg_off_it(on_c
 
 def test_rewrite_windows_makes_one_trajectory_node_for_routed_windows():
     gm, _ = affine_loss(8)
-    ctx = context(3, jagg_frac=0.5, routing=Routing(jagg_frac=0.5))
+    ctx = context(3, routing=Routing(jagg_frac=0.5))
     gm = run(gm, ctx, *ANALYSES, rewrite_windows)
     (node,) = nodes_with(gm, jagg_trajectory)
     assert [len(w) for w in node.args[1]] == [3, 3] and [w.node for w in ctx.windows[:2]] == [node, node]

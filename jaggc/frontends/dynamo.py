@@ -31,6 +31,7 @@ from ..runtime.calls import DitCall
 from ..runtime.checks import conform_placement
 from ..runtime.module_state import module_chain
 from . import opaque_op
+from .contract import direct_forward_error
 from .fake_cache import cached_fake_call
 
 _OPAQUE: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
@@ -265,11 +266,7 @@ def check_called_as_module(node: fx.Node, module: nn.Module, fn) -> None:
     stack = node.meta.get("nn_module_stack") or {}
     if any(str(key).split("@")[0] == str(id(module)) for key in stack):
         return
-    raise JaggGraphError(
-        f"{user_source(node) or 'unknown source line'}: the DiT ({type(module).__name__}) is called through "
-        f"`.forward(...)` "
-        f"(graph node {node.name}); `.forward` skips the module's hooks (DDP/FSDP gradient sync, peft) and "
-        f"jaggc would run it with them. Call the module itself: `dit(...)`")
+    raise direct_forward_error(user_source(node) or "unknown source line", module, node.name)
 
 
 def canonicalize_dynamo_calls(gm: fx.GraphModule) -> fx.GraphModule:

@@ -6,7 +6,7 @@ such questions (shape, ndim, size(), dim(), numel(), dtype, device, len()) with 
 taken from a fake-tensor run of the node's ancestors. That is exact for the inputs traced: every
 shape, dtype and device in the graph is a function of the input tensors' metadata, the module's
 parameters' metadata and the constant arguments, and all of them are in the FX cache key
-(``api._structure_key``). An op whose output shape depends on tensor *values* (``nonzero``,
+(``fx_runner.structure_key``). An op whose output shape depends on tensor *values* (``nonzero``,
 ``masked_select``) cannot be run on fake tensors; asking for its shape is refused.
 
 Values are computed lazily: a loss asks about a handful of nodes (the DiT output's ``ndim``, a

@@ -38,7 +38,6 @@ import linecache
 import operator
 import traceback
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -48,25 +47,20 @@ from .. import _compat
 from .._compat import SET_GRAD_ENABLED, fake_mode_suspended, tree_flatten, tree_unflatten
 from ..errors import JaggCaptureError, JaggGraphError
 from ..graph_ops import dit_call, is_in_place, set_autocast, set_module_state, user_source
-from ..runtime.autocast import AUTOCAST_OFF, AutocastState, autocast_cache_disabled, current_autocast
+from ..runtime.autocast import autocast_cache_disabled, current_autocast
 from ..runtime.module_state import ModuleState, applicable, difference, module_state
 from . import example_values
 from .example_values import ExampleValues
 from .aliasing import storage_of
+from .contract import Captured, bind_loss, direct_forward_error
 from .live_tensors import LiveTensors
-from .value_reads import Guard, ValueReads
-
-
-def _bind(fn: Callable, args: tuple, kwargs: dict) -> inspect.BoundArguments:
-    bound = inspect.signature(fn).bind(*args, **kwargs)
-    bound.apply_defaults()
-    return bound
+from .value_reads import ValueReads
 
 
 def concrete_args_for(fn: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
     """Tensor leaves -> fx.PH (placeholders); everything else stays concrete."""
     concrete = {}
-    for name, value in _bind(fn, args, kwargs).arguments.items():
+    for name, value in bind_loss(fn, args, kwargs, defaults=True).arguments.items():
         leaves, spec = tree_flatten(value)
         concrete[name] = tree_unflatten([fx.PH if isinstance(x, torch.Tensor) else x for x in leaves], spec)
     return concrete
@@ -319,9 +313,7 @@ def _refuse_direct_forward(dits: list[nn.Module]):
         def refuse(*args, **kwargs):
             if example_values.running():   # the DiT's own call, run for its output's shape
                 return original(*args, **kwargs)
-            raise JaggGraphError(
-                f"{_where()}the DiT is called through `.forward(...)`; call the module itself, `dit(...)`, so "
-                f"that its hooks (DDP/FSDP gradient sync, peft) run and jaggc can see the call")
+            raise direct_forward_error(_where().rstrip(": "), m)
         return refuse
 
     for m in dits:
@@ -375,21 +367,10 @@ class _RandomDrawsRefused(_compat.dispatch_mode_base()):
         return func(*args, **(kwargs or {}))
 
 
-@dataclass
-class FxCapture:
-    """A traced loss: the graph, the guard over the values it read (None: it read none), and the
-    grad mode and autocast state it was entered in."""
-
-    gm: fx.GraphModule
-    guard: Guard | None
-    entry_grad: bool
-    entry_autocast: AutocastState = AUTOCAST_OFF
-
-
-def capture_fx(fn: Callable, args: tuple, kwargs: dict, dits: list[nn.Module]) -> FxCapture:
+def capture_fx(fn: Callable, args: tuple, kwargs: dict, dits: list[nn.Module]) -> Captured:
     """Trace ``fn(*args, **kwargs)`` into a GraphModule with ``dit_call`` nodes."""
     concrete = concrete_args_for(fn, args, kwargs)
-    inputs = [leaf for value in _bind(fn, args, kwargs).arguments.values() for leaf in tree_flatten(value)[0]]
+    inputs = [leaf for value in bind_loss(fn, args, kwargs, defaults=True).arguments.values() for leaf in tree_flatten(value)[0]]
     tracer = DiTLeafTracer(dits, inputs)
     tracer.live = LiveTensors(tracer, dits, _where)
     entry = {id(m): module_state(m) for m in dits}
@@ -421,8 +402,8 @@ def capture_fx(fn: Callable, args: tuple, kwargs: dict, dits: list[nn.Module]) -
     root = {n.target: tracer._root_value(n.target) for n in graph.nodes if n.op in ("get_attr", "call_module")}
     _place_module_states(graph, root, entry, exits)
     guard = tracer.reads.guard(graph, root)
-    return FxCapture(fx.GraphModule(root, graph, class_name="JaggLoss"), guard, tracer.entry_grad,
-                     tracer.entry_autocast)
+    return Captured(fx.GraphModule(root, graph, class_name="JaggLoss"), entry_grad=tracer.entry_grad,
+                    entry_autocast=tracer.entry_autocast, guard=guard)
 
 
 def _where_in_traceback(e: BaseException) -> str:

@@ -48,6 +48,7 @@ from ..runtime.checks import check_placement
 from ..runtime.rollout_cache import RolloutCache
 from ..runtime.grouping import cut_announcement, group_calls, leaf_difference
 from ..runtime.module_state import CallState
+from .contract import direct_forward_error
 from ..runtime.routing import Routing
 from ..runtime.trajectory import run_trajectory
 from ..runtime.window import WindowOptions
@@ -69,9 +70,7 @@ class DitProxy:
     def __getattr__(self, name):
         if name == "forward":
             step = getattr(self._on_call, "next_step", None)
-            raise JaggGraphError(
-                f"{f'step {step()}: ' if step is not None else ''}the loss calls dit.forward(...): that bypasses "
-                f"the module call (and its hooks, DDP, FSDP), so jaggc cannot intercept it. Call dit(...) instead")
+            raise direct_forward_error(f"step {step()}" if step is not None else "", self._dit)
         return getattr(self._dit, name)
 
 
