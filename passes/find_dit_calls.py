@@ -25,11 +25,6 @@ from .context import CallSite, PassContext
 from .modes import tag_modes
 
 
-def source_of(node: fx.Node) -> str:
-    """``file:line`` of the user code that made this node (from the Dynamo/FX stack trace)."""
-    return user_source(node)
-
-
 def find_dit_calls(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     tag_modes(gm, ctx)
     calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is dit_call]
@@ -57,7 +52,7 @@ def find_dit_calls(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for index, node in enumerate(calls):
         is_dit = module_of(node) is dit
         grad = node.meta["jagg_grad"]
-        site = CallSite(index=index, module=node.args[0].target, grad_enabled=grad, source=source_of(node),
+        site = CallSite(index=index, module=node.args[0].target, grad_enabled=grad, source=user_source(node),
                         autocast=node.meta["jagg_autocast"])
         if is_dit and grad:
             site.step = step

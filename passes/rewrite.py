@@ -169,7 +169,7 @@ def _rewrite_routed(gm: fx.GraphModule, ctx: PassContext) -> None:
             f"{other.nodes[0].meta['jagg_call'].source or 'the loss'}: routing scores all windows in one "
             f"trajectory node, but step {other.steps[0]} runs in autocast {other.autocast.describe()} and step "
             f"{routed[0].steps[0]} in {routed[0].autocast.describe()}. Keep the trained DiT calls in one autocast "
-            f"state, or route without a score (jagg_frac=1.0, no threshold)")
+            f"state, or route without a score (jaggc.Routing(jagg_frac=1.0), no threshold)")
     graph = gm.graph
     options = dataclasses.replace(ctx.config.options, time_arg=routed[0].time_arg)
     plan = TrajectoryPlan(windows=tuple(tuple(w.steps) for w in routed),

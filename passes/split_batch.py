@@ -30,7 +30,8 @@ import torch
 from torch import fx
 
 from jaggc._compat import SET_GRAD_ENABLED, tree_flatten, tree_unflatten
-from jaggc.graph_ops import batch_chunk, dit_call, flatten_output, user_source
+from jaggc.graph_ops import batch_chunk, dit_call, flatten_output, is_graph_value, user_source
+from jaggc.runtime.calls import argument_at, state_position
 
 from .context import PassContext
 from .modes import tag_modes
@@ -127,8 +128,7 @@ def _rewrite(gm: fx.GraphModule, call: fx.Node, primary: fx.Node, pieces: dict, 
     graph = gm.graph
     module, args, kwargs = call.args
     leaves, spec = tree_flatten((args, kwargs))
-    state = kwargs.get("hidden_states") if isinstance(kwargs, dict) else None
-    state = state if isinstance(state, fx.Node) else next(x for x in leaves if isinstance(x, fx.Node))
+    state = argument_at(args, kwargs, state_position(args, kwargs, is_graph_value))
     # the chunks with gradient stay ONE trained call (on their slices, concatenated), so a step
     # keeps one trained call; each no-grad chunk becomes its own reference call
     trained = tuple(i for i in sorted(pieces) if i not in no_grad)

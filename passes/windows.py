@@ -25,6 +25,8 @@ import warnings
 from torch import fx
 
 from jaggc._compat import tree_flatten
+from jaggc.graph_ops import is_graph_value
+from jaggc.runtime.calls import argument_at, state_position, time_position
 from jaggc.runtime.grouping import cut_announcement, group_windows, leaf_difference
 from jaggc.runtime.window import check_window_size
 
@@ -48,14 +50,10 @@ def _expr_key(node, memo: dict):
 
 
 def _state_and_time(node: fx.Node, time_arg) -> tuple:
+    """The graph values a DiT call takes as its state and its timestep (runtime/calls.py's layout)."""
     _, args, kwargs = node.args[:3]
-    state = kwargs.get("hidden_states") if isinstance(kwargs, dict) and "hidden_states" in kwargs else (
-        args[0] if args else next(iter(kwargs.values()), None))
-    if isinstance(time_arg, int):
-        time = args[time_arg] if len(args) > time_arg else None
-    else:
-        time = kwargs.get(time_arg or "timestep", args[1] if len(args) > 1 else None)
-    return state, time
+    state = argument_at(args, kwargs, state_position(args, kwargs, is_graph_value))
+    return state, argument_at(args, kwargs, time_position(kwargs, time_arg))
 
 
 def same_step_of(calls: list[fx.Node], time_arg):

@@ -17,9 +17,10 @@ bound (``bind_loss``) and how a call through ``dit.forward(...)`` is refused
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 from torch import fx, nn
 
@@ -89,4 +90,26 @@ def direct_forward_error(where: str = "", module: nn.Module | None = None, node:
         f"(DDP/FSDP gradient sync, peft) run and jaggc can see the call")
 
 
-__all__ = ["Captured", "Frontend", "Session", "bind_loss", "direct_forward_error"]
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def instance_slots(patches: Iterable[tuple[Any, str, Any]]):
+    """Set ``obj.__dict__[name] = value`` for each patch for the duration, then restore what each
+    slot held (or remove it). Instance slots shadow the class's methods (``forward``, the call
+    slot, ``train``) for that one module object, so other instances and threads are untouched."""
+    saved = []
+    try:
+        for obj, name, value in patches:
+            saved.append((obj, name, obj.__dict__.get(name, _MISSING)))
+            obj.__dict__[name] = value
+        yield
+    finally:
+        for obj, name, old in reversed(saved):
+            if old is _MISSING:
+                obj.__dict__.pop(name, None)
+            else:
+                obj.__dict__[name] = old
+
+
+__all__ = ["Captured", "Frontend", "Session", "bind_loss", "direct_forward_error", "instance_slots"]

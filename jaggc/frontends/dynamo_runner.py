@@ -17,6 +17,7 @@ from torch import fx
 from .. import _compat
 from ..errors import JaggCaptureError, JaggInputError
 from ..runtime.autocast import current_autocast, reset_graph_autocast
+from ..source import stack_location
 from .aliasing import storage_groups
 from .contract import Captured, Session
 from .dynamo import STATE_CHANGE_MARK, opaque_modules
@@ -93,7 +94,7 @@ class DynamoFrontend:
         user_error = self._user_exception(e, candidates, args, kwargs)
         if user_error is not None:
             return user_error
-        where = _compat.dynamo_user_location(e)
+        where = stack_location(_compat.dynamo_real_stack(e))
         if STATE_CHANGE_MARK in str(e):
             return JaggCaptureError(
                 f"{where + ': ' if where else ''}{self.qualname} changes the DiT's state (train/eval, "

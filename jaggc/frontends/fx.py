@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import os
-import linecache
 import operator
 import traceback
 import warnings
@@ -47,12 +45,13 @@ from .. import _compat
 from .._compat import SET_GRAD_ENABLED, fake_mode_suspended, tree_flatten, tree_unflatten
 from ..errors import JaggCaptureError, JaggGraphError
 from ..graph_ops import dit_call, is_in_place, set_autocast, set_module_state, user_source
+from ..source import frame_location, frame_traceback_line, traceback_location, user_frame
 from ..runtime.autocast import autocast_cache_disabled, current_autocast
 from ..runtime.module_state import ModuleState, applicable, difference, module_state
 from . import example_values
 from .example_values import ExampleValues
 from .aliasing import storage_of
-from .contract import Captured, bind_loss, direct_forward_error
+from .contract import Captured, bind_loss, direct_forward_error, instance_slots
 from .live_tensors import LiveTensors
 from .value_reads import ValueReads
 
@@ -267,18 +266,9 @@ class DiTLeafTracer(fx.Tracer):
         return self.create_proxy("call_module", self.path_of_module(m), args, kwargs)
 
 
-_INTERNAL_FILES = (os.path.dirname(torch.__file__).replace("\\", "/") + "/", "/jaggc/frontends/")
-
-
 def _user_frame():
-    """The innermost frame outside torch.fx, nn.Module's call machinery and this frontend."""
-    frame = inspect.currentframe()
-    while frame is not None:
-        name = frame.f_code.co_filename.replace("\\", "/")
-        if not any(part in name for part in _INTERNAL_FILES):
-            return frame
-        frame = frame.f_back
-    return None
+    """The innermost frame outside torch and jaggc's machinery (source.py): the user's line."""
+    return user_frame(inspect.currentframe())
 
 
 def _user_stack() -> str:
@@ -287,26 +277,18 @@ def _user_stack() -> str:
 
 
 def _user_line() -> str:
-    """The user's frame in traceback format (what ``user_source`` and fx's codegen read), built
+    """The user's frame in traceback format (what ``node_location`` and fx's codegen read), built
     by hand: ``traceback.format_stack`` of the whole stack for every node dominated the trace."""
-    frame = _user_frame()
-    if frame is None:
-        return ""
-    code = frame.f_code
-    text = linecache.getline(code.co_filename, frame.f_lineno).strip()
-    return f'  File "{code.co_filename}", line {frame.f_lineno}, in {code.co_name}\n    {text}\n'
+    return frame_traceback_line(_user_frame())
 
 
 def _where() -> str:
-    frame = _user_frame()
-    return f"{frame.f_code.co_filename}:{frame.f_lineno}: " if frame is not None else ""
+    location = frame_location(_user_frame())
+    return f"{location}: " if location else ""
 
 
-@contextlib.contextmanager
 def _refuse_direct_forward(dits: list[nn.Module]):
     """A call through ``dit.forward(...)`` skips module hooks (DDP/FSDP sync): refuse it."""
-    saved = []
-
     def refusing(m: nn.Module):
         original = m.__dict__.get("forward") or type(m).forward.__get__(m)
 
@@ -316,17 +298,7 @@ def _refuse_direct_forward(dits: list[nn.Module]):
             raise direct_forward_error(_where().rstrip(": "), m)
         return refuse
 
-    for m in dits:
-        saved.append((m, m.__dict__.get("forward")))
-        m.__dict__["forward"] = refusing(m)
-    try:
-        yield
-    finally:
-        for m, old in saved:
-            if old is None:
-                m.__dict__.pop("forward", None)
-            else:
-                m.__dict__["forward"] = old
+    return instance_slots((m, "forward", refusing(m)) for m in dits)
 
 
 class _RefuseFunctionApply:
@@ -408,9 +380,8 @@ def capture_fx(fn: Callable, args: tuple, kwargs: dict, dits: list[nn.Module]) -
 
 def _where_in_traceback(e: BaseException) -> str:
     """``file:line: `` of the innermost user frame of an exception raised while tracing."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__)
-              if not any(part in f.filename.replace("\\", "/") for part in _INTERNAL_FILES)]
-    return f"{frames[-1].filename}:{frames[-1].lineno}: " if frames else ""
+    location = traceback_location(e)
+    return f"{location}: " if location else ""
 
 
 def _place_module_states(graph: fx.Graph, root: dict, entry: dict[int, ModuleState],

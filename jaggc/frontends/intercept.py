@@ -157,7 +157,7 @@ class InterceptedLoss:
                 f"routing scores all windows together, but the loss's trained DiT calls run in "
                 f"{len(set(states))} module or autocast states "
                 f"({states[0].difference(next(s for s in states if s != states[0]))}); "
-                f"use jagg_frac=1 without routing, or keep the trained calls in one state", path="intercept")
+                f"use routing=jaggc.Routing() (jagg_frac=1, no threshold), or keep the trained calls in one state", path="intercept")
         outs, self.decision = run_trajectory(dit, recorded, self.windows, options=options, routing=routing,
                                              states=states, exact_windows=range(len(self.windows)) if self.exact else ())
         try:
