@@ -81,7 +81,8 @@ class JaggCompiled:
         self.on_unsupported = options.on_unsupported
         self.options = options
         self.config = _passes().CompileConfig(window=window, options=options.window_options(weights, backward),
-                                              routing=routing, split_batches=bool(options.split_batches))
+                                              routing=routing, split_batches=bool(options.split_batches),
+                                              check_passes=bool(options.check_passes))
         self._report: Report | None = None
         self.traces = 0
         self._path: str | None = None if capture == "auto" else capture

@@ -34,7 +34,8 @@ class Options:
     path (interior outputs recorded during the rollout). ``split_batches``: split a CFG call's
     detached chunks into no-grad reference calls. ``backend``: compile the glue of a Dynamo graph
     with this ``torch.compile`` backend. ``on_unsupported="exact"``: run a loss no path can take
-    uncompiled (with a warning) instead of raising.
+    uncompiled (with a warning) instead of raising. ``check_passes``: run every graph pass's
+    executable invariant (``ensures``) after it (slower compiles; the tests always do).
     """
 
     time_arg: str | int | None = None
@@ -46,6 +47,7 @@ class Options:
     split_batches: bool = True
     backend: str | None = None
     on_unsupported: str = "raise"
+    check_passes: bool = False
 
     def __post_init__(self):
         if self.on_unsupported not in ("raise", "exact"):

@@ -30,6 +30,7 @@ import jaggc
 from jaggc_studies import example_losses
 from jaggc import grpo, jagg_compile
 from jaggc.graph_ops import dit_call, jagg_window
+from jaggc.node_meta import CALL, WINDOW
 from jaggc.runtime import DitCall, count_dit_passes, partition, run_window
 from jaggc.verify.fields import AffineJacobianField, CurvedField
 
@@ -224,13 +225,13 @@ def test_jagg_gradient_matches_runtime_by_hand(refs, name):
 
     gm = report.graph_module
     assert sum(n.target is jagg_window for n in gm.graph.nodes) == num_windows
-    references = [n for n in gm.graph.nodes if getattr(n.meta.get("jagg_call"), "role", None) == "reference"]
+    references = [n for n in gm.graph.nodes if getattr(CALL.get(n), "role", None) == "reference"]
     if name == "kl_reference_sd3":
         assert report.reference_calls == NUM_STEPS == len(references)
         for node in references:
             assert node.target is dit_call and "step" not in node.kwargs
-            assert node.meta["jagg_call"].window is None and node.meta["jagg_call"].step is None
-            assert "jagg_window" not in node.meta
+            assert CALL.of(node).window is None and CALL.of(node).step is None
+            assert not WINDOW.on(node)
         # the reference calls run as plain no-grad forwards, next to the interior forwards
         assert counts.nograd_forwards == NUM_STEPS + num_windows
     else:

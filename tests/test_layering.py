@@ -260,7 +260,7 @@ def test_no_import_cycles():
 # Layer of a module: the first entry of LAYER_PREFIXES that names it or a package above it.
 LAYER_PREFIXES = {
     "jaggc.errors": "errors", "jaggc.source": "source", "jaggc._compat": "compat", "jaggc.runtime": "runtime",
-    "jaggc.graph_ops": "graph_ops", "jaggc.frontends": "frontends", "jaggc.passes": "passes",
+    "jaggc.graph_ops": "graph_ops", "jaggc.node_meta": "graph_ops", "jaggc.frontends": "frontends", "jaggc.passes": "passes",
     "jaggc.backends": "backends", "jaggc.report_view": "report", "jaggc.report_build": "report",
     "jaggc.report": "report", "jaggc.fidelity": "fidelity", "jaggc.grpo": "helpers",
     "jaggc.models": "helpers", "jaggc.testing": "helpers", "jaggc.api": "api", "jaggc.verify": "verify",

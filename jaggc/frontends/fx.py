@@ -15,7 +15,7 @@ Plain torch.fx cannot trace a trainer's loss; this tracer records what plain FX 
 - **autocast**: a ``with torch.autocast(...):`` block (the trainers' CUDA bf16 block around the DiT
   call, a CPU block in tests, nested in helpers or not) is recorded as ``set_autocast`` switch
   nodes holding the state the following ops run in; every node also keeps the grad and autocast
-  state it was traced in (``meta["jagg_traced_modes"]``), so its example value and any value read
+  state it was traced in (``node_meta.TRACED_MODES``), so its example value and any value read
   through it are computed in that state, as eager code would;
 - **module state**: a DiT call traced in another state than the loss was entered in (inside peft's
   ``disable_adapter()``, after ``dit.train()``) is replayed in that state (``set_module_state``
@@ -54,6 +54,7 @@ from .aliasing import storage_of
 from .contract import Captured, bind_loss, direct_forward_error, instance_slots
 from .live_tensors import LiveTensors
 from .value_reads import ValueReads
+from ..node_meta import REQUIRES_GRAD, STORAGE, TRACED_CALL, TRACED_MODES, TracedCall
 
 
 def concrete_args_for(fn: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -198,14 +199,14 @@ class DiTLeafTracer(fx.Tracer):
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
         # the user's line only (error messages name one line), not fx's record_stack_traces
         node.stack_trace = _user_line()
-        node.meta["jagg_traced_modes"] = (self.grad_mode, self.autocast)
+        TRACED_MODES.set(node, (self.grad_mode, self.autocast))
         self.examples.add(node)
         if kind == "placeholder":
             value = self._inputs.pop()
-            node.meta["jagg_requires_grad"] = isinstance(value, torch.Tensor) and value.requires_grad
+            REQUIRES_GRAD.set(node, isinstance(value, torch.Tensor) and value.requires_grad)
             if isinstance(value, torch.Tensor):
                 # inputs sharing storage share an alias root (passes/effects.py); aliasing.py rechecks it
-                node.meta["jagg_storage"] = storage_of(value)
+                STORAGE.set(node, storage_of(value))
             self.examples.set_input(node, value)
             self.reads.real_inputs[node] = value
         elif is_in_place(node):
@@ -261,7 +262,7 @@ class DiTLeafTracer(fx.Tracer):
             dit = self.create_proxy("get_attr", self._attr_name(m), (), {})
             proxy = self.create_proxy("call_function", dit_call, (dit, tuple(args), dict(kwargs)), {})
             proxy.node.stack_trace = _user_stack()  # fx would name this frame, not the user's call
-            proxy.node.meta["jagg_traced_state"] = (m, module_state(m), torch.is_grad_enabled())
+            TRACED_CALL.set(proxy.node, TracedCall(m, module_state(m), torch.is_grad_enabled()))
             return proxy
         return self.create_proxy("call_module", self.path_of_module(m), args, kwargs)
 
@@ -395,7 +396,7 @@ def _place_module_states(graph: fx.Graph, root: dict, entry: dict[int, ModuleSta
     by_module: dict[int, list[fx.Node]] = {}
     for node in graph.nodes:
         if node.op == "call_function" and node.target is dit_call:
-            by_module.setdefault(id(node.meta["jagg_traced_state"][0]), []).append(node)
+            by_module.setdefault(id(TRACED_CALL.of(node).module), []).append(node)
     first = next(n for n in graph.nodes if n.op != "placeholder")
     output = next(n for n in graph.nodes if n.op == "output")
     count = 0
@@ -410,19 +411,19 @@ def _place_module_states(graph: fx.Graph, root: dict, entry: dict[int, ModuleSta
             return graph.get_attr(name)
 
     for calls in by_module.values():
-        module = calls[0].meta["jagg_traced_state"][0]
-        trained = [n for n in calls if n.meta["jagg_traced_state"][2]]
-        states = {n.meta["jagg_traced_state"][1] for n in trained}
+        module = TRACED_CALL.of(calls[0]).module
+        trained = [n for n in calls if TRACED_CALL.of(n).grad_enabled]
+        states = {TRACED_CALL.of(n).state for n in trained}
         if len(states) > 1:
-            a, b = trained[0], next(n for n in trained if n.meta["jagg_traced_state"][1] != trained[0].meta["jagg_traced_state"][1])
+            a, b = trained[0], next(n for n in trained if TRACED_CALL.of(n).state != TRACED_CALL.of(trained[0]).state)
             raise JaggCaptureError(
                 f"{user_source(b)}: this grad-enabled DiT call runs in another module state than the one at "
-                f"{user_source(a)} ({difference(a.meta['jagg_traced_state'][1], b.meta['jagg_traced_state'][1])}); "
+                f"{user_source(a)} ({difference(TRACED_CALL.of(a).state, TRACED_CALL.of(b).state)}); "
                 f"a JAGG window pairs the Jacobians of its calls, which is only meaningful for one module state. "
                 f"Keep the trained calls in one state (reference calls may differ if run under torch.no_grad())",
                 path="fx", where=user_source(b))
         base = states.pop() if states else entry[id(module)]
-        for node, state in [(first, base)] + [(n, n.meta["jagg_traced_state"][1]) for n in calls] + [(output, exits[id(module)])]:
+        for node, state in [(first, base)] + [(n, TRACED_CALL.of(n).state) for n in calls] + [(output, exits[id(module)])]:
             frm = entry[id(module)] if node is first else base
             if state != frm and not applicable(frm, state):
                 raise JaggCaptureError(
@@ -438,7 +439,7 @@ def _place_module_states(graph: fx.Graph, root: dict, entry: dict[int, ModuleSta
             with graph.inserting_after(dit_attr):
                 graph.call_function(set_module_state, (dit_attr, attr))
         for node in calls:
-            state = node.meta["jagg_traced_state"][1]
+            state = TRACED_CALL.of(node).state
             if state != base:
                 node.kwargs = {**node.kwargs, "state": state_attr(state, node)}
         if exits[id(module)] != base:
