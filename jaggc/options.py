@@ -87,8 +87,8 @@ def apply_deprecated(options: Options | None, routing: Routing | None, old: dict
     setting both ways is refused (which one would win is not obvious)."""
     unknown = sorted(set(old) - set(DEPRECATED))
     if unknown:
-        raise JaggInputError(f"jagg_compile got unknown option(s) {unknown}; its keywords are {list(KEYWORDS)}, "
-                             f"the rest are fields of jaggc.Options or jaggc.Routing")
+        raise JaggInputError(f"jagg_compile got unknown option(s) {unknown}: remove them, or pass them as fields of "
+                             f"jaggc.Options(...) or jaggc.Routing(...); its keywords are {list(KEYWORDS)}")
     options = Options() if options is None else options
     routing = Routing() if routing is None else routing
     if not isinstance(options, Options):

@@ -172,13 +172,18 @@ CASES = {
 
 
 @pytest.mark.parametrize("case_id", list(CASES))
-def test_refusal(case_id):
-    case = CASES[case_id]
+def case_inputs(case: Case) -> tuple:
+    """The model and the loss's arguments of a refusal case."""
     model = AffineJacobianField(3, seed=1)
     zs, ts, gs = inputs(case.num_steps)
     if case.ts is not None:
         ts = case.ts(ts)
-    args = (model, zs, ts, gs, case.num_steps) if case.with_n else (model, zs, ts, gs)
+    return model, (model, zs, ts, gs, case.num_steps) if case.with_n else (model, zs, ts, gs)
+
+
+def test_refusal(case_id):
+    case = CASES[case_id]
+    model, args = case_inputs(case)
     # a gradient from an earlier micro-batch: a refusal must leave it as it is
     for p in model.parameters():
         p.grad = torch.full_like(p, 0.25)
