@@ -170,8 +170,12 @@ def loss_for_strategy(config: TrainerConfig, dit: torch.nn.Module):
     key = (config.window, config.weights, float(config.jagg_frac), config.rollout_cache)
     if key not in per_dit:
         cache = rollout_cache_for(dit) if config.rollout_cache else None
-        per_dit[key] = jaggc.jagg_compile(grpo_loss, window=config.window, weights=config.weights,
-                                          jagg_frac=config.jagg_frac, rollout_cache=cache)
+        per_dit[key] = jaggc.jagg_compile(
+            grpo_loss,
+            window=config.window,
+            weights=config.weights,
+            options=jaggc.Options(rollout_cache=cache),
+            routing=jaggc.Routing(jagg_frac=config.jagg_frac))
     return per_dit[key]
 
 
