@@ -68,7 +68,7 @@ class JaggCompiled:
                  backend: str | None = None, on_unsupported: str = "raise", interior_chunk: int | None = None,
                  batch_knots: bool = True, check_inputs: bool = True, backward: str = "joint",
                  rollout_cache=None, jagg_threshold: float | None = None, exact_below_t: float | None = None,
-                 split_batches: bool = True):
+                 split_batches: bool = True, guard=None):
         if capture not in _CAPTURES:
             raise JaggInputError(f"capture={capture!r}: use one of {_CAPTURES}")
         if on_unsupported not in ("raise", "exact"):
@@ -90,7 +90,8 @@ class JaggCompiled:
         self.on_unsupported = on_unsupported
         options = WindowOptions(weights=weights, time_arg=time_arg, interior_chunk=interior_chunk,
                                 batch_knots=batch_knots, check_inputs=check_inputs, backward=backward,
-                                rollout_cache=rollout_cache)
+                                rollout_cache=rollout_cache, guard=guard)
+        self.guard = guard      # jaggc.Guard: probes some calls against the exact gradient (runtime/guard.py)
         self.config = _passes().CompileConfig(window=window, weights=weights, jagg_frac=float(jagg_frac),
                                               time_arg=time_arg, options=options, routing=routing,
                                               split_batches=bool(split_batches))
@@ -108,10 +109,17 @@ class JaggCompiled:
     def report(self) -> Report | None:
         """The inspection report of the current compiled graph (timesteps from the latest run)."""
         refresh_times(self._report)
+        if self.guard is not None and self._report is not None:
+            self._report.guard = self.guard.summary()
         return self._report
 
     # --- entry --------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
+        if self.guard is not None:
+            return self.guard.call(self._call, self.fn, args, kwargs)
+        return self._call(*args, **kwargs)
+
+    def _call(self, *args, **kwargs):
         if self._path == "uncompiled" or not torch.is_grad_enabled():
             # under torch.no_grad() / inference_mode() (a validation loss, a logged value) there is
             # no backward to make cheaper: the undecorated loss is the value, at its own cost
@@ -456,7 +464,7 @@ def explain(fn: Callable, *args, **kwargs) -> Report:
     compiled (``@jagg_compile``): it runs with its own options."""
     option_names = ("dit", "window", "weights", "jagg_frac", "time_arg", "capture", "backend",
                     "on_unsupported", "interior_chunk", "batch_knots", "check_inputs", "backward", "rollout_cache",
-                    "jagg_threshold", "exact_below_t", "split_batches")
+                    "jagg_threshold", "exact_below_t", "split_batches", "guard")
     options = {k: kwargs.pop(k) for k in list(kwargs) if k in option_names}
     if isinstance(fn, JaggCompiled) and options:
         raise JaggInputError(f"explain: {fn.__name__} is already compiled with its own options; "
