@@ -154,7 +154,7 @@ def rollout_cache_for(dit: torch.nn.Module):
     return _ROLLOUT_CACHES[dit]
 
 
-def loss_for_strategy(config: TrainerConfig, dit: torch.nn.Module):
+def loss_for_strategy(config: TrainerConfig, dit: torch.nn.Module, guard=None):
     """``grpo_loss`` itself, or (jagg) its ``jagg_compile`` wrapper for ``dit``.
 
     One compiled wrapper per DiT module object: a wrapper whose Dynamo graph was captured with
@@ -166,6 +166,10 @@ def loss_for_strategy(config: TrainerConfig, dit: torch.nn.Module):
         return grpo_loss
     import jaggc
 
+    if guard is not None:        # a guard belongs to one run: its own wrapper (jaggc.Guard)
+        cache = rollout_cache_for(dit) if config.rollout_cache else None
+        return jaggc.jagg_compile(grpo_loss, window=config.window, weights=config.weights,
+                                  jagg_frac=config.jagg_frac, rollout_cache=cache, guard=guard)
     per_dit = _COMPILED.setdefault(dit, {})
     key = (config.window, config.weights, float(config.jagg_frac), config.rollout_cache)
     if key not in per_dit:
@@ -312,6 +316,7 @@ class GRPOTrainer:
     num_classes: int = 10
     image_shape: tuple = IMAGE_SHAPE
     conditioning: object = None
+    guard: object = None        # jaggc.Guard for strategy "jagg": the loss probes its own fidelity
 
     def __post_init__(self):
         self.config.validate()
@@ -322,7 +327,7 @@ class GRPOTrainer:
             from jaggc_studies.digits.rewards import get_reward
 
             self.reward_fn = get_reward(self.config.reward)
-        self.loss_fn = loss_for_strategy(self.config, self.dit)
+        self.loss_fn = loss_for_strategy(self.config, self.dit, guard=self.guard)
         self.params = trainable_parameters(self.dit, self.config.trainable)
         self.optimizer = torch.optim.AdamW(self.params, lr=self.config.lr, weight_decay=self.config.weight_decay)
         self.iteration = 0
