@@ -233,3 +233,13 @@ def test_ddp_probe_is_the_global_batch_exact_gradient(tmp_path_factory):
         assert rel_err(res["jagg"], res["grad"]) < 1e-6       # the all-reduced .grad
     assert rel_err(per_rank[0]["exact"], per_rank[1]["exact"]) < 1e-6
     assert not math.isclose(rel_err(per_rank[0]["jagg"], exact), 0.0, abs_tol=1e-4)
+
+
+def test_the_bench_mode_and_its_cost_model():
+    from jaggc_studies.bench.strategies import guard_cost, jagg_cost, parse_mode
+
+    mode = parse_mode("jagg_guard@4")
+    assert mode.name == "jagg_guard@4" and mode.strategy.windowed
+    # every JAGG window of W steps adds one backward of its W steps (2W F); the 2-step tail is exact
+    assert guard_cost(10, 4).backward == jagg_cost(10, 4).backward + 2 * 4 + 2 * 4
+    assert guard_cost(10, 4).forward == jagg_cost(10, 4).forward

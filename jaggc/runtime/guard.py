@@ -169,6 +169,14 @@ class Guard:
         self.block = Block(self.sigma_edges, self.probes)
 
     # --- reading it -----------------------------------------------------------------------------
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes the guard holds between probes: the block's running error sums (the whole gradient's
+        and one per σ range seen) and its exact-gradient sum. A probe adds, while it runs, one
+        ``.grad`` snapshot and one error buffer per σ range with JAGG windows."""
+        held = [self.block.exact_sum] + [m.sum for m in self.block.ranges] + [self.block.whole.sum]
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
+
     def log(self) -> dict[str, float]:
         """Flat figures for a logger: the latest probe and the running block."""
         out: dict[str, float] = {"guard/calls": float(self.calls), "guard/probes": float(self.probed),
@@ -188,7 +196,8 @@ class Guard:
 
     def summary(self) -> str:
         lines = [f"jaggc guard: every={self.every}, on_drift={self.on_drift!r}, {self.calls} calls, {self.probed} "
-                 f"probes (blocks of {self.probes}; limits {self.bias_limit} floors, cosine {self.target_cosine})"]
+                 f"probes (blocks of {self.probes}; limits {self.bias_limit} floors, cosine {self.target_cosine}); "
+                 f"buffers {self.buffer_bytes / 2**20:.1f} MiB"]
         if self.jagg_off:
             lines.append("JAGG is off (on_drift='exact'): the undecorated loss runs")
         if self.exact_ranges:
