@@ -14,9 +14,11 @@ __all__ = [
     "JaggUnsupportedError", "RolloutCache", "WindowOptions", "atomic_step", "count_dit_passes", "jagg_calls", "run_exact", "run_window",
 ]
 from .api import JaggCompiled, explain, jagg_compile
+from .options import Options
 from .report import Report
+from .runtime.routing import Routing
 
-__all__ += ["JaggCompiled", "Report", "explain", "jagg_compile"]
+__all__ += ["JaggCompiled", "Options", "Report", "Routing", "explain", "jagg_compile"]
 
 
 def calibrate(loss_fn, dit, batch, target_cosine=0.95, candidates=None, **kwargs):

@@ -119,20 +119,10 @@ def recompile_limit_types() -> tuple[type, ...]:
     return tuple(t for t in (getattr(exc, "FailOnRecompileLimitHit", None),) if t is not None)
 
 
-def dynamo_user_location(exc: BaseException) -> str:
-    """Where Dynamo stopped, from its ``real_stack`` (outermost frame first): ``file:line`` of the
-    loss's own line, followed by ``(in file:line)`` of the innermost frame when the break is
-    inside a function it calls (a library, a helper); "" if unknown."""
-    frames = [f for f in (getattr(exc, "real_stack", None) or [])
-              if not any(part in str(getattr(f, "filename", "")).replace("\\", "/")
-                         for part in ("/jaggc/", "/torch/"))]
-    if not frames:
-        return ""
-    outer, inner = frames[0], frames[-1]
-    where = f"{outer.filename}:{outer.lineno}"
-    if (inner.filename, inner.lineno) != (outer.filename, outer.lineno):
-        where += f" (in {inner.filename}:{inner.lineno})"
-    return where
+def dynamo_real_stack(exc: BaseException) -> list:
+    """The user stack Dynamo recorded where it stopped (``real_stack``, outermost frame first;
+    FrameSummary-like objects), [] if none. ``source.stack_location`` reads it."""
+    return list(getattr(exc, "real_stack", None) or [])
 
 
 @contextlib.contextmanager

@@ -13,7 +13,6 @@ state; torch's ``has_side_effect`` marks them, so ``node.is_impure()`` says so t
 from __future__ import annotations
 
 import operator
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +22,7 @@ from ._compat import DYNAMO_ENTER_AUTOCAST, DYNAMO_EXIT_AUTOCAST, tree_flatten, 
 from .runtime.calls import DitCall, per_sample_time, resolve_time_arg
 from .runtime import autocast as _autocast
 from .runtime.autocast import AutocastState
+from .source import node_location
 from .runtime.deferred import BackwardGroup
 from .runtime.lowmem import LowMemRun
 from .runtime.module_state import ModuleState, applied, set_state
@@ -46,13 +46,17 @@ def is_in_place(node: torch.fx.Node) -> bool:
     return name.endswith("_") and not name.endswith("__")
 
 
+def is_graph_value(x) -> bool:
+    """An argument the graph computes (an fx node), as opposed to a constant baked into the call:
+    the ``is_value`` of runtime/calls.py's call layout, on graphs."""
+    return isinstance(x, torch.fx.Node)
+
+
 def user_source(node: torch.fx.Node) -> str:
-    """``file:line`` of the user code that made ``node`` (from its stack trace), skipping jaggc's
-    own frontend frames (the opaque-call slots sit between the user's call and the DiT); "" if
-    unknown."""
-    found = re.findall(r'File "([^"]+)", line (\d+)', node.meta.get("stack_trace") or "")
-    found = [(f, line) for f, line in found if "/jaggc/frontends/" not in f.replace("\\", "/")]
-    return f"{found[-1][0]}:{found[-1][1]}" if found else ""
+    """``file:line`` of the user code that made ``node`` (from its stack trace), skipping torch's
+    and jaggc's own frames (the opaque-call slots sit between the user's call and the DiT;
+    source.py); "" if unknown."""
+    return node_location(node)
 
 
 @torch.fx.wrap

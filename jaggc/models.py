@@ -43,6 +43,8 @@ QWEN_LATENT_SIDE = {"tiny": 4, "10m": 8}     # packed latent tokens per side
 
 
 def sd3(size: str = "tiny", *, seed: int = 0, dtype=torch.float32):
+    """A diffusers ``SD3Transformer2DModel`` of a small config (``"tiny"``, ``"10m"``, ...), random init
+    from ``seed``; call it with ``hidden_states``, ``timestep`` (0..1000) and ``sd3_conditioning``."""
     from diffusers import SD3Transformer2DModel
 
     torch.manual_seed(seed)
@@ -51,6 +53,8 @@ def sd3(size: str = "tiny", *, seed: int = 0, dtype=torch.float32):
 
 
 def flux(size: str = "tiny", *, seed: int = 0, dtype=torch.float32):
+    """A diffusers ``FluxTransformer2DModel`` of a small config, random init from ``seed``; call it with
+    packed ``hidden_states``, ``timestep`` (σ in [0, 1]) and ``flux_conditioning``."""
     from diffusers import FluxTransformer2DModel
 
     torch.manual_seed(seed)
@@ -59,6 +63,7 @@ def flux(size: str = "tiny", *, seed: int = 0, dtype=torch.float32):
 
 
 def qwen_image(size: str = "tiny", *, seed: int = 0, dtype=torch.float32):
+    """A diffusers ``QwenImageTransformer2DModel`` of a small config, random init from ``seed``."""
     from diffusers import QwenImageTransformer2DModel
 
     torch.manual_seed(seed)
@@ -74,6 +79,8 @@ class Conditioning:
 
 
 def sd3_conditioning(model, batch: int, *, text_len: int = 5, seed: int = 0) -> Conditioning:
+    """Random ``encoder_hidden_states`` and ``pooled_projections`` of an SD3 model's sizes for ``batch``
+    samples; pass ``**cond.kwargs`` to every call."""
     cfg = model.config
     g = torch.Generator().manual_seed(seed)
     dtype = next(model.parameters()).dtype
@@ -84,12 +91,15 @@ def sd3_conditioning(model, batch: int, *, text_len: int = 5, seed: int = 0) -> 
 
 
 def sd3_latent_shape(model, batch: int) -> tuple[int, ...]:
+    """The (B, C, H, W) shape of an SD3 model's latents (its ``hidden_states``)."""
     cfg = model.config
     return (batch, cfg.in_channels, cfg.sample_size, cfg.sample_size)
 
 
 def flux_conditioning(model, batch: int, *, height: int = 4, width: int = 4, text_len: int = 4,
                       seed: int = 0) -> Conditioning:
+    """Random text embeddings, pooled projections, guidance and the image/text position ids of a
+    Flux model's sizes for ``batch`` samples of ``height`` x ``width`` packed latents."""
     cfg = model.config
     g = torch.Generator().manual_seed(seed)
     dtype = next(model.parameters()).dtype
@@ -105,4 +115,5 @@ def flux_conditioning(model, batch: int, *, height: int = 4, width: int = 4, tex
 
 
 def flux_latent_shape(model, batch: int, *, height: int = 4, width: int = 4) -> tuple[int, ...]:
+    """The (B, height * width, C) shape of a Flux model's packed latents."""
     return (batch, height * width, model.config.in_channels)

@@ -10,6 +10,7 @@ from typing import Any
 
 import networkx as nx
 from torch import fx
+from .node_meta import CALL, WINDOW
 
 
 @dataclass
@@ -125,8 +126,8 @@ class Report:
         if self.graph_module is None:
             return g
         for node in self.graph_module.graph.nodes:
-            site = node.meta.get("jagg_call")
-            g.add_node(node.name, op=node.op, target=_target_name(node), window=node.meta.get("jagg_window"),
+            site = CALL.get(node)
+            g.add_node(node.name, op=node.op, target=_target_name(node), window=WINDOW.get(node),
                        role=getattr(site, "role", None), step=getattr(site, "step", None))
             for inp in node.all_input_nodes:
                 g.add_edge(inp.name, node.name)

@@ -10,6 +10,7 @@ from torch import fx
 from .frontends.intercept import InterceptedLoss
 from .graph_ops import LowMemWindowPlan, TrajectoryPlan, observed_times
 from .report import Report, WindowRow
+from .node_meta import CALL
 
 
 def build_report(frontend: str, gm: fx.GraphModule, stages, ctx, traces: int) -> Report:
@@ -23,7 +24,7 @@ def build_report(frontend: str, gm: fx.GraphModule, stages, ctx, traces: int) ->
                     notes=list(ctx.notes), call_autocast=_call_autocast(ctx.dit_calls(gm)),
                     trained_calls=len(ctx.trained_calls(gm)))
     report.reference_calls = sum(1 for n in gm.graph.nodes
-                                 if getattr(n.meta.get("jagg_call"), "role", None) == "reference")
+                                 if getattr(CALL.get(n), "role", None) == "reference")
     report._plans = [w.plan for w in ctx.windows]
     report._basis = ctx.config.options.basis
     report.splits = [f"{s.source or 'a DiT call'}: chunks {list(s.no_grad)} of {s.chunks} run without grad ({s.reason})"
@@ -36,7 +37,7 @@ def _call_autocast(calls) -> list[str]:
     """One "step k: <autocast>" / "reference (file:line): <autocast>" entry per DiT call."""
     out = []
     for node in calls:
-        site = node.meta["jagg_call"]
+        site = CALL.of(node)
         who = f"step {site.step}" if site.step is not None else f"{site.role} ({site.source or node.name})"
         out.append(f"{who}: {site.autocast.describe()}")
     return out
@@ -47,7 +48,7 @@ def intercept_report(loss: InterceptedLoss, cfg, traces: int) -> Report:
     basis = cfg.options.basis
     rows = []
     for i, steps in enumerate(loss.windows):
-        jagg = len(steps) > 2 and (cfg.jagg_frac != 0.0 or cfg.routing.active)
+        jagg = len(steps) > 2 and (cfg.routing.jagg_frac != 0.0 or cfg.routing.active)
         if jagg and loss.decision is not None:
             jagg = loss.decision.modes[i] == "jagg"
         rows.append(WindowRow(window=i, steps=list(steps), mode="jagg" if jagg else "exact",

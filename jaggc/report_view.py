@@ -17,6 +17,7 @@ import torch
 from torch import fx
 
 from .graph_ops import dit_call, is_runtime_target, jagg_lowmem_window, jagg_trajectory, jagg_window
+from .node_meta import CALL, WINDOW
 
 ROLE_LETTER = {"knot": "K", "interior": "i", "exact": "E"}
 _JAGG_MODES = ("jagg", "jagg:σ-exact", "routed", "routed:jagg")     # the modes WindowRow.roles() draws as K/i
@@ -127,7 +128,7 @@ def _count_ops(gm: fx.GraphModule, view: CondensedView) -> None:
     nodes = list(gm.graph.nodes)
     down: dict[fx.Node, frozenset] = {}
     for n in nodes:
-        site = n.meta.get("jagg_call")
+        site = CALL.get(n)
         if site is not None and site.step is not None:
             down[n] = frozenset({site.step})
         else:
@@ -153,7 +154,7 @@ def _count_ops(gm: fx.GraphModule, view: CondensedView) -> None:
     refs = {c.step: 0 for c in view.steps}
     view.reduction_ops = view.shared_ops = view.unattributed_references = 0
     for n in nodes:
-        role = getattr(n.meta.get("jagg_call"), "role", None)
+        role = getattr(CALL.get(n), "role", None)
         if role == "reference":
             if len(consumers[n]) == 1:
                 refs[next(iter(consumers[n]))] += 1
@@ -176,7 +177,7 @@ def _count_ops(gm: fx.GraphModule, view: CondensedView) -> None:
 def _is_glue_op(n: fx.Node, role: str | None) -> bool:
     """An op the user's loss computes: not a DiT call, window node or jaggc bookkeeping (a
     non-DiT module called through ``dit_call``, role "other", is the user's)."""
-    if n.op not in ("call_function", "call_method", "call_module") or "jagg_window" in n.meta:
+    if n.op not in ("call_function", "call_method", "call_module") or WINDOW.on(n):
         return False
     if role is not None:
         return role == "other"
@@ -185,7 +186,7 @@ def _is_glue_op(n: fx.Node, role: str | None) -> bool:
 
 def _call_inputs(gm: fx.GraphModule, n: fx.Node) -> dict[fx.Node, set[int]] | None:
     """For a node that runs trained DiT calls: each input node -> the steps whose call reads it."""
-    site = n.meta.get("jagg_call")
+    site = CALL.get(n)
     if n.op != "call_function":
         return None
     if n.target is dit_call and site is not None and site.step is not None:

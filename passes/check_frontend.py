@@ -12,8 +12,17 @@ from jaggc.errors import JaggGraphError
 from jaggc.graph_ops import dit_call
 
 from .context import PassContext
+from .infra import ensure, graph_pass
 
 
+def _ensure_canonical(gm: fx.GraphModule, ctx: PassContext) -> None:
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is dit_call:
+            ensure(isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr", "check_frontend",
+                   f"{node.name} takes its module from get_attr")
+
+
+@graph_pass(provides={"canonical"}, analysis=True, ensures=_ensure_canonical)
 def check_frontend(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is dit_call:

@@ -14,6 +14,7 @@ from torch import fx
 from jaggc.graph_ops import is_in_place
 
 from .context import PassContext
+from .infra import ensure, graph_pass
 
 
 def _is_impure(node: fx.Node) -> bool:
@@ -23,6 +24,14 @@ def _is_impure(node: fx.Node) -> bool:
     return node.is_impure() or node.op == "call_module" or is_in_place(node)
 
 
+def _ensure_clean(gm: fx.GraphModule, ctx: PassContext) -> None:
+    gm.graph.lint()
+    for node in gm.graph.nodes:
+        ensure(bool(node.users) or node.op in ("output", "placeholder") or _is_impure(node), "cleanup",
+               f"{node.name} is used or has an effect")
+
+
+@graph_pass(provides={"clean"}, ensures=_ensure_clean)
 def cleanup(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     gm.graph.eliminate_dead_code(is_impure_node=_is_impure)
     gm.graph.lint()

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from torch import fx, nn
 
+from jaggc.node_meta import CALL
 from jaggc.runtime.autocast import AUTOCAST_OFF, AutocastState
 from jaggc.runtime.routing import Routing
 from jaggc.runtime.window import WindowOptions
@@ -17,18 +18,19 @@ from jaggc.runtime.window import WindowOptions
 
 @dataclass(frozen=True)
 class CompileConfig:
+    """What the passes compile for: the window size, the runtime's options for every window (its
+    weights, time argument and backward mode among them) and the run-time routing."""
+
     window: int = 4
-    weights: str = "t"
-    jagg_frac: float = 1.0
-    time_arg: str | int | None = None
     options: WindowOptions = WindowOptions()
     routing: Routing = Routing()
     split_batches: bool = True     # split_cfg_batches: run detached batch slices without grad
+    check_passes: bool = False     # run every pass's ensures after it (pipeline.checks_requested)
 
 
 @dataclass
 class CallSite:
-    """A DiT call found in the graph (``node.meta["jagg_call"]``)."""
+    """A DiT call found in the graph (``CALL.of(node)``)."""
 
     index: int                 # order among all DiT calls
     module: str                # get_attr target of the called module
@@ -69,7 +71,7 @@ class PassContext:
     replaced: dict = field(default_factory=dict)        # rewrite_windows: erased call -> the node running it
 
     def dit_calls(self, gm: fx.GraphModule) -> list[fx.Node]:
-        return [n for n in gm.graph.nodes if "jagg_call" in n.meta]
+        return [n for n in gm.graph.nodes if CALL.on(n)]
 
     def trained_calls(self, gm: fx.GraphModule) -> list[fx.Node]:
-        return [n for n in self.dit_calls(gm) if n.meta["jagg_call"].step is not None]
+        return [n for n in self.dit_calls(gm) if CALL.of(n).step is not None]

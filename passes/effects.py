@@ -43,8 +43,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from jaggc._compat import traced_input_value
 from jaggc.errors import JaggCaptureError
 from jaggc.graph_ops import dit_call, is_in_place, live_tensor, user_source
+from jaggc.node_meta import CALL, STORAGE
 
 from .context import PassContext
+from .infra import ensure, graph_pass
 
 # no data is read: the result is an alias of the input
 _PURE_VIEWS = frozenset({
@@ -70,7 +72,7 @@ def _name(node: fx.Node) -> str:
 
 def _input_root(node: fx.Node) -> Hashable:
     """The storage a loss input lives in (inputs sharing storage share a root)."""
-    storage = node.meta.get("jagg_storage")
+    storage = STORAGE.get(node)
     value = node.meta.get("example_value", node.meta.get("val"))
     if storage is None and isinstance(value, torch.Tensor):
         storage = StorageWeakRef(value.untyped_storage())
@@ -190,6 +192,22 @@ def rewritten_groups(ctx: PassContext) -> list[list[fx.Node]]:
     return groups + ([routed] if routed else [])
 
 
+def _ensure_acyclic_windows(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """Re-checked with networkx: the graph with each rewritten group contracted is a DAG."""
+    groups = rewritten_groups(ctx)
+    group_of = {n: i for i, g in enumerate(groups) for n in g}
+
+    def key(n):
+        return ("window", group_of[n]) if n in group_of else n.name
+
+    g = nx.DiGraph()
+    g.add_nodes_from(key(n) for n in gm.graph.nodes)
+    g.add_edges_from((key(a), key(b)) for b in gm.graph.nodes for a in b.all_input_nodes if key(a) != key(b))
+    g.add_edges_from((key(a), key(b)) for a, b, _ in effect_edges(gm, ctx) if key(a) != key(b))
+    ensure(nx.is_directed_acyclic_graph(g), "check_window_inputs", "the contracted window graph is acyclic")
+
+
+@graph_pass(requires={"windows"}, provides={"effects"}, analysis=True, ensures=_ensure_acyclic_windows)
 def check_window_inputs(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     groups = rewritten_groups(ctx)
     if not groups:
@@ -237,7 +255,7 @@ def _window_cycle_error(cycle, g: nx.DiGraph, via, frontend: str) -> JaggCapture
     start = next(i for i, (u, _) in enumerate(cycle) if isinstance(u, tuple) and u[0] == "window")
     path = path[start:] + path[:start]
     producer, consumer = path[0][0], path[-1][1]
-    a, b = producer.meta["jagg_call"], consumer.meta["jagg_call"]
+    a, b = CALL.of(producer), CALL.of(consumer)
     if a.step > b.step:
         a, b = b, a
         producer, consumer = consumer, producer

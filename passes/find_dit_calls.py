@@ -17,21 +17,30 @@ from torch import fx
 from jaggc._compat import tree_flatten, tree_unflatten
 from jaggc.errors import JaggGraphError
 from jaggc.graph_ops import dit_call, user_source
+from jaggc.node_meta import AUTOCAST, CALL, GRAD
 from jaggc.runtime.calls import DitCall
 from jaggc.runtime.checks import check_placement
 from jaggc.runtime.module_state import unwrap
 
 from .context import CallSite, PassContext
-from .modes import tag_modes
+from .infra import ensure, graph_pass
 
 
-def source_of(node: fx.Node) -> str:
-    """``file:line`` of the user code that made this node (from the Dynamo/FX stack trace)."""
-    return user_source(node)
+def _ensure_calls_found(gm: fx.GraphModule, ctx: PassContext) -> None:
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is dit_call]
+    ensure(all(CALL.on(n) for n in calls), "find_dit_calls", "every dit_call node has its CallSite")
+    steps = [CALL.of(n).step for n in calls if CALL.of(n).step is not None]
+    ensure(steps == list(range(len(steps))), "find_dit_calls", f"trained steps number 0..n-1 in graph order: {steps}")
+    for n in calls:
+        site = CALL.of(n)
+        ensure((site.step is not None) == (site.grad_enabled and site.role is None), "find_dit_calls",
+               f"{n.name}: a step number exactly on the trained DiT's grad-enabled calls")
+        ensure(site.autocast == AUTOCAST.of(n), "find_dit_calls", f"{n.name}: the CallSite's autocast is the node's")
+    ensure(not calls or ctx.dit is not None, "find_dit_calls", "ctx.dit names the trained DiT")
 
 
+@graph_pass(requires={"canonical", "modes"}, provides={"dit_calls"}, analysis=True, ensures=_ensure_calls_found)
 def find_dit_calls(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    tag_modes(gm, ctx)
     calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is dit_call]
     if not calls:
         _note_no_dit_call(gm, ctx)
@@ -41,11 +50,11 @@ def find_dit_calls(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         return unwrap(gm.get_submodule(node.args[0].target))
 
     if ctx.dit is None:
-        counts = Counter(id(module_of(n)) for n in calls if n.meta["jagg_grad"])
+        counts = Counter(id(module_of(n)) for n in calls if GRAD.of(n))
         if len(counts) > 1:
             # guessing (e.g. the most-called one) could rewrite a reward model's calls as DiT windows
             names = sorted({f"{type(module_of(n)).__name__} ({n.args[0].target}, {counts[id(module_of(n))]} calls)"
-                            for n in calls if n.meta["jagg_grad"]})
+                            for n in calls if GRAD.of(n)})
             raise JaggGraphError(
                 f"the loss calls {len(counts)} module arguments with grad ({', '.join(names)}), so jaggc cannot "
                 f"tell which is the DiT; pass it: jagg_compile(fn, dit=model)")
@@ -56,9 +65,9 @@ def find_dit_calls(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     step = 0
     for index, node in enumerate(calls):
         is_dit = module_of(node) is dit
-        grad = node.meta["jagg_grad"]
-        site = CallSite(index=index, module=node.args[0].target, grad_enabled=grad, source=source_of(node),
-                        autocast=node.meta["jagg_autocast"])
+        grad = GRAD.of(node)
+        site = CallSite(index=index, module=node.args[0].target, grad_enabled=grad, source=user_source(node),
+                        autocast=AUTOCAST.of(node))
         if is_dit and grad:
             site.step = step
             step += 1
@@ -66,7 +75,7 @@ def find_dit_calls(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             site.role = "reference"
         else:
             site.role = "other"
-        node.meta["jagg_call"] = site
+        CALL.set(node, site)
     check_recorded_placement(gm, calls, dit)
     if step == 0:
         ctx.notes.append(f"the DiT ({type(dit).__name__}) is only called without grad: no window, the loss runs "
@@ -91,7 +100,7 @@ def check_recorded_placement(gm: fx.GraphModule, calls: list[fx.Node], dit) -> N
     only its device checked (autocast casts what the DiT computes with).
     """
     for node in calls:
-        site = node.meta["jagg_call"]
+        site = CALL.of(node)
         if site.role == "other":
             continue
         dtypes = not site.autocast

@@ -16,15 +16,17 @@ from torch import fx
 
 from jaggc.errors import JaggGraphError
 from jaggc.graph_ops import is_in_place, user_source
+from jaggc.node_meta import CALL, GRAD
 
 from .context import PassContext
+from .infra import ensure, graph_pass
 from .effects import effect_edges
 
 _DETACH_TARGETS = {torch.detach, torch.Tensor.detach, "detach", "detach_", torch.ops.aten.detach.default}
 
 
 def carries_gradient(node: fx.Node) -> bool:
-    if not node.meta.get("jagg_grad", True):
+    if not GRAD.get(node, True):
         return False
     if node.op in ("call_method", "call_function") and node.target in _DETACH_TARGETS:
         return False
@@ -72,17 +74,29 @@ def reaching_calls(gm: fx.GraphModule, trained: list[fx.Node], written: dict | N
     return into_calls
 
 
+def _ensure_independent(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """Re-checked another way than the pass: from each trained call, what its output reaches in the
+    gradient dataflow (networkx), instead of the pass's one-sweep reachability bitmasks."""
+    trained = ctx.trained_calls(gm)
+    flow = gradient_dataflow(gm, written_inputs(gm, ctx))
+    names = {n.name for n in trained}
+    for node in trained:
+        reached = nx.descendants(flow, node.name) & names if node.name in flow else set()
+        ensure(not reached, "check_independence", f"no trained call's input depends on {node.name}: {sorted(reached)}")
+
+
+@graph_pass(requires={"dit_calls"}, provides={"independent"}, analysis=True, ensures=_ensure_independent)
 def check_independence(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     trained = ctx.trained_calls(gm)
     written = written_inputs(gm, ctx)
     into_calls = reaching_calls(gm, trained, written)
-    for dst in sorted(trained, key=lambda n: n.meta["jagg_call"].step):
+    for dst in sorted(trained, key=lambda n: CALL.of(n).step):
         mask = into_calls[dst]
         if not mask:
             continue
         node = trained[(mask & -mask).bit_length() - 1]          # the earliest call reaching it
         path = nx.shortest_path(gradient_dataflow(gm, written), node.name, dst.name)
-        a, b = node.meta["jagg_call"], dst.meta["jagg_call"]
+        a, b = CALL.of(node), CALL.of(dst)
         writes = [n for n in gm.graph.nodes if n.name in path and is_in_place(n)]
         how = (f" (the in-place write {writes[0].name} at {user_source(writes[0]) or 'an unknown line'} puts it "
                f"into storage step {b.step} reads)" if writes else "")

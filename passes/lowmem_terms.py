@@ -29,8 +29,10 @@ from torch import fx
 
 from jaggc.errors import JaggGraphError
 from jaggc.graph_ops import jagg_lowmem_output, jagg_lowmem_term, jagg_lowmem_window, user_source
+from jaggc.node_meta import AUTOCAST, GRAD, REQUIRES_GRAD
 
 from .context import PassContext
+from .infra import ensure, graph_pass
 from .effects import effect_order
 from .rewrite import restore_topological_order
 
@@ -134,7 +136,7 @@ def _check_other_gradients(node: fx.Node, gm: fx.GraphModule) -> None:
             continue
         seen.add(n)
         example = n.meta.get("example_value", n.meta.get("val"))
-        if n.op == "placeholder" and (n.meta.get("jagg_requires_grad") or getattr(example, "requires_grad", False)):
+        if n.op == "placeholder" and (REQUIRES_GRAD.get(n) or getattr(example, "requires_grad", False)):
             raise JaggGraphError(
                 f"{_where(node)}: this term of the loss also depends on the input {n.name}, which requires grad; "
                 f"backward='lowmem' only carries gradients through the DiT's outputs. Use backward='joint'")
@@ -147,6 +149,32 @@ def _check_other_gradients(node: fx.Node, gm: fx.GraphModule) -> None:
         stack.extend(n.all_input_nodes)
 
 
+def _ensure_terms(gm: fx.GraphModule, ctx: PassContext) -> None:
+    if not ctx.windows:
+        return
+    graph = gm.graph
+    out = graph.output_node().args[0]
+    out = out[0] if isinstance(out, (list, tuple)) else out
+    ensure(isinstance(out, fx.Node) and out.target is jagg_lowmem_output, "place_lowmem_terms",
+           "the output is jagg_lowmem_output(loss)")
+    order = list(graph.nodes)
+    position = {n: i for i, n in enumerate(order)}
+    for term in (n for n in order if n.op == "call_function" and n.target is jagg_lowmem_term):
+        root = term.args[0]
+        ensure(set(root.users) == {term}, "place_lowmem_terms", f"{root.name} feeds the loss only through {term.name}")
+    windows = [n for n in order if n.op == "call_function" and n.target is jagg_lowmem_window]
+    plans = [getattr(gm, n.args[2].target) for n in windows]
+    ensure(all(p.terms is not None and sum(p.terms.values()) > 0 for p in plans), "place_lowmem_terms",
+           "each window plan knows its per-step term counts")
+    ensure([p.last for p in plans] == [False] * (len(plans) - 1) + [True], "place_lowmem_terms",
+           "only the last window runs last")
+    for previous, node in zip(windows, windows[1:]):
+        ensure(all(position[t] < position[node] for t in node.args[3]), "place_lowmem_terms",
+               f"{node.name} runs after {previous.name}'s term nodes")
+
+
+@graph_pass(requires={"rewritten"}, provides={"lowmem_terms"}, ensures=_ensure_terms,
+            applies=lambda ctx: ctx.config.options.backward == "lowmem")
 def place_lowmem_terms(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if not ctx.windows:
         return gm           # no trained DiT call: nothing to run early
@@ -171,7 +199,8 @@ def place_lowmem_terms(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         with graph.inserting_after(node):
             term = graph.call_function(jagg_lowmem_term, (node, _plan_attr(graph, node), window, position, coef,
                                                           node.name))
-        term.meta.update(jagg_grad=node.meta.get("jagg_grad", True), jagg_autocast=node.meta["jagg_autocast"])
+        GRAD.set(term, GRAD.get(node, True))
+        AUTOCAST.set(term, AUTOCAST.of(node))
         with_term_nodes[node] = term
         by_window[window].append(term)
     for node, term in with_term_nodes.items():
@@ -186,7 +215,8 @@ def place_lowmem_terms(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     getattr(gm, order[-1].args[2].target).last = True
     with graph.inserting_before(output):
         wrapped = graph.call_function(jagg_lowmem_output, (loss, _plan_attr(graph, output)))
-    wrapped.meta.update(jagg_grad=True, jagg_autocast=ctx.entry_autocast)
+    GRAD.set(wrapped, True)
+    AUTOCAST.set(wrapped, ctx.entry_autocast)
     output.args = ([wrapped] if flat else wrapped,)
     restore_topological_order(graph, effect_order(ctx))
     ctx.notes.append(f"backward='lowmem': {len(terms)} per-step terms; each window's joint backward runs as soon as "

@@ -30,9 +30,11 @@ from torch import fx
 from jaggc._compat import DYNAMO_ENTER_AUTOCAST, DYNAMO_EXIT_AUTOCAST, SET_GRAD_ENABLED
 from jaggc.errors import JaggInternalError
 from jaggc.graph_ops import is_autocast_switch, set_autocast
+from jaggc.node_meta import AUTOCAST, GRAD
 from jaggc.runtime.autocast import autocast_applied, current_autocast
 
 from .context import PassContext
+from .infra import ensure, graph_pass
 
 
 def is_grad_switch(node: fx.Node) -> bool:
@@ -43,6 +45,12 @@ def is_mode_switch(node: fx.Node) -> bool:
     return is_grad_switch(node) or is_autocast_switch(node)
 
 
+def _ensure_tagged(gm: fx.GraphModule, ctx: PassContext) -> None:
+    for node in gm.graph.nodes:
+        ensure(GRAD.on(node) and AUTOCAST.on(node), "tag_modes", f"{node.name} has its grad mode and autocast state")
+
+
+@graph_pass(requires={"canonical"}, provides={"modes"}, analysis=True, ensures=_ensure_tagged)
 def tag_modes(gm: fx.GraphModule, ctx: PassContext) -> None:
     """``meta["jagg_grad"]`` and ``meta["jagg_autocast"]`` on every node, from the switches.
 
@@ -72,10 +80,30 @@ def tag_modes(gm: fx.GraphModule, ctx: PassContext) -> None:
                 if region is None:
                     raise JaggInternalError(f"{node.name} exits an autocast region that was not entered")
                 DYNAMO_EXIT_AUTOCAST(region)
-            node.meta["jagg_grad"] = grad
-            node.meta["jagg_autocast"] = current_autocast()
+            GRAD.set(node, grad)
+            AUTOCAST.set(node, current_autocast())
 
 
+def _ensure_modes_placed(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """Replay the switches in order: each node runs in its facts' modes, no switch repeats the
+    mode in force, and the output is reached in the entry modes."""
+    grad, autocast = ctx.entry_grad, ctx.entry_autocast
+    for node in gm.graph.nodes:
+        if is_grad_switch(node):
+            ensure(bool(node.args[0]) != grad, "place_modes", f"{node.name} switches grad mode to the mode in force")
+            grad = bool(node.args[0])
+        elif node.op == "call_function" and node.target is set_autocast:
+            ensure(node.args[0] != autocast, "place_modes", f"{node.name} switches autocast to the state in force")
+            autocast = node.args[0]
+        elif node.op == "output":
+            ensure((grad, autocast) == (ctx.entry_grad, ctx.entry_autocast), "place_modes",
+                   "the graph returns in its entry modes")
+        elif node.op not in ("placeholder", "get_attr"):
+            ensure((GRAD.of(node), AUTOCAST.of(node)) == (grad, autocast), "place_modes",
+                   f"{node.name} runs under its recorded grad mode and autocast state")
+
+
+@graph_pass(requires={"modes"}, provides={"placed_modes"}, ensures=_ensure_modes_placed)
 def place_modes(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     graph = gm.graph
     # an _exit_autocast reads its _enter_autocast: erase users before what they read
@@ -88,18 +116,20 @@ def place_modes(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if node.op == "output":
             wanted_grad, wanted_autocast = ctx.entry_grad, ctx.entry_autocast
         else:
-            wanted_grad, wanted_autocast = node.meta.get("jagg_grad"), node.meta.get("jagg_autocast")
+            wanted_grad, wanted_autocast = GRAD.get(node), AUTOCAST.get(node)
             if wanted_grad is None or wanted_autocast is None:
                 raise JaggInternalError(f"node {node.name} ({node.format_node()}) has no grad-mode or autocast "
-                                        f"fact; a pass created it without meta['jagg_grad'] / meta['jagg_autocast']")
+                                        f"fact; a pass created it without node_meta.GRAD / node_meta.AUTOCAST")
         if wanted_autocast != autocast:
             with graph.inserting_before(node):
                 switch = graph.call_function(set_autocast, (wanted_autocast,))
-            switch.meta.update(jagg_grad=grad, jagg_autocast=wanted_autocast)
+            GRAD.set(switch, grad)
+            AUTOCAST.set(switch, wanted_autocast)
             autocast = wanted_autocast
         if wanted_grad != grad:
             with graph.inserting_before(node):
                 switch = graph.call_function(SET_GRAD_ENABLED, (wanted_grad,))
-            switch.meta.update(jagg_grad=wanted_grad, jagg_autocast=autocast)
+            GRAD.set(switch, wanted_grad)
+            AUTOCAST.set(switch, autocast)
             grad = wanted_grad
     return gm

@@ -10,8 +10,8 @@ checked), and only the last transform's code is compiled (the graph that runs).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Callable
 
 from torch import fx
 
@@ -22,25 +22,30 @@ from .cleanup import cleanup
 from .context import PassContext
 from .effects import check_window_inputs
 from .find_dit_calls import find_dit_calls
-from .modes import place_modes
 from .independence import check_independence
+from .infra import GraphPass, check_order
 from .lowmem_terms import place_lowmem_terms
+from .modes import place_modes, tag_modes
 from .rewrite import rewrite_windows
 from .split_batch import split_cfg_batches
 from .weights import compute_weights
 from .windows import assign_windows
 
-Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
-
-DEFAULT_PASSES: tuple[Pass, ...] = (
-    check_frontend, split_cfg_batches, find_dit_calls, check_independence, assign_windows, check_window_inputs,
-    compute_weights, rewrite_windows, cleanup, place_modes,
+# The order, with every analysis named where it runs: the CFG split adds DiT calls the first
+# tag_modes never saw, so the modes are tagged again after it; the low-memory pass applies only
+# with backward="lowmem". check_order (below) proves each pass's requires are met.
+DEFAULT_PASSES: tuple[GraphPass, ...] = (
+    check_frontend, tag_modes, split_cfg_batches, tag_modes, find_dit_calls, check_independence, assign_windows,
+    check_window_inputs, compute_weights, rewrite_windows, place_lowmem_terms, cleanup, place_modes,
 )
+check_order(DEFAULT_PASSES)
+
+#: set JAGGC_CHECK_PASSES=1 (the tests do) or Options(check_passes=True) to run every pass's ensures
+CHECK_ENV = "JAGGC_CHECK_PASSES"
 
 
-# passes that only read the graph and store facts in node.meta
-ANALYSES: frozenset = frozenset({check_frontend, find_dit_calls, check_independence, assign_windows, check_window_inputs,
-                                 compute_weights})
+def checks_requested(ctx: PassContext) -> bool:
+    return bool(getattr(ctx.config, "check_passes", False)) or os.environ.get(CHECK_ENV, "") not in ("", "0")
 
 
 @dataclass
@@ -67,16 +72,17 @@ def _same_nodes(before: list, after: list) -> bool:
         a[0] is b[0] and a[1:3] == b[1:3] and a[3] is b[3] and a[4] is b[4] for a, b in zip(before, after))
 
 
-def passes_for(ctx: PassContext) -> tuple[Pass, ...]:
-    """The default passes, with ``place_lowmem_terms`` after the rewrite in the low-memory mode."""
-    if ctx.config.options.backward != "lowmem":
-        return DEFAULT_PASSES
-    at = DEFAULT_PASSES.index(rewrite_windows) + 1
-    return DEFAULT_PASSES[:at] + (place_lowmem_terms,) + DEFAULT_PASSES[at:]
+def passes_for(ctx: PassContext) -> tuple[GraphPass, ...]:
+    """The default passes that apply to this compile (``GraphPass.applies``)."""
+    return tuple(p for p in DEFAULT_PASSES if p.applies(ctx))
 
 
-def run_passes(gm: fx.GraphModule, ctx: PassContext, passes=None) -> tuple[fx.GraphModule, list[Stage]]:
-    passes = passes_for(ctx) if passes is None else passes
+def run_passes(gm: fx.GraphModule, ctx: PassContext, passes=None, *,
+               check: bool | None = None) -> tuple[fx.GraphModule, list[Stage]]:
+    """Run ``passes`` (default: ``passes_for(ctx)``), linting and snapshotting after each; with
+    ``check`` (default: ``checks_requested``) also each pass's ``ensures``."""
+    passes = passes_for(ctx) if passes is None else tuple(passes)
+    check = checks_requested(ctx) if check is None else check
     # the frontends hand over a compiled GraphModule (fx.GraphModule() and canonicalize_dynamo_calls
     # compile it), so the capture snapshot is its code as it stands
     stages = [Stage(f"capture ({ctx.frontend})", gm.code.strip() + "\n")]
@@ -86,8 +92,10 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, passes=None) -> tuple[fx.Gr
             before = _node_list(gm)
             gm = p(gm, ctx)
             unchanged = _same_nodes(before, _node_list(gm))
-            if p in ANALYSES and not unchanged:
+            if p.analysis and not unchanged:
                 raise JaggInternalError(f"analysis pass {p.__name__} changed the graph; only transforms may")
+            if check:
+                p.ensures(gm, ctx)
             if unchanged:
                 # an analysis, or a transform with nothing to do here: the snapshot stands
                 stages.append(Stage(p.__name__, stages[-1].code))

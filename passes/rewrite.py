@@ -22,13 +22,34 @@ from torch import fx
 
 from jaggc.errors import JaggGraphError, JaggInternalError
 from jaggc.graph_ops import (DeferredGroupPlan, LowMemPlan, LowMemWindowPlan, TrajectoryPlan, WindowPlan,
-                             copy_output, jagg_lowmem_window, jagg_trajectory, jagg_window)
+                             copy_output, dit_call, jagg_lowmem_window, jagg_trajectory, jagg_window)
+from jaggc.node_meta import AUTOCAST, CALL, GRAD, WINDOW
 from jaggc.runtime.window import deferred_grad_forwards
 
 from .context import PassContext
+from .infra import ensure, graph_pass
 from .effects import effect_order, written_outputs
 
 
+def _ensure_rewritten(gm: fx.GraphModule, ctx: PassContext) -> None:
+    lowmem = ctx.config.options.backward == "lowmem"
+    rewritten = {w.index for w in ctx.windows if lowmem or w.mode in ("jagg", "routed")}
+    live = set(gm.graph.nodes)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is dit_call and CALL.on(node):
+            site = CALL.of(node)
+            ensure(site.step is None or site.window not in rewritten, "rewrite_windows",
+                   f"{node.name}: no trained dit_call of a rewritten window (here {site.window}) remains")
+            ensure(site.step is None or node.kwargs.get("step") == site.step, "rewrite_windows",
+                   f"{node.name}: an exact window's dit_call carries its step number")
+    for w in ctx.windows:
+        ensure(w.index not in rewritten or w.node in live, "rewrite_windows", f"window {w.index} runs as one runtime node")
+    targets = {jagg_window, jagg_lowmem_window}   # a jagg_trajectory node's plan lists its windows
+    ensure(all(WINDOW.on(n) for n in gm.graph.nodes if n.op == "call_function" and n.target in targets),
+           "rewrite_windows", "every runtime window node records its window")
+
+
+@graph_pass(requires={"weights", "effects"}, provides={"rewritten"}, ensures=_ensure_rewritten)
 def rewrite_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     graph = gm.graph
     _rewrite_routed(gm, ctx)
@@ -43,9 +64,9 @@ def rewrite_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             continue
         if w.mode != "jagg" and not lowmem:
             for node in w.nodes:
-                node.kwargs = {**node.kwargs, "step": node.meta["jagg_call"].step}
+                node.kwargs = {**node.kwargs, "step": CALL.of(node).step}
             continue
-        options = dataclasses.replace(ctx.config.options, weights=ctx.config.weights, time_arg=w.time_arg)
+        options = dataclasses.replace(ctx.config.options, time_arg=w.time_arg)
         plan_name = f"jagg_plan_{w.index}"
         if lowmem:
             # every window, exact ones too (all steps knots): each must free its activations early
@@ -64,18 +85,20 @@ def rewrite_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             plan = graph.get_attr(plan_name)
         with graph.inserting_after(plan):
             window_node = graph.call_function(target, (last.args[0], calls, plan))
-        window_node.meta["jagg_window"] = w.index
+        WINDOW.set(window_node, w.index)
         # a window's calls are trained, grad-enabled calls of one autocast state (assign_windows)
-        window_node.meta.update(jagg_grad=True, jagg_autocast=w.autocast)
+        GRAD.set(window_node, True)
+        AUTOCAST.set(window_node, w.autocast)
         w.node = window_node
         anchor = window_node
         for pos, old in enumerate(w.nodes):
             with graph.inserting_after(anchor):
                 out = graph.call_function(operator.getitem, (window_node, pos))
             anchor = out
-            out.meta["jagg_call"] = old.meta["jagg_call"]
-            out.meta["jagg_window"] = w.index
-            out.meta.update(jagg_grad=True, jagg_autocast=w.autocast)
+            CALL.set(out, CALL.of(old))
+            WINDOW.set(out, w.index)
+            GRAD.set(out, True)
+            AUTOCAST.set(out, w.autocast)
             if old in written:
                 out = anchor = _writable_copy(graph, out)
             old.replace_all_uses_with(out)
@@ -93,7 +116,8 @@ def _writable_copy(graph: fx.Graph, out: fx.Node) -> fx.Node:
     is handed out as a copy, which only the loss holds, as it held the DiT's output."""
     with graph.inserting_after(out):
         copy = graph.call_function(copy_output, (out,))
-    copy.meta.update({k: out.meta[k] for k in ("jagg_call", "jagg_window", "jagg_grad", "jagg_autocast")})
+    for fact in (CALL, WINDOW, GRAD, AUTOCAST):
+        fact.set(copy, fact.of(out))
     return copy
 
 
@@ -104,7 +128,7 @@ def _cached_references(gm: fx.GraphModule, ctx: PassContext) -> None:
         return
     gm.jagg_reference_options = ctx.config.options
     for node in ctx.dit_calls(gm):
-        if node.meta["jagg_call"].role == "reference" and "options" not in node.kwargs:
+        if CALL.of(node).role == "reference" and "options" not in node.kwargs:
             with gm.graph.inserting_before(node), warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
                 attr = gm.graph.get_attr("jagg_reference_options")
@@ -141,8 +165,8 @@ def restore_topological_order(graph: fx.Graph, effects: list[tuple[fx.Node, fx.N
                 heapq.heappush(ready, position[user])
     if len(order) != len(nodes):
         stuck = [n for n in nodes if waiting[n]]
-        steps = sorted({n.meta["jagg_call"].step for n in stuck
-                        if "jagg_call" in n.meta and n.meta["jagg_call"].step is not None})
+        steps = sorted({CALL.of(n).step for n in stuck
+                        if CALL.on(n) and CALL.of(n).step is not None})
         raise JaggInternalError(
             f"the rewritten graph cannot be ordered: DiT steps {steps} wait for each other ({len(stuck)} nodes, "
             f"from {stuck[0].name}); check_window_inputs should have refused this loss naming the steps")
@@ -166,12 +190,12 @@ def _rewrite_routed(gm: fx.GraphModule, ctx: PassContext) -> None:
     if len(states) > 1:
         other = next(w for w in routed if w.autocast != routed[0].autocast)
         raise JaggGraphError(
-            f"{other.nodes[0].meta['jagg_call'].source or 'the loss'}: routing scores all windows in one "
+            f"{CALL.of(other.nodes[0]).source or 'the loss'}: routing scores all windows in one "
             f"trajectory node, but step {other.steps[0]} runs in autocast {other.autocast.describe()} and step "
             f"{routed[0].steps[0]} in {routed[0].autocast.describe()}. Keep the trained DiT calls in one autocast "
-            f"state, or route without a score (jagg_frac=1.0, no threshold)")
+            f"state, or route without a score (jaggc.Routing(jagg_frac=1.0), no threshold)")
     graph = gm.graph
-    options = dataclasses.replace(ctx.config.options, weights=ctx.config.weights, time_arg=routed[0].time_arg)
+    options = dataclasses.replace(ctx.config.options, time_arg=routed[0].time_arg)
     plan = TrajectoryPlan(windows=tuple(tuple(w.steps) for w in routed),
                           window_indices=tuple(w.index for w in routed), options=options,
                           routing=ctx.config.routing)
@@ -185,16 +209,18 @@ def _rewrite_routed(gm: fx.GraphModule, ctx: PassContext) -> None:
         plan_node = graph.get_attr("jagg_trajectory_plan")
     with graph.inserting_after(plan_node):
         node = graph.call_function(jagg_trajectory, (last.args[0], calls, plan_node))
-    node.meta.update(jagg_grad=True, jagg_autocast=routed[0].autocast)
+    GRAD.set(node, True)
+    AUTOCAST.set(node, routed[0].autocast)
     anchor = node
     written = written_outputs(gm)
     for pos, old in enumerate(nodes):
         with graph.inserting_after(anchor):
             out = graph.call_function(operator.getitem, (node, pos))
         anchor = out
-        out.meta["jagg_call"] = old.meta["jagg_call"]
-        out.meta["jagg_window"] = old.meta["jagg_call"].window
-        out.meta.update(jagg_grad=True, jagg_autocast=routed[0].autocast)
+        CALL.set(out, CALL.of(old))
+        WINDOW.set(out, CALL.of(old).window)
+        GRAD.set(out, True)
+        AUTOCAST.set(out, routed[0].autocast)
         if old in written:
             out = anchor = _writable_copy(graph, out)
         old.replace_all_uses_with(out)

@@ -30,10 +30,12 @@ import torch
 from torch import fx
 
 from jaggc._compat import SET_GRAD_ENABLED, tree_flatten, tree_unflatten
-from jaggc.graph_ops import batch_chunk, dit_call, flatten_output, user_source
+from jaggc.graph_ops import batch_chunk, dit_call, flatten_output, is_graph_value, user_source
+from jaggc.node_meta import AUTOCAST, GRAD
+from jaggc.runtime.calls import argument_at, state_position
 
 from .context import PassContext
-from .modes import tag_modes
+from .infra import ensure, graph_pass
 
 
 @dataclass
@@ -92,31 +94,49 @@ def _carries_no_gradient(piece: fx.Node) -> bool:
     for use in piece.users:
         detached = (use.op == "call_method" and use.target == "detach") or (
             use.op == "call_function" and use.target is torch.detach)
-        if not (detached or use.meta.get("jagg_grad") is False):
+        if not (detached or GRAD.get(use) is False):
             return False
     return True
 
 
-def split_cfg_batches(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+def _split_of(call: fx.Node):
+    """(primary output, pieces, chunk count, no-grad chunks, unused chunks) of a grad-enabled DiT
+    call whose output is chunked with chunks that carry no gradient, else None."""
+    if not GRAD.of(call) or call.kwargs:
+        return None
+    primary = _primary_output(call)
+    found = _chunking(primary) if primary is not None else None
+    if found is None:
+        return None
+    chunk, n = found
+    pieces = {u.args[1] % n: [] for u in chunk.users}
+    for u in chunk.users:
+        pieces[u.args[1] % n].append(u)
+    no_grad = tuple(sorted(i for i, us in pieces.items() if all(_carries_no_gradient(u) for u in us)))
+    unused = tuple(sorted(set(range(n)) - set(pieces)))
+    if len(no_grad) == len(pieces) or not (no_grad or unused):
+        return None            # no gradient at all (a reference call already), or nothing to save
+    return primary, pieces, n, no_grad, unused
+
+
+def _ensure_split(gm: fx.GraphModule, ctx: PassContext) -> None:
     if not ctx.config.split_batches:
-        return gm
+        return
+    for call in gm.graph.nodes:
+        if call.op == "call_function" and call.target is dit_call and GRAD.on(call):
+            ensure(_split_of(call) is None, "split_cfg_batches",
+                   f"{call.name}: no trained DiT call still computes a chunk without gradient")
+
+
+@graph_pass(requires={"canonical", "modes"}, provides={"splits"}, invalidates={"modes"}, ensures=_ensure_split,
+            applies=lambda ctx: ctx.config.split_batches)
+def split_cfg_batches(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     graph = gm.graph
-    tag_modes(gm, ctx)
     for call in [n for n in graph.nodes if n.op == "call_function" and n.target is dit_call]:
-        if not call.meta["jagg_grad"] or call.kwargs:
-            continue
-        primary = _primary_output(call)
-        found = _chunking(primary) if primary is not None else None
+        found = _split_of(call)
         if found is None:
             continue
-        chunk, n = found
-        pieces = {u.args[1] % n: [] for u in chunk.users}
-        for u in chunk.users:
-            pieces[u.args[1] % n].append(u)
-        no_grad = tuple(sorted(i for i, us in pieces.items() if all(_carries_no_gradient(u) for u in us)))
-        unused = tuple(sorted(set(range(n)) - set(pieces)))
-        if len(no_grad) == len(pieces) or not (no_grad or unused):
-            continue            # no gradient at all (a reference call already), or nothing to save
+        primary, pieces, n, no_grad, unused = found
         _rewrite(gm, call, primary, pieces, n, no_grad)
         reasons = ["detached or only used without grad"] * bool(no_grad) + [f"chunks {list(unused)} unused"] * bool(unused)
         ctx.splits.append(Split(source=user_source(call), chunks=n, no_grad=no_grad, reason="; ".join(reasons)))
@@ -127,8 +147,7 @@ def _rewrite(gm: fx.GraphModule, call: fx.Node, primary: fx.Node, pieces: dict, 
     graph = gm.graph
     module, args, kwargs = call.args
     leaves, spec = tree_flatten((args, kwargs))
-    state = kwargs.get("hidden_states") if isinstance(kwargs, dict) else None
-    state = state if isinstance(state, fx.Node) else next(x for x in leaves if isinstance(x, fx.Node))
+    state = argument_at(args, kwargs, state_position(args, kwargs, is_graph_value))
     # the chunks with gradient stay ONE trained call (on their slices, concatenated), so a step
     # keeps one trained call; each no-grad chunk becomes its own reference call
     trained = tuple(i for i in sorted(pieces) if i not in no_grad)
@@ -175,8 +194,8 @@ def _rewrite(gm: fx.GraphModule, call: fx.Node, primary: fx.Node, pieces: dict, 
                 anchor = graph.call_function(SET_GRAD_ENABLED, (True,))
             new_nodes.append(anchor)
         for node in new_nodes:
-            node.meta["jagg_grad"] = grad if node.target is not SET_GRAD_ENABLED else node.args[0]
-            node.meta["jagg_autocast"] = call.meta["jagg_autocast"]   # the pieces run as the call did
+            GRAD.set(node, grad if node.target is not SET_GRAD_ENABLED else node.args[0])
+            AUTOCAST.set(node, AUTOCAST.of(call))   # the pieces run as the call did
         for index in group:
             for use in pieces[index]:
                 use.replace_all_uses_with(outs[index])

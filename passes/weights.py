@@ -14,39 +14,55 @@ from __future__ import annotations
 from torch import fx
 
 from jaggc.errors import JaggInputError
+from jaggc.node_meta import CALL
+from jaggc.runtime.calls import time_position
 from jaggc.runtime.weights import resolve_basis
 
 from .context import PassContext
+from .infra import ensure, graph_pass
 
 
-def resolve_time_arg(node: fx.Node, time_arg):
+def time_arg_of(node: fx.Node, time_arg):
+    """Where a DiT call node passes its timestep (runtime/calls.py's layout); refused if it does not."""
     _, args, kwargs = node.args[:3]
-    if time_arg is None:
-        time_arg = "timestep" if "timestep" in kwargs else 1
+    time_arg = time_position(kwargs, time_arg)
     present = time_arg in kwargs if isinstance(time_arg, str) else time_arg < len(args)
     if not present:
-        site = node.meta["jagg_call"]
+        site = CALL.of(node)
         raise JaggInputError(
             f"step {site.step} (node {node.name}{', ' + site.source if site.source else ''}): the DiT call has "
-            f"no timestep argument {time_arg!r}; pass jagg_compile(time_arg=<keyword name or position of the timestep>)")
+            f"no timestep argument {time_arg!r}; pass jagg_compile(options=jaggc.Options(time_arg=<keyword name or position of the timestep>))")
     return time_arg
 
 
-def compute_weights(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    basis = resolve_basis(ctx.config.weights)
+def _ensure_weights(gm: fx.GraphModule, ctx: PassContext) -> None:
     for w in ctx.windows:
         if w.mode not in ("jagg", "routed"):
             continue
-        w.time_arg = resolve_time_arg(w.nodes[0], ctx.config.time_arg)
+        ensure(bool(w.knots) and bool(w.basis) and w.time_arg is not None, "compute_weights",
+               f"window {w.index} has its knots, basis and time argument")
+        ensure(all(CALL.of(w.nodes[p]).role == "knot" for p in (w.knots[0], w.knots[-1])), "compute_weights",
+               f"the endpoint calls of window {w.index} are knots")
+        ensure(all(time_arg_of(n, w.time_arg) == w.time_arg for n in w.nodes), "compute_weights",
+               f"every call of window {w.index} passes the timestep argument")
+
+
+@graph_pass(requires={"windows"}, provides={"weights"}, analysis=True, ensures=_ensure_weights)
+def compute_weights(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    basis = resolve_basis(ctx.config.options.weights)
+    for w in ctx.windows:
+        if w.mode not in ("jagg", "routed"):
+            continue
+        w.time_arg = time_arg_of(w.nodes[0], ctx.config.options.time_arg)
         for node in w.nodes[1:]:
             # each call resolved on its own: a call that passes the timestep elsewhere must not be
             # read at the first call's position
-            if resolve_time_arg(node, ctx.config.time_arg) != w.time_arg:
+            if time_arg_of(node, ctx.config.options.time_arg) != w.time_arg:
                 raise JaggInputError(f"node {node.name}: timestep argument differs within window {w.index}")
         w.knots = basis.knot_positions(len(w.nodes))
         w.basis = basis.label()
         # a randomized basis draws its interior knot per call: only the endpoints are knots every time
         fixed = w.knots if basis.kind != "randomized" else (w.knots[0], w.knots[-1])
         for pos in fixed:
-            w.nodes[pos].meta["jagg_call"].role = "knot"
+            CALL.of(w.nodes[pos]).role = "knot"
     return gm

@@ -25,10 +25,14 @@ import warnings
 from torch import fx
 
 from jaggc._compat import tree_flatten
+from jaggc.graph_ops import is_graph_value
+from jaggc.node_meta import CALL
+from jaggc.runtime.calls import argument_at, state_position, time_position
 from jaggc.runtime.grouping import cut_announcement, group_windows, leaf_difference
 from jaggc.runtime.window import check_window_size
 
 from .context import PassContext, Window
+from .infra import ensure, graph_pass
 
 
 def _expr_key(node, memo: dict):
@@ -48,14 +52,10 @@ def _expr_key(node, memo: dict):
 
 
 def _state_and_time(node: fx.Node, time_arg) -> tuple:
+    """The graph values a DiT call takes as its state and its timestep (runtime/calls.py's layout)."""
     _, args, kwargs = node.args[:3]
-    state = kwargs.get("hidden_states") if isinstance(kwargs, dict) and "hidden_states" in kwargs else (
-        args[0] if args else next(iter(kwargs.values()), None))
-    if isinstance(time_arg, int):
-        time = args[time_arg] if len(args) > time_arg else None
-    else:
-        time = kwargs.get(time_arg or "timestep", args[1] if len(args) > 1 else None)
-    return state, time
+    state = argument_at(args, kwargs, state_position(args, kwargs, is_graph_value))
+    return state, argument_at(args, kwargs, time_position(kwargs, time_arg))
 
 
 def same_step_of(calls: list[fx.Node], time_arg):
@@ -77,7 +77,7 @@ def _announce_cuts(grouping, trained: list[fx.Node], window: int, ctx: PassConte
     """Never silently slow: a cut that makes more windows (more DiT backward passes) is announced,
     naming the argument that differs (a Python-number timestep makes every step its own structure)."""
     def differ(j: int, k: int) -> str:
-        a, b = trained[j].meta["jagg_call"].autocast, trained[k].meta["jagg_call"].autocast
+        a, b = CALL.of(trained[j]).autocast, CALL.of(trained[k]).autocast
         if a != b:
             return f"the autocast state ({a.describe()} vs {b.describe()})"
         return leaf_difference(tuple(trained[j].args[1:3]), tuple(trained[k].args[1:3]),
@@ -89,6 +89,21 @@ def _announce_cuts(grouping, trained: list[fx.Node], window: int, ctx: PassConte
         warnings.warn(f"jaggc: {note}", stacklevel=2)
 
 
+def _ensure_windows(gm: fx.GraphModule, ctx: PassContext) -> None:
+    trained = ctx.trained_calls(gm)
+    members = [n for w in ctx.windows for n in w.nodes]
+    ensure(sorted(members, key=lambda n: CALL.of(n).step) == trained and len(set(members)) == len(members),
+           "assign_windows", "every trained call is in exactly one window")
+    for w in ctx.windows:
+        ensure(w.steps == sorted(w.steps) and len(w.nodes) <= ctx.config.window, "assign_windows",
+               f"window {w.index} is ordered by step and at most {ctx.config.window} steps")
+        ensure(all(CALL.of(n).window == w.index and CALL.of(n).role in ("knot", "interior", "exact") for n in w.nodes),
+               "assign_windows", f"the calls of window {w.index} know their window and role")
+        ensure(len({CALL.of(n).autocast for n in w.nodes}) == 1, "assign_windows",
+               f"the calls of window {w.index} run in one autocast state")
+
+
+@graph_pass(requires={"dit_calls", "independent"}, provides={"windows"}, analysis=True, ensures=_ensure_windows)
 def assign_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     cfg = ctx.config
     check_window_size(cfg.window)
@@ -96,8 +111,8 @@ def assign_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     ctx.windows = []
     if not trained:
         return gm
-    grouping = group_windows(len(trained), cfg.window, same_step=same_step_of(trained, cfg.time_arg),
-                             batch_key=lambda k: (static_signature(trained[k]), trained[k].meta["jagg_call"].autocast))
+    grouping = group_windows(len(trained), cfg.window, same_step=same_step_of(trained, cfg.options.time_arg),
+                             batch_key=lambda k: (static_signature(trained[k]), CALL.of(trained[k]).autocast))
     ctx.notes.extend(grouping.notes())
     _announce_cuts(grouping, trained, cfg.window, ctx)
     for idx in grouping.windows:
@@ -107,12 +122,12 @@ def assign_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         elif cfg.routing.active:
             mode = "routed"
         else:
-            mode = "jagg" if cfg.jagg_frac == 1.0 else "exact"
-        w = Window(index=len(ctx.windows), nodes=nodes, mode=mode, steps=[n.meta["jagg_call"].step for n in nodes],
-                   autocast=nodes[0].meta["jagg_call"].autocast)
+            mode = "jagg" if cfg.routing.jagg_frac == 1.0 else "exact"
+        w = Window(index=len(ctx.windows), nodes=nodes, mode=mode, steps=[CALL.of(n).step for n in nodes],
+                   autocast=CALL.of(nodes[0]).autocast)
         ctx.windows.append(w)
         for n in nodes:
-            site = n.meta["jagg_call"]
+            site = CALL.of(n)
             site.window = w.index
             site.role = "exact" if mode == "exact" else "interior"
     return gm

@@ -148,6 +148,16 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def _example_arguments(p: argparse.ArgumentParser, *, steps: int, batch: int) -> None:
+    """The options ``example`` and ``inspect`` share (the built-in example losses' sizes)."""
+    p.add_argument("--steps", type=int, default=steps, help="trained steps of each example's stored trajectory")
+    p.add_argument("--batch", type=int, default=batch, help="samples per step")
+    p.add_argument("--window", type=int, default=4, help="JAGG window W (steps per joint backward)")
+    p.add_argument("--weights", default="t", choices=["t", "index"],
+                   help="interpolation weights: t (the paper's plain JAGG) or index (by step position)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random-init DiTs and trajectories")
+
+
 def add_commands(sub) -> None:
     """Add the study commands to ``jaggc``'s subcommand parsers ``sub``."""
     from jaggc_studies.example_losses import EXAMPLES
@@ -157,21 +167,13 @@ def add_commands(sub) -> None:
     p = sub.add_parser("example", help="run the built-in example: exact vs JAGG on one GRPO loss")
     p.add_argument("--name", default="flow_grpo_sd3", choices=list(EXAMPLES), metavar="NAME",
                    help=f"which built-in example loss (tiny random-init DiT + stored trajectory): {example_names}")
-    p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--window", type=int, default=4)
-    p.add_argument("--weights", default="t", choices=["t", "index"])
-    p.add_argument("--seed", type=int, default=0)
+    _example_arguments(p, steps=16, batch=4)
     p.add_argument("--json", default=None, help="write the numbers to this JSON file")
     p.set_defaults(func=cmd_example)
 
     p = sub.add_parser("inspect", help="compile the built-in example losses and show the rewritten graphs")
     p.add_argument("examples", nargs="*", metavar="NAME", help=f"built-in example losses (default: all): {example_names}")
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--window", type=int, default=4)
-    p.add_argument("--weights", default="t", choices=["t", "index"])
-    p.add_argument("--seed", type=int, default=0)
+    _example_arguments(p, steps=8, batch=2)
     p.add_argument("--out", default="jaggc-inspect", help="folder for the pictures and diffs")
     p.add_argument("--view", default="condensed", choices=["condensed", "full", "both"],
                    help="condensed: one column per DiT call, windows as boxes, NAME.png and NAME.svg (text "
@@ -188,8 +190,10 @@ def add_commands(sub) -> None:
                         "scores ~0.02); classifier: p(target digit) (the base scores ~0.90); jpeg: Flow-GRPO's "
                         "JPEG compressibility")
     p.add_argument("--window", type=int, default=4, help="JAGG window W")
-    p.add_argument("--weights", default="t", choices=["t", "index"])
-    p.add_argument("--jagg-frac", type=float, default=1.0)
+    p.add_argument("--weights", default="t", choices=["t", "index"],
+                   help="jagg's weights: t (plain JAGG; unbiased on the digits base, docs/default.md) or index")
+    p.add_argument("--jagg-frac", type=float, default=1.0,
+                   help="jagg: the fraction of windows routed to JAGG by score (the rest exact; 1: all)")
     p.add_argument("--no-rollout-cache", action="store_true",
                    help="jagg: run the first minibatch's interior forwards instead of taking them from the rollout")
     p.add_argument("--num-steps", type=int, default=10, help="SDE sampling steps T (T-1 are trained)")
@@ -201,7 +205,7 @@ def add_commands(sub) -> None:
                         "checkpoint path written by python -m jaggc_studies.digits.train_base --out PATH")
     p.add_argument("--classes-per-iter", type=int, default=2, help="digit classes (prompts) per rollout")
     p.add_argument("--group-size", type=int, default=16, help="samples per class (the GRPO group)")
-    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate")
     p.add_argument("--eval-per-class", type=int, default=16, help="evaluation samples per digit")
     p.add_argument("--threads", type=int, default=1,
                    help="torch.set_num_threads (default 1: the DiT is tiny, so intra-op threads gain little, "
@@ -244,8 +248,8 @@ def add_commands(sub) -> None:
     p.add_argument("--example", default="digits", help="the batches to calibrate on (digits: the pretrained digits DiT)")
     p.add_argument("--target", type=float, default=0.95, help="mean cosine to the exact gradient to reach")
     p.add_argument("--batches", type=int, default=2, help="rollouts (each gives an on-policy and an off-policy batch)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0, help="first rollout seed")
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (1: stable on shared CPUs)")
     p.add_argument("--json", default=None, help="write the settings, subsample baselines and recommendation here")
     p.set_defaults(func=cmd_calibrate)
 

@@ -9,6 +9,8 @@ Hypothesis profiles
 
       JAGGC_HYPOTHESIS_PROFILE=thorough pytest -q tests/test_runtime_exact.py
 
+Every compile in the suite runs each graph pass's ``ensures`` (``JAGGC_CHECK_PASSES=1``).
+
 Reusable numeric helpers (flattened gradients, relative error, cosine) live in ``tests/helpers.py``.
 """
 
@@ -26,6 +28,10 @@ settings.register_profile(
 )
 settings.register_profile("thorough", max_examples=300, deadline=None)
 settings.load_profile(os.environ.get("JAGGC_HYPOTHESIS_PROFILE", "ci"))
+
+# every graph pass's executable invariant (its ``ensures``) runs after it in every test that
+# compiles a loss (passes/pipeline.py); set JAGGC_CHECK_PASSES=0 to time compiles without them
+os.environ.setdefault("JAGGC_CHECK_PASSES", "1")
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ change: a dropped block shows as the fp32 numbers) and asserts the capture path 
 
 from __future__ import annotations
 
+import jaggc
 import warnings
 
 import pytest
@@ -135,7 +136,8 @@ def test_autocast_block_in_the_loss_takes_the_graph_path_in_every_mode(flux, bac
     assert rel_err(grad, eager) <= W2_TOL, rel_err(grad, eager)
     for batch_knots, tol in ((False, 1e-6), (True, BATCH_ROUNDOFF)):
         model.eval()
-        w4 = _compiled(block_loss, window=4, weights="t", backward=backward, batch_knots=batch_knots)
+        w4 = _compiled(block_loss, window=4, weights="t", backward=backward,
+                       options=jaggc.Options(batch_knots=batch_knots))
         loss, grad = _no_fallback(w4, args, model)
         model.eval()
         ref_loss, ref = reference_jagg(block_loss, args, model, 4, time_of=lambda t: t.reshape(-1))
@@ -239,7 +241,7 @@ def test_rollout_cache_under_autocast_serves_the_interior_calls(flux):
             model.train()
             _call(model, sample, j)
     model.eval()
-    with_cache = jagg_compile(block_loss, window=4, weights="t", rollout_cache=cache)
+    with_cache = jagg_compile(block_loss, window=4, weights="t", options=jaggc.Options(rollout_cache=cache))
     loss, grad = loss_and_grad(with_cache, args, model)
     model.eval()
     without = jagg_compile(block_loss, window=4, weights="t")

@@ -3,6 +3,7 @@ segments are compiled by the backend and the runtime segments run eagerly (jaggc
 
 from __future__ import annotations
 
+import jaggc
 import pytest
 import torch
 
@@ -53,7 +54,7 @@ def test_backend_compiles_glue_with_the_eager_gradient(backend):
     batch = inputs()
     eager_fn = jagg_compile(grpo_like_loss, window=3, capture="dynamo")
     eager_loss, eager, _ = run(model, eager_fn, batch)
-    compiled = jagg_compile(grpo_like_loss, window=3, backend=backend)
+    compiled = jagg_compile(grpo_like_loss, window=3, options=jaggc.Options(backend=backend))
     run(model, compiled, batch)  # capture and compile
     loss, got, counts = run(model, compiled, batch)
     assert eager.norm() > 0
@@ -66,7 +67,7 @@ def test_backend_compiles_glue_with_the_eager_gradient(backend):
 
 def test_no_runtime_node_is_handed_to_the_backend():
     model = AffineJacobianField(3, seed=1)
-    compiled = jagg_compile(grpo_like_loss, window=3, backend="aot_eager")
+    compiled = jagg_compile(grpo_like_loss, window=3, options=jaggc.Options(backend="aot_eager"))
     run(model, compiled, inputs())
     split = compiled._dynamo_split  # the split graph the backend saw
     glue = [m for m in split.children() if isinstance(m, LazyCompiledGlue)]
@@ -80,10 +81,10 @@ def test_no_runtime_node_is_handed_to_the_backend():
 
 
 def test_bad_backend_options_are_refused():
-    with pytest.raises(JaggInputError, match=r"backend='tvm': use None .* or one of \('aot_eager', 'inductor'\)"):
-        jagg_compile(grpo_like_loss, backend="tvm")
+    with pytest.raises(JaggInputError, match=r"backend='tvm'\): use None .* or one of \('aot_eager', 'inductor'\)"):
+        jagg_compile(grpo_like_loss, options=jaggc.Options(backend="tvm"))
     with pytest.raises(JaggUnsupportedError, match=r"capture='fx' has no such graph"):
-        jagg_compile(grpo_like_loss, backend="aot_eager", capture="fx")
+        jagg_compile(grpo_like_loss, capture="fx", options=jaggc.Options(backend="aot_eager"))
 
 
 def test_routed_windows_with_a_backend():
@@ -92,9 +93,9 @@ def test_routed_windows_with_a_backend():
     eager instead of reaching the glue ("non-tensor values (['TrajectoryPlan'])", once)."""
     model = AffineJacobianField(3, seed=1)
     batch = inputs()
-    eager_fn = jagg_compile(grpo_like_loss, window=3, capture="dynamo", jagg_frac=0.5)
+    eager_fn = jagg_compile(grpo_like_loss, window=3, capture="dynamo", routing=jaggc.Routing(jagg_frac=0.5))
     eager_loss, eager, _ = run(model, eager_fn, batch)
-    compiled = jagg_compile(grpo_like_loss, window=3, backend="aot_eager", jagg_frac=0.5)
+    compiled = jagg_compile(grpo_like_loss, window=3, options=jaggc.Options(backend="aot_eager"), routing=jaggc.Routing(jagg_frac=0.5))
     loss, got, counts = run(model, compiled, batch)
     assert [w.mode.split(":")[0] for w in compiled.report.windows] == ["routed", "routed"]
     assert rel_err(got, eager) < 1e-10

@@ -41,7 +41,7 @@ def cfg64():
 def test_split_equals_unsplit_float64(cfg64, backward, capture):
     ex = cfg64
     split = jagg_compile(ex.loss_fn, window=4, capture=capture, backward=backward)
-    unsplit = jagg_compile(ex.loss_fn, window=4, capture=capture, backward=backward, split_batches=False)
+    unsplit = jagg_compile(ex.loss_fn, window=4, capture=capture, backward=backward, options=jaggc.Options(split_batches=False))
     loss, grad = loss_and_grad(split, (ex.model, ex.batch), ex.model)
     ref_loss, ref = loss_and_grad(unsplit, (ex.model, ex.batch), ex.model)
     assert len(split.report.splits) == 8 and not unsplit.report.splits
@@ -52,7 +52,7 @@ def test_split_equals_unsplit_float64(cfg64, backward, capture):
 def test_split_float32_backward_on_half_the_batch():
     ex = example_losses.build_example("cfg_sd3", num_steps=8, batch=2, seed=0)
     split = jagg_compile(ex.loss_fn, window=4, weights="t")
-    unsplit = jagg_compile(ex.loss_fn, window=4, weights="t", split_batches=False)
+    unsplit = jagg_compile(ex.loss_fn, window=4, weights="t", options=jaggc.Options(split_batches=False))
     split(ex.model, ex.batch), unsplit(ex.model, ex.batch)                 # traces
     counts = {}
     grads = {}
@@ -69,14 +69,14 @@ def test_split_float32_backward_on_half_the_batch():
 
 def test_split_with_routing_and_the_rollout_cache():
     ex = example_losses.build_example("cfg_sd3", num_steps=8, batch=2, seed=0)
-    _, ref = loss_and_grad(jagg_compile(ex.loss_fn, window=4, weights="t", jagg_frac=0.5, split_batches=False),
+    _, ref = loss_and_grad(jagg_compile(ex.loss_fn, window=4, weights="t", options=jaggc.Options(split_batches=False), routing=jaggc.Routing(jagg_frac=0.5)),
                            (ex.model, ex.batch), ex.model)
-    _, got = loss_and_grad(jagg_compile(ex.loss_fn, window=4, weights="t", jagg_frac=0.5), (ex.model, ex.batch), ex.model)
+    _, got = loss_and_grad(jagg_compile(ex.loss_fn, window=4, weights="t", routing=jaggc.Routing(jagg_frac=0.5)), (ex.model, ex.batch), ex.model)
     assert rel_err(got, ref) < 1e-6
     cache = jaggc.RolloutCache(ex.model)
     with torch.no_grad(), cache.record():
         ex.loss_fn(ex.model, ex.batch)                    # the rollout's [uncond; cond] calls
-    fast = jagg_compile(ex.loss_fn, window=4, weights="t", rollout_cache=cache)
+    fast = jagg_compile(ex.loss_fn, window=4, weights="t", options=jaggc.Options(rollout_cache=cache))
     fast(ex.model, ex.batch)
     with count_dit_passes(ex.model) as counts:
         _, got = loss_and_grad(fast, (ex.model, ex.batch), ex.model)

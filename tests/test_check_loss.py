@@ -123,7 +123,7 @@ def test_cli(tmp_path, capsys):
 
 
 FACTORY_MODULE = '''
-from jaggc import example_losses
+from jaggc_studies import example_losses
 
 
 def factory():

@@ -30,6 +30,7 @@ import jaggc
 from jaggc_studies import example_losses
 from jaggc import grpo, jagg_compile
 from jaggc.graph_ops import dit_call, jagg_window
+from jaggc.node_meta import CALL, WINDOW
 from jaggc.runtime import DitCall, count_dit_passes, partition, run_window
 from jaggc.verify.fields import AffineJacobianField, CurvedField
 
@@ -185,7 +186,7 @@ def test_build_example_rejects_unknown_name():
 
 # Bit-identity with the eager loss and the 2B-batch counts hold for the rewrite itself; the CFG
 # split (tests/test_cfg.py) changes the calls' batch and so the values by batch-size roundoff.
-UNSPLIT = dict(split_batches=False)
+UNSPLIT = dict(options=jaggc.Options(split_batches=False))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -224,13 +225,13 @@ def test_jagg_gradient_matches_runtime_by_hand(refs, name):
 
     gm = report.graph_module
     assert sum(n.target is jagg_window for n in gm.graph.nodes) == num_windows
-    references = [n for n in gm.graph.nodes if getattr(n.meta.get("jagg_call"), "role", None) == "reference"]
+    references = [n for n in gm.graph.nodes if getattr(CALL.get(n), "role", None) == "reference"]
     if name == "kl_reference_sd3":
         assert report.reference_calls == NUM_STEPS == len(references)
         for node in references:
             assert node.target is dit_call and "step" not in node.kwargs
-            assert node.meta["jagg_call"].window is None and node.meta["jagg_call"].step is None
-            assert "jagg_window" not in node.meta
+            assert CALL.of(node).window is None and CALL.of(node).step is None
+            assert not WINDOW.on(node)
         # the reference calls run as plain no-grad forwards, next to the interior forwards
         assert counts.nograd_forwards == NUM_STEPS + num_windows
     else:
@@ -254,7 +255,7 @@ def test_window_two_is_exact(refs, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_jagg_frac_zero_is_exact(refs, name):
     ref = refs(name)
-    compiled = jagg_compile(ref.ex.loss_fn, window=4, jagg_frac=0.0, capture="dynamo", **UNSPLIT)
+    compiled = jagg_compile(ref.ex.loss_fn, window=4, capture="dynamo", routing=jaggc.Routing(jagg_frac=0.0), **UNSPLIT)
     loss, g, counts = run_compiled(compiled, ref.ex)
     assert {w.mode for w in compiled.report.windows} == {"exact"}
     assert compiled.report.backward_after == NUM_STEPS

@@ -21,6 +21,7 @@ import torch
 from jaggc_studies import example_losses
 from jaggc import jagg_compile
 from jaggc.graph_ops import dit_call, jagg_window
+from jaggc.node_meta import CALL
 from jaggc.verify.fields import AffineJacobianField
 
 B = 2
@@ -49,14 +50,14 @@ def affine_loss(dit, zs, ts, g, n: int):
 
 def assert_rewritten(test: expecttest.TestCase, gm: torch.fx.GraphModule, windows: list[list[int]]):
     nodes = list(gm.graph.nodes)
-    test.assertFalse([n for n in nodes if n.target is dit_call and n.meta["jagg_call"].step is not None])
+    test.assertFalse([n for n in nodes if n.target is dit_call and CALL.of(n).step is not None])
     window_nodes = [n for n in nodes if n.target is jagg_window]
     test.assertEqual(len(window_nodes), len(windows))
     for node, steps in zip(window_nodes, windows):
         test.assertEqual(len(node.args[1]), len(steps))          # the W calls' (args, kwargs)
         reads = sorted(u for u in node.users if u.target is operator.getitem)
         test.assertEqual(sorted(u.args[1] for u in reads), list(range(len(steps))))
-        test.assertEqual(sorted(u.meta["jagg_call"].step for u in reads), steps)
+        test.assertEqual(sorted(CALL.of(u).step for u in reads), steps)
         for u in reads:
             test.assertTrue(u.users, f"{u.name}: a window output that feeds nothing")
 
@@ -79,9 +80,9 @@ class TestGolden(expecttest.TestCase):
         compiled(field, zs, ts, gs, 6)
         report = compiled.report
         self.assertEqual([s.name for s in report.stages],
-                         ["capture (fx)", "check_frontend", "split_cfg_batches", "find_dit_calls", "check_independence",
-                          "assign_windows", "check_window_inputs", "compute_weights", "rewrite_windows", "cleanup",
-                          "place_modes"])
+                         ["capture (fx)", "check_frontend", "tag_modes", "split_cfg_batches", "tag_modes",
+                          "find_dit_calls", "check_independence", "assign_windows", "check_window_inputs",
+                          "compute_weights", "rewrite_windows", "cleanup", "place_modes"])
         assert_rewritten(self, report.graph_module, [[0, 1, 2], [3, 4, 5]])
         self.assertExpectedInline(normalise(report.stages[-1].code), """\
 def forward(self, dit_1, zs_1, ts_1, g_1, n_1):

@@ -147,11 +147,11 @@ class Case:
 
 CASES = {
     "forward-fx": Case(calls_forward, dict(capture="fx", window=2), JaggUnsupportedError,
-                       [AT_LINE + r": the DiT is called through `\.forward\(\.\.\.\)`",
+                       [AT_LINE + r": the DiT \(AffineJacobianField\) is called through `\.forward\(\.\.\.\)`",
                         r"call the module itself, `dit\(\.\.\.\)`"]),
     "forward-dynamo": Case(calls_forward, dict(capture="dynamo", window=2), JaggGraphError,
                            [AT_LINE + r": the DiT \(AffineJacobianField\) is called through `\.forward\(\.\.\.\)`",
-                            r"graph node flat_apply", r"Call the module itself: `dit\(\.\.\.\)`"]),
+                            r"graph node flat_apply", r"call the module itself, `dit\(\.\.\.\)`"]),
     "dependent_states-fx": Case(chained_states, dict(capture="fx", window=2), JaggGraphError,
                                 [r"step 1 \(node dit_call_1, .*" + AT_LINE + r"\)",
                                  r"depends on the output of step 0 \(node dit_call\)", r"`\.detach\(\)` the states"]),
@@ -172,13 +172,18 @@ CASES = {
 
 
 @pytest.mark.parametrize("case_id", list(CASES))
-def test_refusal(case_id):
-    case = CASES[case_id]
+def case_inputs(case: Case) -> tuple:
+    """The model and the loss's arguments of a refusal case."""
     model = AffineJacobianField(3, seed=1)
     zs, ts, gs = inputs(case.num_steps)
     if case.ts is not None:
         ts = case.ts(ts)
-    args = (model, zs, ts, gs, case.num_steps) if case.with_n else (model, zs, ts, gs)
+    return model, (model, zs, ts, gs, case.num_steps) if case.with_n else (model, zs, ts, gs)
+
+
+def test_refusal(case_id):
+    case = CASES[case_id]
+    model, args = case_inputs(case)
     # a gradient from an earlier micro-batch: a refusal must leave it as it is
     for p in model.parameters():
         p.grad = torch.full_like(p, 0.25)
@@ -206,11 +211,17 @@ def test_window_below_two_or_not_int(window):
         jagg_compile(plain_loss, window=window)
 
 
-@pytest.mark.parametrize("bad", [dict(capture="torchscript"), dict(on_unsupported="ignore"), dict(jagg_frac=1.5),
-                                 dict(backend="tvm"), dict(jagg_threshold=1.5), dict(backward="later")])
-def test_bad_options_refused_at_decoration(bad):
-    with pytest.raises(jaggc.JaggError, match=re.escape(repr(next(iter(bad.values()))))):
-        jagg_compile(plain_loss, **bad)
+@pytest.mark.parametrize("bad, value", [
+    (lambda: dict(capture="torchscript"), "torchscript"), (lambda: dict(options=jaggc.Options(on_unsupported="ignore")), "ignore"),
+    (lambda: dict(routing=jaggc.Routing(jagg_frac=1.5)), 1.5), (lambda: dict(options=jaggc.Options(backend="tvm")), "tvm"),
+    (lambda: dict(routing=jaggc.Routing(threshold=1.5)), 1.5), (lambda: dict(backward="later"), "later"),
+    (lambda: dict(routing=jaggc.Routing(exact_below=500.0)), 500.0), (lambda: dict(options=dict(batch_knots=False)), "dict"),
+    (lambda: dict(jagg_frac=1.5), 1.5), (lambda: dict(batch_size=4), "batch_size")])
+def test_bad_options_refused_at_decoration(bad, value):
+    """The options objects refuse bad values when built, jagg_compile when given them (or a
+    deprecated keyword with a bad value), each naming the value."""
+    with pytest.raises(jaggc.JaggError, match=re.escape(repr(value) if not isinstance(value, str) or value not in ("dict", "batch_size") else value)):
+        jagg_compile(plain_loss, **bad())
 
 
 def test_forward_refusal_is_final_in_auto():
@@ -220,7 +231,7 @@ def test_forward_refusal_is_final_in_auto():
     model = AffineJacobianField(3, seed=1)
     with count_dit_passes(model) as counts, pytest.raises(JaggGraphError) as info:
         compiled(model, *inputs(), T)
-    assert re.search(AT_LINE + r": the DiT is called through `\.forward\(\.\.\.\)`", str(info.value))
+    assert re.search(AT_LINE + r": the DiT \(AffineJacobianField\) is called through `\.forward\(\.\.\.\)`", str(info.value))
     assert counts.grad_forwards + counts.nograd_forwards == 0 and compiled.capture_failures == []
 
 
@@ -253,7 +264,7 @@ def test_on_unsupported_exact_falls_back_with_warning():
     exact = grads(model).clone()
 
     # capture="dynamo": under "auto" the intercept fallback would run it (tests/test_intercept.py)
-    compiled = jagg_compile(tensor_control_flow, window=3, capture="dynamo", on_unsupported="exact")
+    compiled = jagg_compile(tensor_control_flow, window=3, capture="dynamo", options=jaggc.Options(on_unsupported="exact"))
     zero_grads(model)
     with pytest.warns(UserWarning, match=r"running tensor_control_flow uncompiled \(exact per-step gradient\)"):
         loss = compiled(model, zs, ts, gs)
@@ -276,7 +287,7 @@ def test_on_unsupported_exact_does_not_hide_input_errors():
     model = AffineJacobianField(3, seed=1)
     zs, ts, gs = inputs()
     ts = torch.stack([ts[0], ts[1], ts[1], ts[3]])
-    compiled = jagg_compile(plain_loss, window=4, on_unsupported="exact")
+    compiled = jagg_compile(plain_loss, window=4, options=jaggc.Options(on_unsupported="exact"))
     with pytest.raises(JaggInputError, match="steps 1 and 2 have the same timestep"):
         compiled(model, zs, ts, gs, T)
     assert all(p.grad is None for p in model.parameters())

@@ -251,7 +251,7 @@ def test_calibrate_flags_a_setting_whose_error_does_not_average_out(curved):
     jagg, control = by["jagg/W4/t"], by["control/W4/t/p0.5/step"]
     assert jagg["cosine_mean"] > 0.5 and jagg["biased"] and jagg["bias_over_floor"] > 100
     assert not control["biased"] and control["bias_over_floor"] < 1.5
-    assert res["recommended"] is None or res["recommended"]["label"] != "jagg/W4/t"
+    assert res["recommended"] is None    # plain JAGG is flagged; the correction does not beat subsampling here
     assert "biased" in res["note"] and "jagg/W4/t" in res["note"]
     assert "BIASED" in format_table(res)
 

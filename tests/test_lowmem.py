@@ -138,7 +138,7 @@ def test_rollout_cache_serves_the_interior_steps():
     with torch.no_grad(), cache.record():
         ex.loss_fn(ex.model, ex.batch)                  # records every step's output, as a rollout would
     _, joint = loss_and_grad(jagg_compile(ex.loss_fn, window=4), (ex.model, ex.batch), ex.model)
-    low = jagg_compile(ex.loss_fn, window=4, backward="lowmem", rollout_cache=cache)
+    low = jagg_compile(ex.loss_fn, window=4, backward="lowmem", options=jaggc.Options(rollout_cache=cache))
     low(ex.model, ex.batch)
     with count_dit_passes(ex.model) as counts:
         _, got = loss_and_grad(low, (ex.model, ex.batch), ex.model)
@@ -199,7 +199,7 @@ def test_another_trainable_input_is_refused():
 
 def test_routing_is_refused():
     with pytest.raises(JaggUnsupportedError, match="needs backward='joint'"):
-        jagg_compile(grpo_like, window=4, backward="lowmem", jagg_frac=0.5)
+        jagg_compile(grpo_like, window=4, backward="lowmem", routing=jaggc.Routing(jagg_frac=0.5))
 
 
 def test_fsdp2_in_one_process_equals_the_plain_module():
@@ -241,3 +241,45 @@ def test_a_parameter_the_graph_reaches_through_a_stand_in_is_refused():
     assert all(p.grad is None for p in ex.model.parameters())
     proj.forward = forward
     low(ex.model, ex.batch).backward()                   # the same loss without the swap runs
+
+
+def _policy(v, g):
+    return ((v - g) ** 2).mean()
+
+
+def _kl(v):
+    return (v ** 2).mean()
+
+
+# the linear forms place_lowmem_terms reads as sums of per-step terms with number coefficients;
+# each is written the way a trainer writes it (Flow-GRPO's `loss - beta * kl` is a subtraction)
+LINEAR_FORMS = {
+    "minus_beta_kl": lambda v, g, k: _policy(v, g) - 0.04 * _kl(v),
+    "negated": lambda v, g, k: -_policy(v, g),
+    "divided": lambda v, g, k: _policy(v, g) / 3.0,
+    "number_times": lambda v, g, k: 2.5 * _policy(v, g) + _kl(v) * 0.5,
+    "sub_of_sums": lambda v, g, k: (_policy(v, g) + _kl(v)) - (0.5 * _kl(v) - _policy(v, g) / 4),
+}
+
+
+@pytest.mark.parametrize("form", list(LINEAR_FORMS))
+def test_every_linear_form_the_pass_accepts_gives_the_joint_gradient(form):
+    """Reading ``a - b`` as ``a + b`` (or a sign or factor wrong) changes the gradient: each form,
+    with its minus signs and number factors, must equal the joint mode and the exact gradient."""
+    term = LINEAR_FORMS[form]
+
+    def loss(dit, zs, ts, g):
+        total = 0.0
+        for k in range(zs.shape[0]):
+            total = total - term(dit(zs[k], ts[k]), g[k], k) if k % 2 else total + term(dit(zs[k], ts[k]), g[k], k)
+        return total / zs.shape[0]
+
+    model = AffineJacobianField(3, seed=2)
+    args = (model, *chord_inputs(seed=3))
+    exact_loss, exact = loss_and_grad(loss, args, model)
+    low = jagg_compile(loss, window=4, weights="t", backward="lowmem")
+    low_loss, lowmem = loss_and_grad(low, args, model)
+    _, joint = loss_and_grad(jagg_compile(loss, window=4, weights="t"), args, model)
+    assert low.report.path == "fx"
+    assert torch.allclose(low_loss, exact_loss, rtol=1e-12, atol=0)
+    assert rel_err(lowmem, joint) < 1e-12 and rel_err(lowmem, exact) < 1e-8

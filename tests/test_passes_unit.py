@@ -38,9 +38,11 @@ from torch import fx, nn
 from jaggc._compat import SET_GRAD_ENABLED
 from jaggc.errors import JaggGraphError, JaggInputError
 from jaggc.graph_ops import batch_chunk, dit_call
+from jaggc.node_meta import CALL, GRAD
 from jaggc.passes import (CompileConfig, PassContext, assign_windows, check_frontend, check_independence,
                           find_dit_calls, split_cfg_batches)
 from jaggc.passes.modes import is_grad_switch
+from jaggc.passes import tag_modes
 from jaggc.runtime.routing import Routing
 from jaggc.runtime.window import WindowOptions, partition
 from jaggc.verify.fields import AffineJacobianField
@@ -140,13 +142,18 @@ def inputs(n: int, window: int, *, seed: int = 0, on_chord: bool = True):
 
 def context(window: int = 3, *, backward: str = "joint", dit=None, **config) -> PassContext:
     """The context jagg_compile builds (jaggc/api.py ``_rewrite``)."""
-    options = WindowOptions(weights=config.get("weights", "t"), time_arg=config.get("time_arg"), backward=backward)
+    options = WindowOptions(weights=config.pop("weights", "t"), time_arg=config.pop("time_arg", None), backward=backward)
     return PassContext(config=CompileConfig(window=window, options=options, **config), dit=dit, frontend="fx")
 
 
 def run(gm: fx.GraphModule, ctx: PassContext, *passes) -> fx.GraphModule:
+    """The named passes, each followed by its ensures; the modes tagged first where a pass needs
+    them and the test has not set them by hand (DEFAULT_PASSES names tag_modes where it runs)."""
     for p in passes:
+        if "modes" in p.requires and not any(GRAD.on(n) for n in gm.graph.nodes):
+            gm = tag_modes(gm, ctx)
         gm = p(gm, ctx)
+        p.ensures(gm, ctx)
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -157,7 +164,7 @@ def calls_of(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def sites(gm: fx.GraphModule) -> list[tuple]:
-    return [(s.step, s.role, s.window) for s in (n.meta["jagg_call"] for n in calls_of(gm))]
+    return [(s.step, s.role, s.window) for s in (CALL.of(n) for n in calls_of(gm))]
 
 
 def loss_and_grad(gm: fx.GraphModule, *args):
@@ -214,8 +221,8 @@ def test_split_cfg_batches_runs_detached_uncond_half_without_grad():
         assert [a.args[3] for a in trained.args[1]] == [1, 1]
         off, on = nodes[nodes.index(ref.args[1][0]) - 1], nodes[nodes.index(ref) + 1]
         assert is_grad_switch(off) and off.args == (False,) and is_grad_switch(on) and on.args == (True,)
-        assert not ref.meta["jagg_grad"] and not any(a.meta["jagg_grad"] for a in ref.args[1])
-        assert trained.meta["jagg_grad"] and {u.target for u in ref.users} == {"detach"}
+        assert not GRAD.of(ref) and not any(GRAD.of(a) for a in ref.args[1])
+        assert GRAD.of(trained) and {u.target for u in ref.users} == {"detach"}
         assert operator.sub in {u.target for u in trained.users}
     assert [(s.chunks, s.no_grad) for s in ctx.splits] == [(2, (0,)), (2, (0,))]
     assert_same(loss_and_grad(gm, *inputs(2, 2)), original)
@@ -238,12 +245,12 @@ def test_find_dit_calls_tags_trained_steps_references_and_grad_mode():
     gm = run(affine_loss(3, reference=True)[0], context(), find_dit_calls)
     assert sites(gm) == [(0, None, None), (None, "reference", None), (1, None, None), (None, "reference", None),
                          (2, None, None), (None, "reference", None)]
-    assert [n.meta["jagg_call"].index for n in calls_of(gm)] == list(range(6))
-    assert all(n.meta["jagg_call"].grad_enabled == n.meta["jagg_grad"] for n in calls_of(gm))
+    assert [CALL.of(n).index for n in calls_of(gm)] == list(range(6))
+    assert all(CALL.of(n).grad_enabled == GRAD.of(n) for n in calls_of(gm))
     mode = True                                                  # replay the switches: every node tagged
     for n in gm.graph.nodes:
         mode = n.args[0] if is_grad_switch(n) else mode
-        assert n.meta["jagg_grad"] is mode, n.name
+        assert GRAD.of(n) is mode, n.name
 
 
 def test_find_dit_calls_entry_mode_no_grad_makes_calls_before_enable_grad_references():
@@ -274,7 +281,7 @@ def test_find_dit_calls_refuses_two_trained_modules_without_dit_given():
     r = c.dit(v, c.at(c.x.ts, 0), module="jagg_dit_1")
     with pytest.raises(JaggGraphError, match=r"2 module arguments with grad \(AffineJacobianField \(jagg_dit, 1 calls\), "
                                              r"AffineJacobianField \(jagg_dit_1, 1 calls\)\).*dit=model\)"):
-        find_dit_calls(c.build(c.term(r, 0)), context())
+        run(c.build(c.term(r, 0)), context(), find_dit_calls)
 
 
 def test_find_dit_calls_leaves_a_loss_without_trained_dit_call_as_it_is():
@@ -282,15 +289,15 @@ def test_find_dit_calls_leaves_a_loss_without_trained_dit_call_as_it_is():
     and the calls stay plain reference calls (the loss runs as written)."""
     c = Capture("zs", "ts", "gs")
     ctx = context()
-    gm = find_dit_calls(c.build(c.method("sum", c.x.zs)), ctx)
+    gm = run(c.build(c.method("sum", c.x.zs)), ctx, find_dit_calls)
     assert ctx.trained_calls(gm) == [] and "no DiT call (watched: none): nothing to rewrite" in ctx.notes[0]
     c = Capture("zs", "ts", "gs")
     with c.no_grad():
         v = c.dit(c.at(c.x.zs, 0), c.at(c.x.ts, 0))
     ctx = context()
-    gm = find_dit_calls(c.build(c.term(v, 0)), ctx)
+    gm = run(c.build(c.term(v, 0)), ctx, find_dit_calls)
     assert ctx.trained_calls(gm) == [] and "only called without grad" in ctx.notes[0]
-    assert [n.meta["jagg_call"].role for n in ctx.dit_calls(gm)] == ["reference"]
+    assert [CALL.of(n).role for n in ctx.dit_calls(gm)] == ["reference"]
 
 
 def test_find_dit_calls_checks_placement_from_example_values_naming_the_step():
@@ -304,7 +311,7 @@ def test_find_dit_calls_checks_placement_from_example_values_naming_the_step():
         t.meta["example_value"] = ts[k]
     with pytest.raises(JaggInputError, match=r"step 1, input .*the state is torch.float32 but the DiT's "
                                              r"parameters are torch.float64"):
-        find_dit_calls(gm, context())
+        run(gm, context(), find_dit_calls)
 
 
 # ----------------------------------------------------------------------------- check_independence
@@ -369,8 +376,8 @@ def test_assign_windows_cuts_consecutive_steps_into_windows_of_w_with_shorter_ta
     assert windows_of(ctx) == expected
     assert [w.nodes for w in ctx.windows] == [[trained[k] for k in steps] for steps, _ in expected]
     for w in ctx.windows:
-        assert [n.meta["jagg_call"].window for n in w.nodes] == [w.index] * len(w.nodes)
-        assert {n.meta["jagg_call"].role for n in w.nodes} == {"interior" if w.mode == "jagg" else "exact"}
+        assert [CALL.of(n).window for n in w.nodes] == [w.index] * len(w.nodes)
+        assert {CALL.of(n).role for n in w.nodes} == {"interior" if w.mode == "jagg" else "exact"}
 
 
 def test_assign_windows_spans_reference_calls_and_leaves_them_out():
@@ -378,8 +385,8 @@ def test_assign_windows_spans_reference_calls_and_leaves_them_out():
     ctx = context(3)
     run(gm, ctx, find_dit_calls, assign_windows)
     assert windows_of(ctx) == [([0, 1, 2], "jagg")]
-    refs = [n for n in calls_of(gm) if n.meta["jagg_call"].step is None]
-    assert len(refs) == 3 and all(n.meta["jagg_call"].window is None for n in refs)
+    refs = [n for n in calls_of(gm) if CALL.of(n).step is None]
+    assert len(refs) == 3 and all(CALL.of(n).window is None for n in refs)
     assert not any(ref in w.nodes for w in ctx.windows for ref in refs)
 
 
@@ -418,8 +425,8 @@ def test_assign_windows_never_mixes_cfg_streams():
     assert any("one window per stream" in note for note in ctx.notes)
 
 
-@pytest.mark.parametrize("config, mode", [({"jagg_frac": 0.0}, "exact"),
-                                          ({"jagg_frac": 0.5, "routing": Routing(jagg_frac=0.5)}, "routed")])
+@pytest.mark.parametrize("config, mode", [({"routing": Routing(jagg_frac=0.0)}, "exact"),
+                                          ({"routing": Routing(jagg_frac=0.5)}, "routed")])
 def test_assign_windows_mode_follows_jagg_frac_and_routing(config, mode):
     gm, _ = affine_loss(5)
     ctx = context(3, **config)

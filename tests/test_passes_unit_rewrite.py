@@ -34,6 +34,7 @@ from jaggc.errors import JaggGraphError, JaggInputError, JaggInternalError
 from jaggc.graph_ops import (RUNTIME_TARGETS, LowMemWindowPlan, WindowPlan, dit_call, flatten_output,
                              jagg_lowmem_output, jagg_lowmem_term, jagg_lowmem_window, jagg_trajectory, jagg_window,
                              set_autocast)
+from jaggc.node_meta import AUTOCAST, CALL, GRAD, REQUIRES_GRAD
 from jaggc.passes import (assign_windows, cleanup, compute_weights, find_dit_calls, place_modes,
                           place_lowmem_terms, rewrite_windows)
 from jaggc.passes.context import Window
@@ -66,9 +67,9 @@ def assert_runs_in_recorded_modes(gm: fx.GraphModule, entry: bool = True, entry_
             assert mode == entry, "the graph returns in another grad mode than it was entered in"
             assert autocast == entry_autocast, "the graph returns in another autocast state than it was entered in"
         elif n.op not in ("placeholder", "get_attr"):
-            assert n.meta["jagg_grad"] == mode, f"{n.name} runs with grad {mode}, recorded {n.meta['jagg_grad']}"
-            assert n.meta["jagg_autocast"] == autocast, (
-                f"{n.name} runs in autocast {autocast}, recorded {n.meta['jagg_autocast']}")
+            assert GRAD.of(n) == mode, f"{n.name} runs with grad {mode}, recorded {GRAD.of(n)}"
+            assert AUTOCAST.of(n) == autocast, (
+                f"{n.name} runs in autocast {autocast}, recorded {AUTOCAST.of(n)}")
 
 
 # ----------------------------------------------------------------------------- compute_weights
@@ -81,7 +82,7 @@ def test_compute_weights_sets_knots_basis_time_arg_and_knot_roles(weights, knots
     run(gm, ctx, find_dit_calls, assign_windows, compute_weights)
     for w in ctx.windows[:2]:
         assert (w.knots, w.basis, w.time_arg) == (knots, basis, 1)
-        assert [n.meta["jagg_call"].role for n in w.nodes] == ["knot" if p in knots else "interior" for p in range(3)]
+        assert [CALL.of(n).role for n in w.nodes] == ["knot" if p in knots else "interior" for p in range(3)]
     tail = ctx.windows[2]
     assert (tail.mode, tail.knots, tail.basis, tail.time_arg) == ("exact", (), "", None)
 
@@ -142,7 +143,7 @@ def test_rewrite_windows_replaces_each_jagg_window_by_one_node_feeding_the_old_u
     gm, trained = affine_loss(7, reference=True)
     ctx = context(3)
     run(gm, ctx, *ANALYSES)
-    old = {c.meta["jagg_call"].step: ((c.args[1], c.args[2]), set(c.users)) for c in trained}
+    old = {CALL.of(c).step: ((c.args[1], c.args[2]), set(c.users)) for c in trained}
     gm = run(gm, ctx, rewrite_windows)
     windows = nodes_with(gm, jagg_window)
     assert [w.node for w in ctx.windows[:2]] == windows
@@ -153,9 +154,9 @@ def test_rewrite_windows_replaces_each_jagg_window_by_one_node_feeding_the_old_u
         outs = sorted(node.users, key=lambda u: u.args[1])
         assert w.nodes == list(node.users) and [u.args[1] for u in outs] == [0, 1, 2]
         for u, step in zip(outs, w.steps):
-            assert u.target is operator.getitem and u.meta["jagg_call"].step == step and u.meta["jagg_grad"]
+            assert u.target is operator.getitem and CALL.of(u).step == step and GRAD.of(u)
             assert set(u.users) == old[step][1]                    # the step's glue reads the window output
-    remaining = [(c.meta["jagg_call"].step, c.meta["jagg_call"].role, c.kwargs.get("step")) for c in calls_of(gm)]
+    remaining = [(CALL.of(c).step, CALL.of(c).role, c.kwargs.get("step")) for c in calls_of(gm)]
     assert remaining == [(None, "reference", None)] * 6 + [(6, "exact", 6), (None, "reference", None)]
 
 
@@ -177,11 +178,11 @@ def test_rewritten_graph_matches_original_on_the_chord_and_runs_jagg_off_it(on_c
 
 def test_rewrite_windows_makes_one_trajectory_node_for_routed_windows():
     gm, _ = affine_loss(8)
-    ctx = context(3, jagg_frac=0.5, routing=Routing(jagg_frac=0.5))
+    ctx = context(3, routing=Routing(jagg_frac=0.5))
     gm = run(gm, ctx, *ANALYSES, rewrite_windows)
     (node,) = nodes_with(gm, jagg_trajectory)
     assert [len(w) for w in node.args[1]] == [3, 3] and [w.node for w in ctx.windows[:2]] == [node, node]
-    assert sorted(u.meta["jagg_call"].step for u in node.users) == [0, 1, 2, 3, 4, 5]
+    assert sorted(CALL.of(u).step for u in node.users) == [0, 1, 2, 3, 4, 5]
     assert [c.kwargs.get("step") for c in calls_of(gm)] == [6, 7]
 
 
@@ -232,8 +233,8 @@ def fact_graph(facts: list[tuple], stale_switches: dict[int, bool], stale_autoca
                 c.fn(DYNAMO_EXIT_AUTOCAST, regions.pop())
         value = c.fn(getattr(torch, name), value)
         if grad is not None:
-            value.meta["jagg_grad"] = grad
-        value.meta["jagg_autocast"] = autocast[0] if autocast else AUTOCAST_OFF
+            GRAD.set(value, grad)
+        AUTOCAST.set(value, autocast[0] if autocast else AUTOCAST_OFF)
     while regions:
         c.fn(DYNAMO_EXIT_AUTOCAST, regions.pop())
     return c.build(value)
@@ -330,7 +331,7 @@ def test_place_lowmem_terms_marks_each_per_step_term_with_window_position_and_co
         assert t.prev.op == "get_attr" and t.prev.prev is root                # right after it (and its plan)
         out, other = root.args[0].args                                   # (v * gs[k]).sum() or (v * v).sum()
         assert coef == pytest.approx(0.1 / 5 if other is out else 1 / 5)
-        assert (window, position) == (out.meta["jagg_call"].window, out.args[1])
+        assert (window, position) == (CALL.of(out).window, out.args[1])
     (output,) = nodes_with(gm, jagg_lowmem_output)
     assert gm.graph.output_node().args[0] is output and output.args[0].target is operator.truediv
     first, second = nodes_with(gm, jagg_lowmem_window)
@@ -373,7 +374,7 @@ def test_place_lowmem_terms_refuses_a_tensor_coefficient_naming_the_node():
 
 def test_place_lowmem_terms_refuses_a_term_reading_another_trainable_input():
     def build(c, vs):
-        c.x.w.meta["jagg_requires_grad"] = True                          # as the FX frontend records it
+        REQUIRES_GRAD.set(c.x.w, True)                          # as the FX frontend records it
         total = 0
         for k, v in enumerate(vs):
             total = c.fn(operator.add, total, c.term(c.fn(operator.mul, v, c.x.w) if k == 1 else v, k))

@@ -13,6 +13,7 @@ from jaggc import report_view
 from jaggc.cli import main
 from jaggc_studies.example_losses import build_example
 from jaggc.graph_ops import is_runtime_target
+from jaggc.node_meta import CALL, WINDOW
 from jaggc.passes.modes import is_grad_switch
 from jaggc.report_view import ROLE_LETTER, condensed_view, render_images, to_condensed_dot, to_text
 
@@ -41,8 +42,8 @@ def _user_ops(report) -> int:
     """The ops of the graph that are neither DiT calls, jaggc's runtime nodes nor grad-mode switches
     (no data flows through those: they belong to no step)."""
     return sum(1 for n in report.graph_module.graph.nodes
-               if n.op in ("call_function", "call_method", "call_module") and "jagg_call" not in n.meta
-               and "jagg_window" not in n.meta and not is_runtime_target(n) and not is_grad_switch(n))
+               if n.op in ("call_function", "call_method", "call_module") and not CALL.on(n)
+               and not WINDOW.on(n) and not is_runtime_target(n) and not is_grad_switch(n))
 
 
 # --------------------------------------------------------------------------- the data model

@@ -118,7 +118,7 @@ def test_compiled_loss_uses_the_cache(model):
         return total
 
     slow_fn = jaggc.jagg_compile(loss_fn, window=4)
-    fast_fn = jaggc.jagg_compile(loss_fn, window=4, rollout_cache=cache)
+    fast_fn = jaggc.jagg_compile(loss_fn, window=4, options=jaggc.Options(rollout_cache=cache))
     zero_grads(model)
     slow_fn(model, traj).backward()
     slow = grads(model).clone()

@@ -1,4 +1,4 @@
-"""Routing (runtime/routing.py, jagg_compile(jagg_frac=, jagg_threshold=, exact_below_t=)): windows
+"""Routing (runtime/routing.py, jagg_compile(routing=Routing(jagg_frac=, threshold=, exact_below=))): windows
 scored from their velocities, the chosen ones run JAGG, the rest exact; decisions in the report."""
 
 from __future__ import annotations
@@ -55,16 +55,16 @@ def test_score_is_one_on_a_velocity_linear_window():
 
 def test_choose_jagg_windows_rules():
     scores = [0.9, None, 0.2, 0.7, 0.5]
-    times = [900.0, 800.0, 600.0, 400.0, 100.0]
-    assert choose_jagg_windows(scores, times, Routing(jagg_frac=0.5)) == [True, False, False, True, False]
-    assert choose_jagg_windows(scores, times, Routing(threshold=0.6)) == [True, False, False, True, False]
-    assert choose_jagg_windows(scores, times, Routing(exact_below_t=500.0)) == [True, False, True, False, False]
-    assert choose_jagg_windows(scores, times, Routing(jagg_frac=0.5, exact_below_t=500.0)) == [
+    sigmas = [0.9, 0.8, 0.6, 0.4, 0.1]
+    assert choose_jagg_windows(scores, sigmas, Routing(jagg_frac=0.5)) == [True, False, False, True, False]
+    assert choose_jagg_windows(scores, sigmas, Routing(threshold=0.6)) == [True, False, False, True, False]
+    assert choose_jagg_windows(scores, sigmas, Routing(exact_below=0.5)) == [True, False, True, False, False]
+    assert choose_jagg_windows(scores, sigmas, Routing(jagg_frac=0.5, exact_below=0.5)) == [
         True, False, False, False, False]
 
 
 @pytest.mark.parametrize("routing,n_jagg", [(Routing(jagg_frac=0.34), 1), (Routing(jagg_frac=0.67), 2),
-                                            (Routing(exact_below_t=500.0), 1), (Routing(threshold=-1.0), 3)])
+                                            (Routing(exact_below=0.5), 1), (Routing(threshold=-1.0), 3)])
 def test_routed_gradient_is_exact_on_exact_windows_and_jagg_on_the_rest(sd3_64, routing, n_jagg):
     calls, gs = sd3_calls(sd3_64)
     windows = partition(T, 4)
@@ -82,7 +82,7 @@ def test_routed_gradient_is_exact_on_exact_windows_and_jagg_on_the_rest(sd3_64, 
     want = grad_of(sd3_64, lambda: first(jagg_calls(sd3_64, calls, window=4, exact_windows=exact_windows)), gs)
     assert rel_err(got, want) < 1e-12
     # and the fraction form takes the best-scored windows
-    if routing.threshold is None and routing.exact_below_t is None:
+    if routing.threshold is None and routing.exact_below is None:
         scores = decision["d"].scores
         best = sorted(range(len(scores)), key=lambda i: -scores[i])[:n_jagg]
         assert sorted(best) == [i for i, m in enumerate(modes) if m == "jagg"]
@@ -112,7 +112,7 @@ def test_compiled_routing_matches_runtime_and_reports_decisions():
     def loss_fn(dit, zs, ts, gs):
         return sum((dit(zs[k], ts[k]) * gs[k]).sum() for k in range(zs.shape[0]))
 
-    compiled = jaggc.jagg_compile(loss_fn, window=4, weights="t", jagg_frac=0.5, exact_below_t=0.3)
+    compiled = jaggc.jagg_compile(loss_fn, window=4, weights="t", routing=jaggc.Routing(jagg_frac=0.5, exact_below=0.3))
     zero_grads(model)
     compiled(model, zs, ts, gs).backward()
     got = grads(model).clone()
@@ -130,6 +130,6 @@ def test_compiled_routing_matches_runtime_and_reports_decisions():
 
 def test_routing_refuses_per_window_mode():
     with pytest.raises(jaggc.JaggUnsupportedError, match="needs backward='joint'"):
-        jaggc.jagg_compile(lambda dit, x: dit(x), jagg_frac=0.5, backward="per_window")
-    with pytest.raises(jaggc.JaggInputError, match="jagg_threshold=2"):
-        jaggc.jagg_compile(lambda dit, x: dit(x), jagg_threshold=2)
+        jaggc.jagg_compile(lambda dit, x: dit(x), backward="per_window", routing=jaggc.Routing(jagg_frac=0.5))
+    with pytest.raises(jaggc.JaggInputError, match=r"Routing\(threshold=2\)"):
+        jaggc.jagg_compile(lambda dit, x: dit(x), routing=jaggc.Routing(threshold=2))

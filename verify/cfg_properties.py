@@ -11,6 +11,7 @@ agree to rounding, and the split must have happened.
 
 from __future__ import annotations
 
+import jaggc
 import torch
 from hypothesis import strategies as st
 
@@ -64,7 +65,7 @@ def _check(case, seed) -> float:
             torch.randn(T, B, 3, generator=g, dtype=DT), case["layout"])
     results = []
     for split in (True, False):
-        compiled = jagg_compile(cfg_loss, window=case["window"], capture=case["capture"], split_batches=split)
+        compiled = jagg_compile(cfg_loss, window=case["window"], capture=case["capture"], options=jaggc.Options(split_batches=split))
         for p in field.parameters():
             p.grad = None
         loss = compiled(*args)

@@ -293,12 +293,13 @@ def _dynamo_room():
 def compile_loss(rollout: Rollout, capture: str, per_step: bool = False):
     """``@jagg_compile(window=W, weights="t", capture=...)`` of the rollout's GRPO loss (plain JAGG,
     the estimator the exactness theorems are about); ``per_step``: every DiT forward of a window as
-    its own call (``interior_chunk=1, batch_knots=False``), under which the forward values are
+    its own call (``Options(interior_chunk=1, batch_knots=False)``), under which the forward values are
     bit-identical to the uncompiled loss (README)."""
     from ..api import jagg_compile
+    from ..options import Options
 
-    options = dict(interior_chunk=1, batch_knots=False) if per_step else {}
-    return jagg_compile(LOSSES[rollout.kind], window=rollout.window, weights="t", capture=capture, **options)
+    options = Options(interior_chunk=1, batch_knots=False) if per_step else None
+    return jagg_compile(LOSSES[rollout.kind], window=rollout.window, weights="t", capture=capture, options=options)
 
 
 def compiled(rollout: Rollout, field: nn.Module, capture: str, loss=None,

@@ -158,7 +158,7 @@ def _recommend(rows: list[dict], subs: list[dict], target_cosine: float, batches
                 f"{BIAS_LIMIT}x its noise floor: {recommended['label']}")
     else:
         note = (f"no candidate reaches mean cosine {target_cosine} while beating subsampling and staying within "
-                f"{BIAS_LIMIT}x its noise floor on these batches: train exactly (jagg_frac=0), or lower the target")
+                f"{BIAS_LIMIT}x its noise floor on these batches: train exactly (routing=jaggc.Routing(jagg_frac=0)), or lower the target")
     flagged = [r["label"] for r in meeting if r["biased"]]
     if flagged:
         note += (f"; reach the target but biased (mean error > {BIAS_LIMIT}x the noise floor): "

@@ -31,10 +31,10 @@ from ..runtime.calls import DitCall
 from ..runtime.checks import conform_placement
 from ..runtime.module_state import module_chain
 from . import opaque_op
+from .contract import direct_forward_error, instance_slots
 from .fake_cache import cached_fake_call
 
 _OPAQUE: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
-_MISSING = object()
 
 
 # nonstrict_trace accepts only graphable leaves (tensors, numbers, str, ...), and None is a leaf
@@ -229,7 +229,7 @@ def _state_change(module_ref, name: str):
 def opaque_modules(modules: Iterable[nn.Module]):
     """Install the opaque call slots and the state-change refusers on ``modules`` (and their
     wrapped modules) for the duration."""
-    saved = []
+    patches = []
     seen = set()
     for top in modules:
         for m in module_chain(top):
@@ -237,17 +237,9 @@ def opaque_modules(modules: Iterable[nn.Module]):
                 continue
             seen.add(id(m))
             slots = list(zip(_SLOTS, _opaque_functions(m)[2:])) + list(_state_refusers(m).items())
-            for slot, fn in slots:
-                saved.append((m, slot, m.__dict__.get(slot, _MISSING)))
-                m.__dict__[slot] = fn
-    try:
+            patches += [(m, slot, fn) for slot, fn in slots]
+    with instance_slots(patches):
         yield
-    finally:
-        for m, slot, old in reversed(saved):
-            if old is _MISSING:
-                m.__dict__.pop(slot, None)
-            else:
-                m.__dict__[slot] = old
 
 
 def check_called_as_module(node: fx.Node, module: nn.Module, fn) -> None:
@@ -265,11 +257,7 @@ def check_called_as_module(node: fx.Node, module: nn.Module, fn) -> None:
     stack = node.meta.get("nn_module_stack") or {}
     if any(str(key).split("@")[0] == str(id(module)) for key in stack):
         return
-    raise JaggGraphError(
-        f"{user_source(node) or 'unknown source line'}: the DiT ({type(module).__name__}) is called through "
-        f"`.forward(...)` "
-        f"(graph node {node.name}); `.forward` skips the module's hooks (DDP/FSDP gradient sync, peft) and "
-        f"jaggc would run it with them. Call the module itself: `dit(...)`")
+    raise direct_forward_error(user_source(node) or "unknown source line", module, node.name)
 
 
 def canonicalize_dynamo_calls(gm: fx.GraphModule) -> fx.GraphModule:

@@ -8,7 +8,7 @@ Dynamo's recompile limit ("BACKEND_MATCH"), and ``capture="auto"`` fell back to 
 So the backend object is shared: one per tuple of watched modules (a graph captured with one DiT
 binds that module, so another module object must not reuse it). What Dynamo caches is the
 *captured* graph (canonical ``dit_call`` form, independent of jaggc's options); at run time the
-compiled loss that is running (``running_loss``) rewrites its own copy of it once, with its own
+Dynamo frontend of the compiled loss that is running (``running_loss``) rewrites its own copy of it once, with its own
 window, weights and backward mode, and runs that.
 """
 
@@ -28,9 +28,9 @@ _BACKENDS: "weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, ...], SharedBac
 
 
 @contextlib.contextmanager
-def running_loss(loss):
-    """``loss`` (a ``JaggCompiled``) is the one whose rewrite a shared graph runs."""
-    token = _RUNNING.set(loss)
+def running_loss(frontend):
+    """``frontend`` (a compiled loss's ``DynamoFrontend``) is the one whose rewrite a shared graph runs."""
+    token = _RUNNING.set(frontend)
     try:
         yield
     finally:
@@ -40,18 +40,18 @@ def running_loss(loss):
 class SharedBackend:
     """The Dynamo backend of every compiled loss over one set of modules (module docstring).
 
-    The running loss provides ``_dynamo_graph(pristine, own=None) -> callable``: its rewrite of a
-    captured graph (of ``own``, else of a copy of ``pristine``; made on first use, then cached by
-    the loss under ``pristine``)."""
+    The running frontend provides ``graph_for(pristine, own=None) -> callable``: its loss's rewrite
+    of a captured graph (of ``own``, else of a copy of ``pristine``; made on first use, then cached
+    under ``pristine``)."""
 
     def __call__(self, gm: fx.GraphModule, example_inputs) -> Callable:
         captured = canonicalize_dynamo_calls(gm)
         pristine = copy_graph_module(captured)      # what the other compiled losses rewrite
         # the compiling loss rewrites the capture itself, now: its refusals surface at compile time
-        _RUNNING.get()._dynamo_graph(pristine, own=captured)
+        _RUNNING.get().graph_for(pristine, own=captured)
 
         def run_graph(*args):
-            return _RUNNING.get()._dynamo_graph(pristine)(*args)
+            return _RUNNING.get().graph_for(pristine)(*args)
 
         return run_graph
 

@@ -6,7 +6,7 @@ such questions (shape, ndim, size(), dim(), numel(), dtype, device, len()) with 
 taken from a fake-tensor run of the node's ancestors. That is exact for the inputs traced: every
 shape, dtype and device in the graph is a function of the input tensors' metadata, the module's
 parameters' metadata and the constant arguments, and all of them are in the FX cache key
-(``api._structure_key``). An op whose output shape depends on tensor *values* (``nonzero``,
+(``fx_runner.structure_key``). An op whose output shape depends on tensor *values* (``nonzero``,
 ``masked_select``) cannot be run on fake tensors; asking for its shape is refused.
 
 Values are computed lazily: a loss asks about a handful of nodes (the DiT output's ``ndim``, a
@@ -31,6 +31,7 @@ from ..graph_ops import dit_call, is_in_place, live_tensor
 from ..runtime.autocast import autocast_applied, autocast_cache_disabled
 from .dynamo import is_distributed, real_run_as_fake
 from .fake_cache import TensorMeta, cached_fake_call
+from ..node_meta import TRACED_MODES
 
 
 _RUNNING = [0]
@@ -106,7 +107,7 @@ class ExampleValues:
         """The value computed in the grad mode and autocast state ``node`` was traced in: a value
         asked for after the loss left an autocast block (``noise_pred.dtype`` below it) is the
         block's value, as in eager code."""
-        modes = node.meta.get("jagg_traced_modes")
+        modes = TRACED_MODES.get(node)
         if modes is None:
             return self._compute_tracking_standins(node)
         grad, autocast = modes

@@ -15,7 +15,7 @@ Plain torch.fx cannot trace a trainer's loss; this tracer records what plain FX 
 - **autocast**: a ``with torch.autocast(...):`` block (the trainers' CUDA bf16 block around the DiT
   call, a CPU block in tests, nested in helpers or not) is recorded as ``set_autocast`` switch
   nodes holding the state the following ops run in; every node also keeps the grad and autocast
-  state it was traced in (``meta["jagg_traced_modes"]``), so its example value and any value read
+  state it was traced in (``node_meta.TRACED_MODES``), so its example value and any value read
   through it are computed in that state, as eager code would;
 - **module state**: a DiT call traced in another state than the loss was entered in (inside peft's
   ``disable_adapter()``, after ``dit.train()``) is replayed in that state (``set_module_state``
@@ -33,12 +33,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import os
-import linecache
 import operator
 import traceback
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -48,25 +45,22 @@ from .. import _compat
 from .._compat import SET_GRAD_ENABLED, fake_mode_suspended, tree_flatten, tree_unflatten
 from ..errors import JaggCaptureError, JaggGraphError
 from ..graph_ops import dit_call, is_in_place, set_autocast, set_module_state, user_source
-from ..runtime.autocast import AUTOCAST_OFF, AutocastState, autocast_cache_disabled, current_autocast
+from ..source import frame_location, frame_traceback_line, traceback_location, user_frame
+from ..runtime.autocast import autocast_cache_disabled, current_autocast
 from ..runtime.module_state import ModuleState, applicable, difference, module_state
 from . import example_values
 from .example_values import ExampleValues
 from .aliasing import storage_of
+from .contract import Captured, bind_loss, direct_forward_error, instance_slots
 from .live_tensors import LiveTensors
-from .value_reads import Guard, ValueReads
-
-
-def _bind(fn: Callable, args: tuple, kwargs: dict) -> inspect.BoundArguments:
-    bound = inspect.signature(fn).bind(*args, **kwargs)
-    bound.apply_defaults()
-    return bound
+from .value_reads import ValueReads
+from ..node_meta import REQUIRES_GRAD, STORAGE, TRACED_CALL, TRACED_MODES, TracedCall
 
 
 def concrete_args_for(fn: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
     """Tensor leaves -> fx.PH (placeholders); everything else stays concrete."""
     concrete = {}
-    for name, value in _bind(fn, args, kwargs).arguments.items():
+    for name, value in bind_loss(fn, args, kwargs, defaults=True).arguments.items():
         leaves, spec = tree_flatten(value)
         concrete[name] = tree_unflatten([fx.PH if isinstance(x, torch.Tensor) else x for x in leaves], spec)
     return concrete
@@ -205,14 +199,14 @@ class DiTLeafTracer(fx.Tracer):
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
         # the user's line only (error messages name one line), not fx's record_stack_traces
         node.stack_trace = _user_line()
-        node.meta["jagg_traced_modes"] = (self.grad_mode, self.autocast)
+        TRACED_MODES.set(node, (self.grad_mode, self.autocast))
         self.examples.add(node)
         if kind == "placeholder":
             value = self._inputs.pop()
-            node.meta["jagg_requires_grad"] = isinstance(value, torch.Tensor) and value.requires_grad
+            REQUIRES_GRAD.set(node, isinstance(value, torch.Tensor) and value.requires_grad)
             if isinstance(value, torch.Tensor):
                 # inputs sharing storage share an alias root (passes/effects.py); aliasing.py rechecks it
-                node.meta["jagg_storage"] = storage_of(value)
+                STORAGE.set(node, storage_of(value))
             self.examples.set_input(node, value)
             self.reads.real_inputs[node] = value
         elif is_in_place(node):
@@ -268,23 +262,14 @@ class DiTLeafTracer(fx.Tracer):
             dit = self.create_proxy("get_attr", self._attr_name(m), (), {})
             proxy = self.create_proxy("call_function", dit_call, (dit, tuple(args), dict(kwargs)), {})
             proxy.node.stack_trace = _user_stack()  # fx would name this frame, not the user's call
-            proxy.node.meta["jagg_traced_state"] = (m, module_state(m), torch.is_grad_enabled())
+            TRACED_CALL.set(proxy.node, TracedCall(m, module_state(m), torch.is_grad_enabled()))
             return proxy
         return self.create_proxy("call_module", self.path_of_module(m), args, kwargs)
 
 
-_INTERNAL_FILES = (os.path.dirname(torch.__file__).replace("\\", "/") + "/", "/jaggc/frontends/")
-
-
 def _user_frame():
-    """The innermost frame outside torch.fx, nn.Module's call machinery and this frontend."""
-    frame = inspect.currentframe()
-    while frame is not None:
-        name = frame.f_code.co_filename.replace("\\", "/")
-        if not any(part in name for part in _INTERNAL_FILES):
-            return frame
-        frame = frame.f_back
-    return None
+    """The innermost frame outside torch and jaggc's machinery (source.py): the user's line."""
+    return user_frame(inspect.currentframe())
 
 
 def _user_stack() -> str:
@@ -293,48 +278,28 @@ def _user_stack() -> str:
 
 
 def _user_line() -> str:
-    """The user's frame in traceback format (what ``user_source`` and fx's codegen read), built
+    """The user's frame in traceback format (what ``node_location`` and fx's codegen read), built
     by hand: ``traceback.format_stack`` of the whole stack for every node dominated the trace."""
-    frame = _user_frame()
-    if frame is None:
-        return ""
-    code = frame.f_code
-    text = linecache.getline(code.co_filename, frame.f_lineno).strip()
-    return f'  File "{code.co_filename}", line {frame.f_lineno}, in {code.co_name}\n    {text}\n'
+    return frame_traceback_line(_user_frame())
 
 
 def _where() -> str:
-    frame = _user_frame()
-    return f"{frame.f_code.co_filename}:{frame.f_lineno}: " if frame is not None else ""
+    location = frame_location(_user_frame())
+    return f"{location}: " if location else ""
 
 
-@contextlib.contextmanager
 def _refuse_direct_forward(dits: list[nn.Module]):
     """A call through ``dit.forward(...)`` skips module hooks (DDP/FSDP sync): refuse it."""
-    saved = []
-
     def refusing(m: nn.Module):
         original = m.__dict__.get("forward") or type(m).forward.__get__(m)
 
         def refuse(*args, **kwargs):
             if example_values.running():   # the DiT's own call, run for its output's shape
                 return original(*args, **kwargs)
-            raise JaggGraphError(
-                f"{_where()}the DiT is called through `.forward(...)`; call the module itself, `dit(...)`, so "
-                f"that its hooks (DDP/FSDP gradient sync, peft) run and jaggc can see the call")
+            raise direct_forward_error(_where().rstrip(": "), m)
         return refuse
 
-    for m in dits:
-        saved.append((m, m.__dict__.get("forward")))
-        m.__dict__["forward"] = refusing(m)
-    try:
-        yield
-    finally:
-        for m, old in saved:
-            if old is None:
-                m.__dict__.pop("forward", None)
-            else:
-                m.__dict__["forward"] = old
+    return instance_slots((m, "forward", refusing(m)) for m in dits)
 
 
 class _RefuseFunctionApply:
@@ -375,21 +340,10 @@ class _RandomDrawsRefused(_compat.dispatch_mode_base()):
         return func(*args, **(kwargs or {}))
 
 
-@dataclass
-class FxCapture:
-    """A traced loss: the graph, the guard over the values it read (None: it read none), and the
-    grad mode and autocast state it was entered in."""
-
-    gm: fx.GraphModule
-    guard: Guard | None
-    entry_grad: bool
-    entry_autocast: AutocastState = AUTOCAST_OFF
-
-
-def capture_fx(fn: Callable, args: tuple, kwargs: dict, dits: list[nn.Module]) -> FxCapture:
+def capture_fx(fn: Callable, args: tuple, kwargs: dict, dits: list[nn.Module]) -> Captured:
     """Trace ``fn(*args, **kwargs)`` into a GraphModule with ``dit_call`` nodes."""
     concrete = concrete_args_for(fn, args, kwargs)
-    inputs = [leaf for value in _bind(fn, args, kwargs).arguments.values() for leaf in tree_flatten(value)[0]]
+    inputs = [leaf for value in bind_loss(fn, args, kwargs, defaults=True).arguments.values() for leaf in tree_flatten(value)[0]]
     tracer = DiTLeafTracer(dits, inputs)
     tracer.live = LiveTensors(tracer, dits, _where)
     entry = {id(m): module_state(m) for m in dits}
@@ -421,15 +375,14 @@ def capture_fx(fn: Callable, args: tuple, kwargs: dict, dits: list[nn.Module]) -
     root = {n.target: tracer._root_value(n.target) for n in graph.nodes if n.op in ("get_attr", "call_module")}
     _place_module_states(graph, root, entry, exits)
     guard = tracer.reads.guard(graph, root)
-    return FxCapture(fx.GraphModule(root, graph, class_name="JaggLoss"), guard, tracer.entry_grad,
-                     tracer.entry_autocast)
+    return Captured(fx.GraphModule(root, graph, class_name="JaggLoss"), entry_grad=tracer.entry_grad,
+                    entry_autocast=tracer.entry_autocast, guard=guard)
 
 
 def _where_in_traceback(e: BaseException) -> str:
     """``file:line: `` of the innermost user frame of an exception raised while tracing."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__)
-              if not any(part in f.filename.replace("\\", "/") for part in _INTERNAL_FILES)]
-    return f"{frames[-1].filename}:{frames[-1].lineno}: " if frames else ""
+    location = traceback_location(e)
+    return f"{location}: " if location else ""
 
 
 def _place_module_states(graph: fx.Graph, root: dict, entry: dict[int, ModuleState],
@@ -443,7 +396,7 @@ def _place_module_states(graph: fx.Graph, root: dict, entry: dict[int, ModuleSta
     by_module: dict[int, list[fx.Node]] = {}
     for node in graph.nodes:
         if node.op == "call_function" and node.target is dit_call:
-            by_module.setdefault(id(node.meta["jagg_traced_state"][0]), []).append(node)
+            by_module.setdefault(id(TRACED_CALL.of(node).module), []).append(node)
     first = next(n for n in graph.nodes if n.op != "placeholder")
     output = next(n for n in graph.nodes if n.op == "output")
     count = 0
@@ -458,19 +411,19 @@ def _place_module_states(graph: fx.Graph, root: dict, entry: dict[int, ModuleSta
             return graph.get_attr(name)
 
     for calls in by_module.values():
-        module = calls[0].meta["jagg_traced_state"][0]
-        trained = [n for n in calls if n.meta["jagg_traced_state"][2]]
-        states = {n.meta["jagg_traced_state"][1] for n in trained}
+        module = TRACED_CALL.of(calls[0]).module
+        trained = [n for n in calls if TRACED_CALL.of(n).grad_enabled]
+        states = {TRACED_CALL.of(n).state for n in trained}
         if len(states) > 1:
-            a, b = trained[0], next(n for n in trained if n.meta["jagg_traced_state"][1] != trained[0].meta["jagg_traced_state"][1])
+            a, b = trained[0], next(n for n in trained if TRACED_CALL.of(n).state != TRACED_CALL.of(trained[0]).state)
             raise JaggCaptureError(
                 f"{user_source(b)}: this grad-enabled DiT call runs in another module state than the one at "
-                f"{user_source(a)} ({difference(a.meta['jagg_traced_state'][1], b.meta['jagg_traced_state'][1])}); "
+                f"{user_source(a)} ({difference(TRACED_CALL.of(a).state, TRACED_CALL.of(b).state)}); "
                 f"a JAGG window pairs the Jacobians of its calls, which is only meaningful for one module state. "
                 f"Keep the trained calls in one state (reference calls may differ if run under torch.no_grad())",
                 path="fx", where=user_source(b))
         base = states.pop() if states else entry[id(module)]
-        for node, state in [(first, base)] + [(n, n.meta["jagg_traced_state"][1]) for n in calls] + [(output, exits[id(module)])]:
+        for node, state in [(first, base)] + [(n, TRACED_CALL.of(n).state) for n in calls] + [(output, exits[id(module)])]:
             frm = entry[id(module)] if node is first else base
             if state != frm and not applicable(frm, state):
                 raise JaggCaptureError(
@@ -486,7 +439,7 @@ def _place_module_states(graph: fx.Graph, root: dict, entry: dict[int, ModuleSta
             with graph.inserting_after(dit_attr):
                 graph.call_function(set_module_state, (dit_attr, attr))
         for node in calls:
-            state = node.meta["jagg_traced_state"][1]
+            state = TRACED_CALL.of(node).state
             if state != base:
                 node.kwargs = {**node.kwargs, "state": state_attr(state, node)}
         if exits[id(module)] != base:

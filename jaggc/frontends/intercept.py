@@ -48,6 +48,7 @@ from ..runtime.checks import check_placement
 from ..runtime.rollout_cache import RolloutCache
 from ..runtime.grouping import cut_announcement, group_calls, leaf_difference
 from ..runtime.module_state import CallState
+from .contract import direct_forward_error
 from ..runtime.routing import Routing
 from ..runtime.trajectory import run_trajectory
 from ..runtime.window import WindowOptions
@@ -69,9 +70,7 @@ class DitProxy:
     def __getattr__(self, name):
         if name == "forward":
             step = getattr(self._on_call, "next_step", None)
-            raise JaggGraphError(
-                f"{f'step {step()}: ' if step is not None else ''}the loss calls dit.forward(...): that bypasses "
-                f"the module call (and its hooks, DDP, FSDP), so jaggc cannot intercept it. Call dit(...) instead")
+            raise direct_forward_error(f"step {step()}" if step is not None else "", self._dit)
         return getattr(self._dit, name)
 
 
@@ -158,7 +157,7 @@ class InterceptedLoss:
                 f"routing scores all windows together, but the loss's trained DiT calls run in "
                 f"{len(set(states))} module or autocast states "
                 f"({states[0].difference(next(s for s in states if s != states[0]))}); "
-                f"use jagg_frac=1 without routing, or keep the trained calls in one state", path="intercept")
+                f"use routing=jaggc.Routing() (jagg_frac=1, no threshold), or keep the trained calls in one state", path="intercept")
         outs, self.decision = run_trajectory(dit, recorded, self.windows, options=options, routing=routing,
                                              states=states, exact_windows=range(len(self.windows)) if self.exact else ())
         try:

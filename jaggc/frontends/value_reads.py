@@ -34,6 +34,7 @@ from ..errors import JaggCaptureError
 from ..graph_ops import dit_call, is_autocast_switch, is_in_place
 from ..runtime.autocast import autocast_applied, reset_graph_autocast
 from .example_values import running_real_code
+from ..node_meta import TRACED_MODES
 
 # ops whose value differs between runs on the same inputs: a read of them cannot be guarded
 _RANDOM_NAMES = ("rand", "randn", "randint", "randperm", "normal", "bernoulli", "multinomial", "poisson",
@@ -154,7 +155,7 @@ class ValueReads:
             return self.root_value(n.target)
         args, kwargs = fx.node.map_arg((n.args, n.kwargs), self._real.__getitem__)
         # in the autocast state the op was traced in (a read inside an autocast block)
-        with autocast_applied(n.meta.get("jagg_traced_modes", (None, None))[1]):
+        with autocast_applied(TRACED_MODES.get(n, (None, None))[1]):
             if n.op == "call_method":
                 return getattr(args[0], n.target)(*args[1:], **kwargs)
             return n.target(*args, **kwargs)

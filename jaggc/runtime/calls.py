@@ -61,16 +61,48 @@ def check_output_requires_grad(dit, output) -> None:
     )
 
 
+# --- the call layout: where the state and the timestep sit in a DiT call ------------------------
+# One rule for the runtime (real tensors) and the passes (fx nodes standing for them): ``is_value``
+# says which arguments are tensors (runtime) or graph values (passes).
+
+
+def _is_tensor(x) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def state_position(args: Sequence, kwargs: dict, is_value=_is_tensor) -> int | str | None:
+    """Where the state (the latents) sits: ``hidden_states`` if passed by name (diffusers' DiTs),
+    else the first tensor argument, else the first tensor keyword; None if there is none."""
+    if is_value(kwargs.get("hidden_states")):
+        return "hidden_states"
+    for i, a in enumerate(args):
+        if is_value(a):
+            return i
+    return next((k for k, v in kwargs.items() if is_value(v)), None)
+
+
+def time_position(kwargs: dict, time_arg: str | int | None) -> str | int:
+    """Where the timestep sits: ``time_arg`` if given, else the keyword ``timestep`` if passed,
+    else position 1."""
+    if time_arg is not None:
+        return time_arg
+    return "timestep" if "timestep" in kwargs else 1
+
+
+def argument_at(args: Sequence, kwargs: dict, position: int | str | None) -> Any:
+    """The argument at a position or keyword; None if the call does not pass it."""
+    if position is None:
+        return None
+    if isinstance(position, str):
+        return kwargs.get(position)
+    return args[position] if position < len(args) else None
+
+
 def primary_input(call: DitCall) -> torch.Tensor:
-    """The state tensor of a call: ``hidden_states`` if given by name, else the first tensor."""
-    if isinstance(call.kwargs.get("hidden_states"), torch.Tensor):
-        return call.kwargs["hidden_states"]
-    for a in call.args:
-        if isinstance(a, torch.Tensor):
-            return a
-    for v in call.kwargs.values():
-        if isinstance(v, torch.Tensor):
-            return v
+    """The state tensor of a call (``state_position``)."""
+    position = state_position(call.args, call.kwargs)
+    if position is not None:
+        return argument_at(call.args, call.kwargs, position)
     raise JaggInputError(
         "a DiT call has no tensor input; jaggc needs the state (hidden_states) as a tensor argument"
     )
@@ -84,12 +116,8 @@ def batch_size(call: DitCall) -> int:
 
 
 def resolve_time_arg(call: DitCall, time_arg: str | int | None) -> str | int:
-    """Where the timestep sits: the keyword ``timestep`` if passed, else position 1."""
-    if time_arg is None:
-        if "timestep" in call.kwargs:
-            return "timestep"
-        return 1
-    return time_arg
+    """Where the timestep sits (``time_position``)."""
+    return time_position(call.kwargs, time_arg)
 
 
 def get_time(call: DitCall, time_arg: str | int) -> Any:
@@ -97,13 +125,13 @@ def get_time(call: DitCall, time_arg: str | int) -> Any:
         if time_arg not in call.kwargs:
             raise JaggInputError(
                 f"the DiT call has no keyword argument {time_arg!r} to read the timestep from; "
-                f"pass time_arg= the keyword name or position of the timestep argument"
+                f"pass time_arg= (jaggc.Options(time_arg=...)) the keyword name or position of the timestep argument"
             )
         return call.kwargs[time_arg]
     if time_arg >= len(call.args):
         raise JaggInputError(
             f"the DiT call has {len(call.args)} positional arguments, so position {time_arg} "
-            f"cannot hold the timestep; pass time_arg= the keyword name or position of the timestep"
+            f"cannot hold the timestep; pass time_arg= (jaggc.Options(time_arg=...)) the keyword name or position of the timestep"
         )
     return call.args[time_arg]
 
@@ -158,7 +186,7 @@ def check_token_times(call: DitCall, time_arg: str | int, step: int | None = Non
             f"{where(step, 'timestep')}: the per-token timestep of sample {sample} takes the values {values[:6]}; "
             f"JAGG interpolates each sample's Jacobian in one time, so per-token timesteps must be one value "
             f"per sample, with 0 only on conditioning tokens (Wan 2.2 TI2V). Train such steps exactly "
-            f"(jagg_frac=0) or pass one timestep per sample")
+            f"(routing=jaggc.Routing(jagg_frac=0)) or pass one timestep per sample")
 
 
 def batched_time(call: DitCall, time_arg: str | int, step: int | None = None) -> DitCall:

@@ -10,9 +10,11 @@ interior no-grad forwards run anyway), so each window gets a score (spec §2.5):
 with v_a the first knot's velocity (the plain cos(v_k, v̂_k) saturates near 1, because the
 velocities of neighbouring steps share a large common part). Three rules, combinable:
 
-  * ``exact_below_t``: σ-aware placement; a window reaching a timestep below this value (in the
-    DiT's timestep units, e.g. 1000·σ for SD3) runs exact: the low-σ tail is where the gradient
-    concentrates and the Jacobian is least affine (spec §3);
+  * ``exact_below``: σ-aware placement; a window reaching a noise level σ below this value runs
+    exact: the low-σ tail is where the gradient concentrates and the Jacobian is least affine (spec
+    §3). σ is read from the timesteps as ``Basis(exact_below=...)`` reads it (``noise_levels``: the
+    timesteps where they lie in [0, 1], else timestep / 1000), so the two are one rule in one unit;
+    here it combines with the two rules below, there it runs in every backward mode;
   * ``threshold``: windows whose score is at least this go to JAGG;
   * ``jagg_frac``: of the remaining windows, the ⌊jagg_frac · n⌋ best-scored go to JAGG.
 
@@ -36,6 +38,7 @@ from .._compat import tree_flatten
 from ..errors import JaggInputError, JaggUnsupportedError
 from .calls import DitCall, split_output
 from .forwards import forward_batched
+from .weights import noise_levels
 from .window import PreparedWindow, WindowOptions, prepare_window, run_exact
 
 
@@ -43,26 +46,29 @@ from .window import PreparedWindow, WindowOptions, prepare_window, run_exact
 class Routing:
     jagg_frac: float = 1.0
     threshold: float | None = None
-    exact_below_t: float | None = None
+    exact_below: float | None = None   # σ units, as Basis(exact_below=...)
 
     def __post_init__(self):
+        if self.exact_below is not None and not 0 < float(self.exact_below) <= 1:
+            raise JaggInputError(f"Routing(exact_below={self.exact_below!r}) is a noise level σ: use a value in "
+                                 f"(0, 1] (a timestep t of a 0..1000 schedule is σ = t / 1000)")
         if not 0.0 <= float(self.jagg_frac) <= 1.0:
-            raise JaggInputError(f"jagg_frac={self.jagg_frac!r} must be in [0, 1]")
+            raise JaggInputError(f"Routing(jagg_frac={self.jagg_frac!r}) must be in [0, 1]")
         if self.threshold is not None and not -1.0 <= float(self.threshold) <= 1.0:
-            raise JaggInputError(f"jagg_threshold={self.threshold!r} is a cosine score: use a value in [-1, 1]")
+            raise JaggInputError(f"Routing(threshold={self.threshold!r}) is a cosine score: use a value in [-1, 1]")
 
     def check_backward(self, backward: str) -> None:
         """The one check that routing runs in the joint mode (jagg_compile and the runtime)."""
         if self.active and backward != "joint":
             raise JaggUnsupportedError(
-                f"routing (jagg_frac={self.jagg_frac}, jagg_threshold={self.threshold}, "
-                f"exact_below_t={self.exact_below_t}) needs backward='joint': it scores every window before "
+                f"routing (Routing(jagg_frac={self.jagg_frac}, threshold={self.threshold}, "
+                f"exact_below={self.exact_below})) needs backward='joint': it scores every window before "
                 f"choosing, which the per-window and low-memory modes' deferred knot work cannot do")
 
     @property
     def active(self) -> bool:
         """Whether windows are chosen at run time (else every window of > 2 steps is JAGG)."""
-        return self.jagg_frac not in (0.0, 1.0) or self.threshold is not None or self.exact_below_t is not None
+        return self.jagg_frac not in (0.0, 1.0) or self.threshold is not None or self.exact_below is not None
 
 
 @dataclass
@@ -96,10 +102,11 @@ def window_score(prepared: PreparedWindow) -> float:
     return worst if num_knots and prepared.interior_out else 1.0
 
 
-def choose_jagg_windows(scores: Sequence[float | None], min_times: Sequence[float], routing: Routing) -> list[bool]:
-    """Which windows run JAGG; ``None`` scores mark windows of <= 2 steps (always exact)."""
-    eligible = [s is not None and (routing.exact_below_t is None or t >= routing.exact_below_t)
-                for s, t in zip(scores, min_times)]
+def choose_jagg_windows(scores: Sequence[float | None], min_sigmas: Sequence[float], routing: Routing) -> list[bool]:
+    """Which windows run JAGG, from their scores and lowest noise levels σ; ``None`` scores mark
+    windows of <= 2 steps (always exact)."""
+    eligible = [s is not None and (routing.exact_below is None or sigma >= routing.exact_below)
+                for s, sigma in zip(scores, min_sigmas)]
     if routing.threshold is not None:
         eligible = [e and scores[i] >= routing.threshold for i, e in enumerate(eligible)]
     candidates = [i for i, e in enumerate(eligible) if e]
@@ -133,8 +140,8 @@ def run_routed(dit: nn.Module, windows: Sequence[Sequence[DitCall]], steps: Sequ
     for calls, idx in zip(windows, steps):
         prepared.append(prepare_window(dit, calls, idx, options) if len(calls) > 2 else None)
     scores = [window_score(p) if p is not None else None for p in prepared]
-    min_times = [float(p.times.min()) if p is not None else -math.inf for p in prepared]
-    chosen = choose_jagg_windows(scores, min_times, routing)
+    min_sigmas = [float(noise_levels(p.times).min()) if p is not None else -math.inf for p in prepared]
+    chosen = choose_jagg_windows(scores, min_sigmas, routing)
     outs, decision = [], RoutingDecision(scores=scores)
     for calls, idx, prep, jagg in zip(windows, steps, prepared, chosen):
         if prep is None:

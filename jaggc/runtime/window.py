@@ -255,7 +255,8 @@ def _assemble(phi, knot_out, knots, interior_out, num_steps, batch, probe: Windo
 def check_window_size(window) -> None:
     """The one check of a ``window=`` option (jagg_compile, jagg_calls, the window pass, partition)."""
     if isinstance(window, bool) or not isinstance(window, int) or window < 2:
-        raise JaggInputError(f"window={window!r}: a JAGG window needs an int of at least 2 steps")
+        raise JaggInputError(f"window={window!r}: a JAGG window needs an int of at least 2 steps; pass window=2 "
+                             f"or more (4 is the default; 2 is exact, one joint backward per 2 steps)")
 
 
 def partition(num_steps: int, window: int) -> list[list[int]]:

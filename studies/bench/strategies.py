@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import torch
 
+from jaggc import Options, Routing
 from jaggc.api import DEFAULT_WEIGHTS, jagg_compile
 from jaggc.runtime.guard import Guard
 from jaggc.runtime import RolloutCache, WindowOptions, jagg_calls, partition
@@ -221,7 +222,7 @@ def default_cost(problem: Problem, window: int) -> Cost:
 
 
 class RolloutCachedStep(LossStep):
-    """The on-policy fast path: ``@jagg_compile(window=W, rollout_cache=cache)``.
+    """The on-policy fast path: ``@jagg_compile(window=W, options=Options(rollout_cache=cache))``.
 
     ``build`` plays the rollout: it records the DiT's no-grad outputs on exactly the inputs the
     loss will use, with the parameters the timed steps run with (in GRPO the rollout is not part
@@ -242,7 +243,7 @@ class RolloutCachedStep(LossStep):
         self.interior_calls = sum(len(w) - len(basis.knot_positions(len(w)))
                                   for w in partition(problem.num_steps, window) if len(w) > 2)
         self.interior_calls += problem.num_steps if problem.cfg else 0
-        super().__init__(problem, compiled_loss(problem, window, rollout_cache=self.cache))
+        super().__init__(problem, compiled_loss(problem, window, options=Options(rollout_cache=self.cache)))
 
     def run(self, read: Read) -> tuple[dict, dict, dict]:
         stats = self.cache.stats
@@ -296,7 +297,8 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              "the undecorated loss, one backward"),
     Strategy("exact_per_step", lambda p, w: PerStepBackward(p), exact_cost, False,
              "Flow-GRPO's loop: backward inside the step loop"),
-    Strategy("exact_compiled", lambda p, w: LossStep(p, compiled_loss(p, 2, jagg_frac=0.0)), exact_compiled_cost,
+    Strategy("exact_compiled", lambda p, w: LossStep(p, compiled_loss(p, 2, routing=Routing(jagg_frac=0.0))),
+             exact_compiled_cost,
              False, "@jagg_compile with every window exact: only the CFG split applies",
              cfg_cost=cfg_split(exact_compiled_cost)),
     Strategy("jagg", lambda p, w: LossStep(p, compiled_loss(p, w)), jagg_cost, True,
@@ -304,8 +306,8 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("jagg_default", lambda p, w: LossStep(p, compiled_loss(p, w, weights=DEFAULT_WEIGHTS)), jagg_cost, True,
              "@jagg_compile(window=W) with the default weights (windows reaching σ < 0.5 exact)",
              problem_cost=default_cost),
-    Strategy("jagg_split_knots", lambda p, w: LossStep(p, compiled_loss(p, w, batch_knots=False)), jagg_cost, True,
-             "@jagg_compile(window=W, batch_knots=False): knots as separate passes", cfg_cost=cfg_split(jagg_cost)),
+    Strategy("jagg_split_knots", lambda p, w: LossStep(p, compiled_loss(p, w, options=Options(batch_knots=False))), jagg_cost, True,
+             "@jagg_compile(window=W, options=Options(batch_knots=False)): knots as separate passes", cfg_cost=cfg_split(jagg_cost)),
     Strategy("runtime", lambda p, w: LossStep(p, runtime_loss(p, w)), jagg_cost, True,
              "jagg_calls directly in a hand-split loss (no capture, no graph)"),
     Strategy("jagg_per_window", lambda p, w: LossStep(p, compiled_loss(p, w, backward="per_window")),
@@ -318,7 +320,7 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              "@jagg_compile(window=W, weights='t', guard=Guard(every=1)): every call probed against the exact "
              "gradient; at every=k the overhead is 1/k of its difference to jagg@W"),
     Strategy("jagg_fast", RolloutCachedStep, fast_cost, True,
-             "@jagg_compile(window=W, rollout_cache=cache): interior outputs from the rollout",
+             "@jagg_compile(window=W, options=Options(rollout_cache=cache)): interior outputs from the rollout",
              cfg_cost=fast_cost),
 )}
 

@@ -17,7 +17,7 @@ Strategies (all use ``grpo_loss`` below, unchanged):
 - ``mix``: a 4-step window that slides one step per iteration along the trajectory and wraps
   around (MixGRPO's sliding window; MixGRPO also samples with the ODE outside the window, which we
   do not: all strategies share the same SDE rollout so their rewards are comparable).
-- ``jagg``: ``jaggc.jagg_compile(grpo_loss, window=W, weights=..., jagg_frac=...)`` over every
+- ``jagg``: ``jaggc.jagg_compile(grpo_loss, window=W, weights=..., routing=Routing(jagg_frac=...))`` over every
   trained step; with ``rollout_cache=True`` the rollout is recorded in a ``jaggc.RolloutCache``, so
   on the first minibatch (parameters still the rollout's) the windows' interior outputs come from
   the rollout instead of a forward; after the first optimizer step the cache's parameter-version
@@ -168,14 +168,19 @@ def loss_for_strategy(config: TrainerConfig, dit: torch.nn.Module, guard=None):
 
     if guard is not None:        # a guard belongs to one run: its own wrapper (jaggc.Guard)
         cache = rollout_cache_for(dit) if config.rollout_cache else None
-        return jaggc.jagg_compile(grpo_loss, window=config.window, weights=config.weights,
-                                  jagg_frac=config.jagg_frac, rollout_cache=cache, guard=guard)
+        return jaggc.jagg_compile(grpo_loss, window=config.window, weights=config.weights, guard=guard,
+                                  options=jaggc.Options(rollout_cache=cache),
+                                  routing=jaggc.Routing(jagg_frac=config.jagg_frac))
     per_dit = _COMPILED.setdefault(dit, {})
     key = (config.window, config.weights, float(config.jagg_frac), config.rollout_cache)
     if key not in per_dit:
         cache = rollout_cache_for(dit) if config.rollout_cache else None
-        per_dit[key] = jaggc.jagg_compile(grpo_loss, window=config.window, weights=config.weights,
-                                          jagg_frac=config.jagg_frac, rollout_cache=cache)
+        per_dit[key] = jaggc.jagg_compile(
+            grpo_loss,
+            window=config.window,
+            weights=config.weights,
+            options=jaggc.Options(rollout_cache=cache),
+            routing=jaggc.Routing(jagg_frac=config.jagg_frac))
     return per_dit[key]
 
 

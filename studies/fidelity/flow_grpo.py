@@ -3,8 +3,6 @@ the SDE step means the ``denoised`` variant needs, and on-/off-policy calibratio
 
 from __future__ import annotations
 
-import torch
-
 from jaggc.errors import JaggInputError
 from jaggc.fidelity import estimators as E
 from jaggc.fidelity.calibrate import calibrate

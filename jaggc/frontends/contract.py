@@ -1,0 +1,115 @@
+"""The frontend contract: what a capture path hands the passes, and what it needs of the loss.
+
+A compiled loss (``api.JaggCompiled``) tries its frontends in order (``capture="auto"``: FX,
+Dynamo, then the intercept fallback). Each frontend implements ``Frontend``: ``run`` captures the
+loss (or reuses a capture whose cache key and guards still hold), has the ``Session`` rewrite it,
+and runs the rewritten graph. A frontend that cannot record the loss raises ``JaggCaptureError``
+(the next path is tried); ``JaggGraphError``/``JaggInputError`` are final.
+
+The graph frontends (FX, Dynamo) produce a ``Captured``: a GraphModule in the canonical
+``graph_ops.dit_call`` form plus the modes it is entered in. The intercept fallback makes no
+graph; it runs the loss twice around a recording proxy (``intercept.py``) and reports from that.
+
+The rules every frontend applies the same way live here once: how the loss's arguments are
+bound (``bind_loss``) and how a call through ``dit.forward(...)`` is refused
+(``direct_forward_error``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Protocol
+
+from torch import fx, nn
+
+from ..errors import JaggGraphError
+from ..runtime.autocast import AUTOCAST_OFF, AutocastState
+
+
+@dataclass(frozen=True)
+class Captured:
+    """A graph frontend's result: the captured loss in ``dit_call`` form, the grad mode and
+    autocast state it is entered in (the passes place mode switches relative to them), and the
+    guard over the Python values the capture read (None: it read none, or the frontend guards
+    them itself, as Dynamo does)."""
+
+    gm: fx.GraphModule
+    entry_grad: bool = True
+    entry_autocast: AutocastState = AUTOCAST_OFF
+    guard: Any = None
+
+
+class Session(Protocol):
+    """What a frontend needs of the compiled loss it runs for (``api.JaggCompiled``)."""
+
+    fn: Callable
+    traces: int
+
+    def candidates(self, args: tuple, kwargs: dict) -> list[nn.Module]:
+        """The modules to keep opaque (the DiT, or every module argument)."""
+
+    def rewrite(self, captured: Captured, frontend: str) -> tuple[fx.GraphModule, Any]:
+        """Run the passes on a capture: the graph to run and its report."""
+
+    def show(self, report: Any) -> None:
+        """Make ``report`` the one ``.report`` returns (the graph that runs now)."""
+
+
+class Frontend(Protocol):
+    """A capture path (module docstring)."""
+
+    name: str
+
+    def run(self, args: tuple, kwargs: dict) -> Any:
+        """The loss's value, computed by the rewritten loss; its backward runs JAGG."""
+
+    def reset(self) -> None:
+        """Forget what was captured (``capture="auto"`` moves on to the next path)."""
+
+
+def bind_loss(fn: Callable, args: tuple, kwargs: dict, *, defaults: bool = False) -> inspect.BoundArguments:
+    """The loss's arguments by name (``defaults``: with the defaults a trace bakes in as well).
+    Raises the ``TypeError`` the call itself would raise."""
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    if defaults:
+        bound.apply_defaults()
+    return bound
+
+
+def direct_forward_error(where: str = "", module: nn.Module | None = None, node: str | None = None) -> JaggGraphError:
+    """The one refusal of a DiT called through ``.forward(...)``: that skips the module's hooks
+    (DDP/FSDP gradient sync, peft), and the rewritten loss would run ``dit(...)`` with them, so
+    the compiled loss would not compute what the user wrote. ``where``: ``file:line`` or
+    ``step k``; ``node``: the graph node of the call, where there is one."""
+    what = f"the DiT ({type(module).__name__})" if module is not None else "the DiT"
+    return JaggGraphError(
+        f"{where + ': ' if where else ''}{what} is called through `.forward(...)`"
+        f"{f' (graph node {node})' if node else ''}; call the module itself, `dit(...)`, so that its hooks "
+        f"(DDP/FSDP gradient sync, peft) run and jaggc can see the call")
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def instance_slots(patches: Iterable[tuple[Any, str, Any]]):
+    """Set ``obj.__dict__[name] = value`` for each patch for the duration, then restore what each
+    slot held (or remove it). Instance slots shadow the class's methods (``forward``, the call
+    slot, ``train``) for that one module object, so other instances and threads are untouched."""
+    saved = []
+    try:
+        for obj, name, value in patches:
+            saved.append((obj, name, obj.__dict__.get(name, _MISSING)))
+            obj.__dict__[name] = value
+        yield
+    finally:
+        for obj, name, old in reversed(saved):
+            if old is _MISSING:
+                obj.__dict__.pop(name, None)
+            else:
+                obj.__dict__[name] = old
+
+
+__all__ = ["Captured", "Frontend", "Session", "bind_loss", "direct_forward_error", "instance_slots"]
