@@ -175,7 +175,7 @@ def gathered_gradient(dit) -> torch.Tensor:
 def check_gradient(dit, lowmem, mb) -> float:
     """Relative error of the sharded lowmem gradient against the joint mode's on one micro-batch
     (both through FSDP2; .grad is left cleared)."""
-    joint = jaggc.jagg_compile(grpo_loss, dit=dit, window=lowmem.config.window, weights=lowmem.config.weights)
+    joint = jaggc.jagg_compile(grpo_loss, dit=dit, window=lowmem.config.window, weights=lowmem.config.options.weights)
     grads = []
     for fn in (lowmem, joint):
         for p in dit.parameters():

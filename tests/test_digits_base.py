@@ -137,11 +137,11 @@ def test_sample_grid_has_one_row_per_class(tmp_path):
 
 @pytest.mark.parametrize("base", ["digits", "shapes"])
 def test_classifier_command_ships_weights_that_load(tmp_path, base, capsys):
-    """``python -m jaggc.<base>.classifier``: one epoch of the reward classifier, shipped as fp16,
+    """``python -m jaggc_studies.<base>.classifier``: one epoch of the reward classifier, shipped as fp16,
     loads back and reports the accuracy of what ships."""
     import importlib
 
-    module = importlib.import_module(f"jaggc.{base}.classifier")
+    module = importlib.import_module(f"jaggc_studies.{base}.classifier")
     module.main(["--kinds", "reward", "--epochs", "1", "--out-dir", str(tmp_path)])
     path = tmp_path / "classifier_reward.pt"
     model = module.load_classifier("reward", path)
