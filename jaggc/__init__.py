@@ -2,13 +2,14 @@
 
 from .errors import (JaggCaptureError, JaggError, JaggGraphError, JaggInputError, JaggInternalError, JaggTypeError,
                      JaggUnsupportedError)
+from .runtime.guard import Guard
 from .runtime import (Basis, DitCall, RolloutCache, WindowOptions, atomic_step, count_dit_passes, jagg_calls,
                       run_exact, run_window)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Basis", "DitCall", "JaggCaptureError", "JaggError", "JaggGraphError", "JaggInputError", "JaggInternalError",
+    "Basis", "Guard", "DitCall", "JaggCaptureError", "JaggError", "JaggGraphError", "JaggInputError", "JaggInternalError",
     "JaggTypeError",
     "JaggUnsupportedError", "RolloutCache", "WindowOptions", "atomic_step", "count_dit_passes", "jagg_calls", "run_exact", "run_window",
 ]

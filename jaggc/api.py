@@ -23,6 +23,7 @@ from .frontends.intercept import InterceptedLoss
 from .frontends.intercept_runner import InterceptFrontend
 from .report import Report
 from .report_build import build_report, intercept_report, refresh_times
+from .runtime.guard import Guard
 from .runtime.routing import Routing
 from .runtime.weights import Basis
 from .runtime.window import check_window_size
@@ -58,8 +59,8 @@ class JaggCompiled:
     """A GRPO loss whose DiT calls run in JAGG windows. Call it like the original function."""
 
     def __init__(self, fn: Callable, *, dit: nn.Module | None = None, window: int = 4, weights=DEFAULT_WEIGHTS,
-                 backward: str = "joint", capture: str = "auto", options: Options | None = None,
-                 routing: Routing | None = None, **deprecated):
+                 backward: str = "joint", capture: str = "auto", guard: Guard | None = None,
+                 options: Options | None = None, routing: Routing | None = None, **deprecated):
         options, routing = apply_deprecated(options, routing, deprecated)
         if capture not in CAPTURES:
             raise JaggInputError(f"capture={capture!r}: use one of {CAPTURES}")
@@ -80,7 +81,8 @@ class JaggCompiled:
         self.backend = backend
         self.on_unsupported = options.on_unsupported
         self.options = options
-        self.config = _passes().CompileConfig(window=window, options=options.window_options(weights, backward),
+        self.guard = guard      # jaggc.Guard: probes some calls against the exact gradient (runtime/guard.py)
+        self.config = _passes().CompileConfig(window=window, options=options.window_options(weights, backward, guard),
                                               routing=routing, split_batches=bool(options.split_batches),
                                               check_passes=bool(options.check_passes))
         self._report: Report | None = None
@@ -99,10 +101,17 @@ class JaggCompiled:
     def report(self) -> Report | None:
         """The inspection report of the current compiled graph (timesteps from the latest run)."""
         refresh_times(self._report)
+        if self.guard is not None and self._report is not None:
+            self._report.guard = self.guard.summary()
         return self._report
 
     # --- entry --------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
+        if self.guard is not None:
+            return self.guard.call(self._call, self.fn, args, kwargs)
+        return self._call(*args, **kwargs)
+
+    def _call(self, *args, **kwargs):
         if self._path == "uncompiled" or not torch.is_grad_enabled():
             # under torch.no_grad() / inference_mode() (a validation loss, a logged value) there is
             # no backward to make cheaper: the undecorated loss is the value, at its own cost
@@ -219,7 +228,7 @@ class JaggCompiled:
 
 
 def jagg_compile(fn: Callable | None = None, *, dit: nn.Module | None = None, window: int = 4,
-                 weights=DEFAULT_WEIGHTS, backward: str = "joint", capture: str = "auto",
+                 weights=DEFAULT_WEIGHTS, backward: str = "joint", capture: str = "auto", guard: Guard | None = None,
                  options: Options | None = None, routing: Routing | None = None, **deprecated) -> Any:
     """Decorate a GRPO loss so its DiT calls run as JAGG windows of ``window`` steps.
 
@@ -229,11 +238,12 @@ def jagg_compile(fn: Callable | None = None, *, dit: nn.Module | None = None, wi
     window in the loss's backward), "per_window" (one window's activations at a time, two more
     forwards per window) or "lowmem" (each window's backward inside the forward; sums of per-step
     terms). ``capture``: "auto" (FX, then Dynamo, then intercept, announcing each fallback), or one
-    of them. ``options``: ``jaggc.Options`` (time argument, chunking, rollout cache, CFG split,
+    of them. ``guard``: a ``jaggc.Guard`` that measures JAGG against the exact gradient on one call
+    in ``every`` (docs/guard.md). ``options``: ``jaggc.Options`` (time argument, chunking, rollout cache, CFG split,
     glue backend, what to do when nothing can capture). ``routing``: ``jaggc.Routing`` (which
     windows run exactly, chosen at run time). Release-0.1 keywords warn and still work."""
-    settings = dict(dit=dit, window=window, weights=weights, backward=backward, capture=capture, options=options,
-                    routing=routing, **deprecated)
+    settings = dict(dit=dit, window=window, weights=weights, backward=backward, capture=capture, guard=guard,
+                    options=options, routing=routing, **deprecated)
     if fn is None:
         return lambda f: JaggCompiled(f, **settings)
     return JaggCompiled(fn, **settings)

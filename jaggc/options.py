@@ -53,11 +53,12 @@ class Options:
         if self.on_unsupported not in ("raise", "exact"):
             raise JaggInputError(f"Options(on_unsupported={self.on_unsupported!r}): use 'raise' or 'exact'")
 
-    def window_options(self, weights, backward: str) -> WindowOptions:
-        """The runtime's options for every window of the loss."""
+    def window_options(self, weights, backward: str, guard=None) -> WindowOptions:
+        """The runtime's options for every window of the loss (``guard``: jagg_compile's Guard)."""
         return WindowOptions(weights=weights, time_arg=self.time_arg, interior_chunk=self.interior_chunk,
                              batch_knots=self.batch_knots, unbatched=tuple(self.unbatched),
-                             check_inputs=self.check_inputs, backward=backward, rollout_cache=self.rollout_cache)
+                             check_inputs=self.check_inputs, backward=backward, rollout_cache=self.rollout_cache,
+                             guard=guard)
 
 
 # release-0.1 keyword -> (where it lives now, its field there)
@@ -70,7 +71,7 @@ DEPRECATED: dict[str, tuple[str, str]] = {
 }
 
 # jagg_compile's own keywords (besides the loss): what explain() also accepts
-KEYWORDS = ("dit", "window", "weights", "backward", "capture", "options", "routing")
+KEYWORDS = ("dit", "window", "weights", "backward", "capture", "guard", "options", "routing")
 
 
 def _exact_below_sigma(exact_below_t: float | None) -> float | None:

@@ -49,6 +49,7 @@ class Report:
     # "reference (file:line): off", ... (graph paths and intercept)
     call_autocast: list[str] = field(default_factory=list)
     trained_calls: int = 0    # grad-enabled calls of the DiT (0: nothing was rewritten)
+    guard: str | None = None  # jagg_compile(guard=...): the guard's summary (runtime/guard.py)
 
     # --- stages -----------------------------------------------------------------------------
     def stage(self, name: str) -> str:
@@ -115,6 +116,8 @@ class Report:
             lines.append("DiT calls under autocast: " + "; ".join(self.call_autocast))
         if self.windows:
             lines.append(self.table())
+        if self.guard:
+            lines.append(self.guard)
         return "\n".join(lines)
 
     # --- graph exports ----------------------------------------------------------------------

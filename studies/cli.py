@@ -96,7 +96,7 @@ def cmd_demo(args) -> int:
                           strategies=tuple(args.strategies), base=args.base,
                           eval_per_class=args.eval_per_class, classes_per_iter=args.classes_per_iter,
                           group_size=args.group_size, lr=args.lr, progress=not args.no_progress,
-                          out=None if args.no_pictures else args.out)
+                          out=None if args.no_pictures else args.out, guard=args.guard)
     main_demo(options, json_path=args.json)
     return 0
 
@@ -249,6 +249,9 @@ def add_commands(sub) -> None:
     p.add_argument("--out", default="jaggc-demo", help="folder for the sample grids and reward curves (PNG)")
     p.add_argument("--no-pictures", action="store_true", help="write no PNG files")
     p.add_argument("--json", default=None, help="write the numbers to this JSON file")
+    p.add_argument("--guard", type=int, nargs="?", const=8, default=0, metavar="EVERY",
+                   help="jagg: train with jaggc.Guard(every=EVERY, default 8, on_drift='warn') and plot its running "
+                        "cosine and bias/floor next to the reward curves")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("bench", help="time a GRPO training step: exact vs JAGG (speedups, passes, memory)")

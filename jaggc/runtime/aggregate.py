@@ -35,6 +35,21 @@ class KnotAggregate(torch.autograd.Function):
         return (None, grad_knots, None) + (None,) * phi.shape[0]
 
 
+class TappedKnotAggregate(torch.autograd.Function):
+    """KnotAggregate whose backward first hands the W upstream gradients to ``tap`` (a guard's
+    probe of the window, guard_probe.py)."""
+
+    @staticmethod
+    def forward(ctx, tap, phi: torch.Tensor, knot_out: torch.Tensor, knot_steps: tuple[int, ...], *step_outs):
+        ctx.tap = tap
+        return KnotAggregate.forward(ctx, phi, knot_out, knot_steps, *step_outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.tap(grads)
+        return (None,) + KnotAggregate.backward(ctx, *grads)
+
+
 def knot_composites(phi: torch.Tensor, grads) -> torch.Tensor | None:
     """cat_j Γ_j, Γ_j = Σ_s Φ[s, j] ⊙ g_s, shape (K·B, ...), from per-step gradients g_s of one
     output leaf (None where a step's output got no gradient); None if every g_s is None."""
@@ -57,6 +72,9 @@ def knot_composites(phi: torch.Tensor, grads) -> torch.Tensor | None:
 
 
 def aggregate_knots(phi: torch.Tensor, knot_out: torch.Tensor, knot_steps: Sequence[int],
-              step_outs: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
-    """Step outputs whose backward is the knot aggregation (see module docstring)."""
+              step_outs: Sequence[torch.Tensor | None], tap=None) -> list[torch.Tensor]:
+    """Step outputs whose backward is the knot aggregation (see module docstring); ``tap``: see
+    TappedKnotAggregate."""
+    if tap is not None:
+        return list(TappedKnotAggregate.apply(tap, phi, knot_out, tuple(knot_steps), *step_outs))
     return list(KnotAggregate.apply(phi, knot_out, tuple(knot_steps), *step_outs))

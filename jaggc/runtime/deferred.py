@@ -67,8 +67,9 @@ class DeferredWindow:
 
     def __init__(self, dit: nn.Module, calls: Sequence[DitCall], steps: Sequence[int], *, time_arg,
                  batch: int, knots: Sequence[int], phi: torch.Tensor, interior_chunk: int | None,
-                 batch_knots: bool, unbatched: Sequence[str], group: BackwardGroup | None, cache=None):
+                 batch_knots: bool, unbatched: Sequence[str], group: BackwardGroup | None, cache=None, probe=None):
         self.dit, self.calls, self.steps, self.cache = dit, list(calls), list(steps), cache
+        self.probe = probe                          # a guard's probe of this window (guard_probe.py)
         self.time_arg, self.batch, self.knots, self.phi = time_arg, batch, tuple(knots), phi
         self.interior_chunk, self.batch_knots, self.unbatched = interior_chunk, batch_knots, unbatched
         self.group = group if group is not None else BackwardGroup(self.grad_forwards)
@@ -115,6 +116,11 @@ class DeferredWindow:
         return {i: c for i, c in out.items() if c is not None}
 
     def backward(self, grads: Sequence[torch.Tensor | None]) -> None:
+        if self.probe is not None:
+            per_leaf: dict[int, list] = {}
+            for (s, i), g in zip(self.diff_index, grads):
+                per_leaf.setdefault(i, [None] * len(self.calls))[s] = g
+            self.probe.measure(per_leaf)       # re-runs the window with grad: 3W F (guard_probe.py)
         gamma = self.composites(grads)
         if self.batch_knots:
             groups = [list(range(len(self.knots)))]

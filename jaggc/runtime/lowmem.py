@@ -50,8 +50,9 @@ def trainable_parameters(dit: nn.Module) -> list[nn.Parameter]:
 
 
 class _Window:
-    def __init__(self, knot_out, knots, phi, leaves, terms: dict[int, int], last: bool):
+    def __init__(self, knot_out, knots, phi, leaves, terms: dict[int, int], last: bool, probe=None):
         self.knot_out, self.knots, self.phi = knot_out, knots, phi
+        self.probe = probe                        # a guard's probe of this window (guard_probe.py)
         self.leaves = leaves                      # per step: the float leaves handed to the loss
         self.upstream: dict[tuple[int, int], torch.Tensor] = {}
         self.terms_left = dict(terms)             # per step position: terms of the loss still to come
@@ -96,7 +97,7 @@ class LowMemRun:
                            else x for x in flat]
             leaves.append([x if isinstance(x, torch.Tensor) and x.requires_grad else None for x in step_leaves])
             outputs.append(tree_unflatten(step_leaves, spec))
-        window = _Window(prepared.knot_out, prepared.knots, prepared.phi, leaves, terms, last)
+        window = _Window(prepared.knot_out, prepared.knots, prepared.phi, leaves, terms, last, probe=prepared.probe)
         self.windows[index] = window
         if not any(terms.values()):          # nothing of the loss depends on this window's outputs
             self._finish(index)
@@ -130,6 +131,9 @@ class LowMemRun:
         window = self.windows.pop(index)
         knot_leaves = tree_flatten(window.knot_out)[0]
         num_steps = len(window.leaves)
+        if window.probe is not None:
+            window.probe.measure({i: [window.upstream.get((s, i)) for s in range(num_steps)]
+                                  for i, leaf in enumerate(knot_leaves) if isinstance(leaf, torch.Tensor)})
         roots, root_grads = [], []
         for i, leaf in enumerate(knot_leaves):
             if not (isinstance(leaf, torch.Tensor) and leaf.requires_grad):

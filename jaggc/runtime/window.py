@@ -22,12 +22,16 @@ from ..errors import JaggInputError
 from .aggregate import aggregate_knots
 from .calls import (DitCall, batch_size, check_compatible, check_token_times, per_sample_time,
                     resolve_time_arg, split_output)
+from .autocast import current_autocast
 from .checks import check_calls, check_times
 from .deferred import BackwardGroup, DeferredWindow
 from .forwards import forward_batched, nograd_outputs
+from .guard import active_probe
+from .guard_probe import WindowProbe, grad_forwards
 from .weights import Basis, resolve_basis
 
 if TYPE_CHECKING:
+    from .guard import Guard
     from .rollout_cache import RolloutCache
 
 BACKWARD_MODES = ("joint", "per_window", "lowmem")
@@ -47,7 +51,8 @@ class WindowOptions:
     per-step terms give its upstream gradients: the joint mode's cost at one window's memory, for
     losses that are sums of per-step terms; lowmem.py).
     ``rollout_cache``: the on-policy fast path: interior outputs recorded during the rollout are
-    reused while the parameters are unchanged (rollout_cache.py)."""
+    reused while the parameters are unchanged (rollout_cache.py). ``guard``: a ``jaggc.Guard`` that
+    probes some calls against the exact gradient and may run drifted σ ranges exactly (guard.py)."""
 
     weights: str | Basis = "t"
     time_arg: str | int | None = None
@@ -57,10 +62,15 @@ class WindowOptions:
     check_inputs: bool = True
     backward: str = "joint"
     rollout_cache: RolloutCache | None = field(default=None, compare=False)
+    guard: Guard | None = field(default=None, compare=False)   # jaggc.Guard: probes and adapts (guard.py)
 
     def __post_init__(self):
         if self.backward not in BACKWARD_MODES:
             raise JaggInputError(f"backward={self.backward!r}: use one of {BACKWARD_MODES}")
+        from .guard import Guard
+
+        if self.guard is not None and not isinstance(self.guard, Guard):
+            raise JaggInputError(f"guard={self.guard!r}: pass a jaggc.Guard(every=..., on_drift=...) or None")
 
     @property
     def basis(self) -> Basis:
@@ -95,10 +105,12 @@ class PreparedWindow:
     phi: torch.Tensor                   # (S, K, B) basis weights
     knot_out: Any                       # the knots' batched output, with grad
     interior_out: dict[int, Any]        # window position -> no-grad output
+    probe: WindowProbe | None = None    # a guard's probe of this window (guard_probe.py)
 
     def assemble(self) -> list[Any]:
         """The JAGG outputs: values exact, backward through one joint knot backward."""
-        return _assemble(self.phi, self.knot_out, self.knots, self.interior_out, len(self.calls), self.batch)
+        return _assemble(self.phi, self.knot_out, self.knots, self.interior_out, len(self.calls), self.batch,
+                         probe=self.probe)
 
 
 def _checked_times(dit, calls, steps, options) -> tuple[str | int, int, torch.Tensor]:
@@ -121,18 +133,48 @@ def prepare_window(dit: nn.Module, calls: Sequence[DitCall], steps: Sequence[int
     """Checks, weights, the batched no-grad interior forwards and the knot forward with grad."""
     steps = list(steps)
     time_arg, batch, times = _checked_times(dit, calls, steps, options)
-    knots, phi = options.basis.sample(times)
+    knots, phi = sample_knots(options, times)
     interior = [p for p in range(len(calls)) if p not in knots]
-    interior_out = _interior_outputs(dit, [calls[p] for p in interior], [steps[p] for p in interior],
-                                     time_arg, options, batch)
-    interior_out = {interior[i]: o for i, o in interior_out.items()}
+    call_probe = active_probe(options) if interior else None
+    probe = None
+    if call_probe is not None:
+        # a probed call: the interior forwards run with grad (same forwards, same values), so the
+        # probe's exact gradient is one backward of the window (guard_probe.py)
+        probe = call_probe.window(dit, calls, steps, time_arg=time_arg, batch=batch, times=times, knots=knots,
+                                  phi=phi, unbatched=options.unbatched, chunk=options.interior_chunk)
+        with_grad = grad_forwards(call_probe.local, [calls[p] for p in interior], [steps[p] for p in interior],
+                                  time_arg=time_arg, batch=batch, chunk=options.interior_chunk,
+                                  unbatched=options.unbatched)
+        with_grad = {interior[i]: o for i, o in with_grad.items()}
+        interior_out = {p: _detached(o) for p, o in with_grad.items()}
+    else:
+        interior_out = _interior_outputs(dit, [calls[p] for p in interior], [steps[p] for p in interior],
+                                         time_arg, options, batch)
+        interior_out = {interior[i]: o for i, o in interior_out.items()}
     if options.batch_knots:
         knot_out = forward_batched(dit, [calls[p] for p in knots], [steps[p] for p in knots], time_arg,
                                    options.unbatched)
     else:
         knot_out = _concatenated_outputs(dit, [calls[p] for p in knots])
+    if probe is not None:
+        probe.set_graph(knot_out, with_grad)
     return PreparedWindow(calls=calls, steps=steps, time_arg=time_arg, batch=batch, times=times, knots=knots,
-                          phi=phi, knot_out=knot_out, interior_out=interior_out)
+                          phi=phi, knot_out=knot_out, interior_out=interior_out, probe=probe)
+
+
+def sample_knots(options: WindowOptions, times: torch.Tensor) -> tuple[tuple[int, ...], torch.Tensor]:
+    """The basis's knots and weights for a window call; every step a knot (exact) where a guard
+    moved the call's σ range to exact windows (guard.py, on_drift="adapt")."""
+    if options.guard is not None and options.guard.runs_exact(times):
+        num_steps = times.shape[0]
+        eye = torch.eye(num_steps, dtype=torch.float64, device=times.device)
+        return tuple(range(num_steps)), eye[:, :, None].expand(num_steps, num_steps, times.shape[1]).clone()
+    return options.basis.sample(times)
+
+
+def _detached(out: Any) -> Any:
+    leaves, spec = tree_flatten(out)
+    return tree_unflatten([x.detach() if isinstance(x, torch.Tensor) else x for x in leaves], spec)
 
 
 def prepare_exact_window(dit: nn.Module, calls: Sequence[DitCall], steps: Sequence[int],
@@ -175,15 +217,21 @@ def run_window(dit: nn.Module, calls: Sequence[DitCall], *, steps: Sequence[int]
         return run_exact(dit, calls, steps=steps, options=options)
     if options.backward == "per_window":
         time_arg, batch, times = _checked_times(dit, calls, steps, options)
-        knots, phi = options.basis.sample(times)
+        knots, phi = sample_knots(options, times)
+        call_probe = active_probe(options) if len(knots) < len(calls) else None
+        probe = None if call_probe is None else call_probe.window(
+            dit, calls, steps, time_arg=time_arg, batch=batch, times=times, knots=knots, phi=phi,
+            unbatched=options.unbatched, chunk=options.interior_chunk, autocast=current_autocast())
         return DeferredWindow(dit, calls, steps, time_arg=time_arg, batch=batch, knots=knots, phi=phi,
                               interior_chunk=options.interior_chunk, batch_knots=options.batch_knots,
-                              unbatched=options.unbatched, group=group, cache=options.rollout_cache).run()
+                              unbatched=options.unbatched, group=group, cache=options.rollout_cache,
+                              probe=probe).run()
     return prepare_window(dit, calls, steps, options).assemble()
 
 
-def _assemble(phi, knot_out, knots, interior_out, num_steps, batch) -> list[Any]:
-    """Per-step outputs: differentiable leaves through KnotAggregate, the rest split as is."""
+def _assemble(phi, knot_out, knots, interior_out, num_steps, batch, probe: WindowProbe | None = None) -> list[Any]:
+    """Per-step outputs: differentiable leaves through KnotAggregate, the rest split as is. A
+    guard's ``probe`` measures the window from the aggregation's backward (it has every g_s)."""
     knot_leaves, spec = tree_flatten(knot_out)
     interior_leaves = {p: tree_flatten(o)[0] for p, o in interior_out.items()}
     per_step = [[] for _ in range(num_steps)]
@@ -194,7 +242,8 @@ def _assemble(phi, knot_out, knots, interior_out, num_steps, batch) -> list[Any]
                     f"the DiT returned a tensor of shape {tuple(leaf.shape)} for {len(knots)} knot steps of "
                     f"batch {batch}; jaggc needs the batch dimension first in every output tensor")
             step_leaves = [None if p in knots else interior_leaves[p][i] for p in range(num_steps)]
-            for p, v in enumerate(aggregate_knots(phi.to(leaf.device), leaf, knots, step_leaves)):
+            tap = None if probe is None else (lambda grads, i=i: probe.measure({i: grads}))
+            for p, v in enumerate(aggregate_knots(phi.to(leaf.device), leaf, knots, step_leaves, tap=tap)):
                 per_step[p].append(v)
         else:
             knot_parts = split_output(leaf, len(knots), batch)

@@ -33,6 +33,7 @@ import torch
 
 from jaggc import Options, Routing
 from jaggc.api import DEFAULT_WEIGHTS, jagg_compile
+from jaggc.runtime.guard import Guard
 from jaggc.runtime import RolloutCache, WindowOptions, jagg_calls, partition
 from jaggc_studies.bench.problems import Problem, own_code
 
@@ -90,6 +91,15 @@ def fast_cost(num_steps: int, window: int) -> Cost:
         forward += len(steps) if len(steps) <= 2 else 2
         backward += 2 * len(steps) if len(steps) <= 2 else 4
     return Cost(forward, backward)
+
+
+def guard_cost(num_steps: int, window: int) -> Cost:
+    """``jagg_guard``: every call probed (Guard(every=1)): plain JAGG plus, per JAGG window, one
+    backward of its W steps (2W F; its interior forwards run with grad instead of without). The
+    overhead at every=k is 1/k of the difference to ``jagg``'s."""
+    base = jagg_cost(num_steps, window)
+    probe = sum(2 * len(steps) for steps in partition(num_steps, window) if len(steps) > 2)
+    return Cost(base.forward, base.backward + probe)
 
 
 def cfg_unsplit(cost: Callable[[int, int | None], Cost]) -> Callable[[int, int | None], Cost]:
@@ -287,7 +297,8 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              "the undecorated loss, one backward"),
     Strategy("exact_per_step", lambda p, w: PerStepBackward(p), exact_cost, False,
              "Flow-GRPO's loop: backward inside the step loop"),
-    Strategy("exact_compiled", lambda p, w: LossStep(p, compiled_loss(p, 2, routing=Routing(jagg_frac=0.0))), exact_compiled_cost,
+    Strategy("exact_compiled", lambda p, w: LossStep(p, compiled_loss(p, 2, routing=Routing(jagg_frac=0.0))),
+             exact_compiled_cost,
              False, "@jagg_compile with every window exact: only the CFG split applies",
              cfg_cost=cfg_split(exact_compiled_cost)),
     Strategy("jagg", lambda p, w: LossStep(p, compiled_loss(p, w)), jagg_cost, True,
@@ -305,6 +316,9 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("jagg_lowmem", lambda p, w: LossStep(p, compiled_loss(p, w, backward="lowmem")),
              lowmem_cost, True, "@jagg_compile(window=W, backward='lowmem'): each window's backward in the forward",
              cfg_cost=cfg_split(lowmem_cost)),
+    Strategy("jagg_guard", lambda p, w: LossStep(p, compiled_loss(p, w, guard=Guard(every=1))), guard_cost, True,
+             "@jagg_compile(window=W, weights='t', guard=Guard(every=1)): every call probed against the exact "
+             "gradient; at every=k the overhead is 1/k of its difference to jagg@W"),
     Strategy("jagg_fast", RolloutCachedStep, fast_cost, True,
              "@jagg_compile(window=W, options=Options(rollout_cache=cache)): interior outputs from the rollout",
              cfg_cost=fast_cost),

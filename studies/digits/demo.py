@@ -36,6 +36,7 @@ from jaggc_studies.digits.trainer import STRATEGIES, GRPOTrainer, TrainerConfig,
 
 HELD_OUT_SEED = 999_983  # rollout seed of the gradient-comparison batch, never used in training
 GRID_SEED = 4242         # noise of the sample grids (the same for every strategy and the base)
+GUARD_BLOCK = 16         # the demo's guard judges bias over blocks of 16 probes (a 40-iteration run has few)
 SUMMARY_KEYS = ("reward_start", "reward_end", "wall_s", "cpu_s", "backward_passes", "grad_cosine")
 
 
@@ -58,6 +59,7 @@ class DemoOptions:
     lr: float = 3e-4
     progress: bool = True
     out: str | None = "jaggc-demo"   # folder for the PNGs; None: no pictures
+    guard: int = 0                # jagg: Guard(every=guard, on_drift="warn", probes=GUARD_BLOCK); 0: none
 
     def validate(self) -> "DemoOptions":
         for name in ("iterations", "seeds", "eval_per_class"):
@@ -74,6 +76,10 @@ class DemoOptions:
                                  f"base checkpoint file")
         for name in self.strategies:
             self.trainer_config(name).validate()
+        if not isinstance(self.guard, int) or self.guard < 0:
+            raise JaggInputError(f"--guard {self.guard!r}: probe one call in EVERY, an int >= 1 (0: no guard)")
+        if self.guard and "jagg" not in self.strategies:
+            raise JaggInputError("--guard guards the jagg strategy: add jagg to --strategies")
         return self
 
     def trainer_config(self, strategy: str, seed: int | None = None) -> TrainerConfig:
@@ -147,13 +153,22 @@ def run_seed(base: torch.nn.Module, options: DemoOptions, seed: int, start_eval:
 
     models = {name: copy.deepcopy(base) for name in options.strategies}
     cosines, first_grad_s = gradient_cosines(models, options, seed)
-    trainers = {name: GRPOTrainer(models[name], options.trainer_config(name, seed), reward_fn=reward_fns["reward"])
+    guards = {}
+    if options.guard and "jagg" in options.strategies:
+        import jaggc
+
+        guards["jagg"] = jaggc.Guard(every=options.guard, on_drift="warn", probes=GUARD_BLOCK)
+    trainers = {name: GRPOTrainer(models[name], options.trainer_config(name, seed), reward_fn=reward_fns["reward"],
+                                  guard=guards.get(name))
                 for name in options.strategies}
+    guard_curves = {name: [] for name in guards}
     names = list(options.strategies)
     bar = tqdm(range(options.iterations), desc=f"seed {seed}", disable=None if options.progress else True)
     for i in bar:
         for name in names[i % len(names):] + names[:i % len(names)]:   # rotate: no strategy always runs first
             trainers[name].step()
+            if name in guards:
+                guard_curves[name].append(dict(iteration=i, **guards[name].log()))
         bar.set_postfix({n: f"{trainers[n].history[-1]['reward_mean']:.2f}" for n in names})
     eval_kw = dict(config=options.trainer_config("exact", seed), per_class=options.eval_per_class)
     results = {}
@@ -174,6 +189,9 @@ def run_seed(base: torch.nn.Module, options: DemoOptions, seed: int, start_eval:
             clipfrac=[h["clipfrac"] for h in history], approx_kl=[h["approx_kl"] for h in history],
             train_steps=[h["train_steps"] for h in history],
             first_gradient_s=first_grad_s[name])
+        if name in guards:
+            results[name]["guard_curve"] = guard_curves[name]
+            results[name]["guard_summary"] = guards[name].summary()
         results[name]["_samples"] = grid_samples(models[name], options.trainer_config(name, seed))
     return results
 
@@ -264,6 +282,9 @@ def main_demo(options: DemoOptions, json_path: str | None = None) -> dict:
           f"{result['threads']} thread(s), {result['total_s']:.0f} s total)")
     print(f"jagg: {result['jagg_settings']}\n")
     print(format_table(result))
+    for name, entry in result["strategies"].items():
+        if "guard_summary" in entry:
+            print(f"\n{name} (seed {seeds[0]}): {entry['guard_summary']}")
     written = []
     if options.out:
         from jaggc_studies.digits.demo_plots import write_pictures

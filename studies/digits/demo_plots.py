@@ -65,7 +65,13 @@ def _samples_figure(plt, result: dict, pictures: dict, path: str) -> str:
 
 
 def _curves_figure(plt, result: dict, path: str) -> str:
-    fig, (by_cpu, by_iter) = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True)
+    guarded = {n: r["guard_curve"] for n, r in result["strategies"].items() if r.get("guard_curve")}
+    if guarded:
+        fig, (by_cpu, by_iter, guard_ax) = plt.subplots(1, 3, figsize=(13.5, 3.4))
+        by_iter.sharey(by_cpu)
+        _guard_panel(guard_ax, guarded)
+    else:
+        fig, (by_cpu, by_iter) = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True)
     for name, r in result["strategies"].items():
         smooth = running_mean(r["rollout_reward"])
         style = dict(color=COLOURS.get(name), label=f"{name} (end {r['reward_end']:.2f}, {r['cpu_s']:.0f} CPU s)",
@@ -85,3 +91,26 @@ def _curves_figure(plt, result: dict, path: str) -> str:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _guard_panel(ax, guarded: dict) -> None:
+    """The guard's running figures by iteration: the latest probe's cosine to the exact gradient
+    (left axis) and the running block's bias over its noise floor (right axis, 1.5 = the limit)."""
+    bias_ax = ax.twinx()
+    for name, curve in guarded.items():
+        its = [c["iteration"] + 1 for c in curve if "guard/cosine" in c]
+        ax.plot(its, [c["guard/cosine"] for c in curve if "guard/cosine" in c], color=COLOURS.get(name),
+                label=f"{name}: cosine to exact (latest probe)")
+        pts = [(c["iteration"] + 1, c["guard/bias_over_floor"]) for c in curve
+               if c.get("guard/bias_over_floor") == c.get("guard/bias_over_floor") and "guard/bias_over_floor" in c]
+        if pts:
+            bias_ax.plot(*zip(*pts), color=COLOURS.get(name), linestyle="--", label=f"{name}: bias / noise floor")
+    bias_ax.axhline(1.5, color="#888888", linewidth=0.8, linestyle=":")
+    ax.set_xlabel("GRPO iteration")
+    ax.set_ylabel("cosine to the exact gradient")
+    bias_ax.set_ylabel("bias / noise floor (running block)")
+    ax.set_title("the guard, measured during the run", fontsize=9)
+    lines = ax.get_legend_handles_labels()
+    more = bias_ax.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=7, loc="lower left")
+    ax.grid(alpha=0.3)

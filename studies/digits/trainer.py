@@ -17,7 +17,7 @@ Strategies (all use ``grpo_loss`` below, unchanged):
 - ``mix``: a 4-step window that slides one step per iteration along the trajectory and wraps
   around (MixGRPO's sliding window; MixGRPO also samples with the ODE outside the window, which we
   do not: all strategies share the same SDE rollout so their rewards are comparable).
-- ``jagg``: ``jaggc.jagg_compile(grpo_loss, window=W, weights=..., jagg_frac=...)`` over every
+- ``jagg``: ``jaggc.jagg_compile(grpo_loss, window=W, weights=..., routing=Routing(jagg_frac=...))`` over every
   trained step; with ``rollout_cache=True`` the rollout is recorded in a ``jaggc.RolloutCache``, so
   on the first minibatch (parameters still the rollout's) the windows' interior outputs come from
   the rollout instead of a forward; after the first optimizer step the cache's parameter-version
@@ -154,7 +154,7 @@ def rollout_cache_for(dit: torch.nn.Module):
     return _ROLLOUT_CACHES[dit]
 
 
-def loss_for_strategy(config: TrainerConfig, dit: torch.nn.Module):
+def loss_for_strategy(config: TrainerConfig, dit: torch.nn.Module, guard=None):
     """``grpo_loss`` itself, or (jagg) its ``jagg_compile`` wrapper for ``dit``.
 
     One compiled wrapper per DiT module object: a wrapper whose Dynamo graph was captured with
@@ -166,6 +166,11 @@ def loss_for_strategy(config: TrainerConfig, dit: torch.nn.Module):
         return grpo_loss
     import jaggc
 
+    if guard is not None:        # a guard belongs to one run: its own wrapper (jaggc.Guard)
+        cache = rollout_cache_for(dit) if config.rollout_cache else None
+        return jaggc.jagg_compile(grpo_loss, window=config.window, weights=config.weights, guard=guard,
+                                  options=jaggc.Options(rollout_cache=cache),
+                                  routing=jaggc.Routing(jagg_frac=config.jagg_frac))
     per_dit = _COMPILED.setdefault(dit, {})
     key = (config.window, config.weights, float(config.jagg_frac), config.rollout_cache)
     if key not in per_dit:
@@ -316,6 +321,7 @@ class GRPOTrainer:
     num_classes: int = 10
     image_shape: tuple = IMAGE_SHAPE
     conditioning: object = None
+    guard: object = None        # jaggc.Guard for strategy "jagg": the loss probes its own fidelity
 
     def __post_init__(self):
         self.config.validate()
@@ -326,7 +332,7 @@ class GRPOTrainer:
             from jaggc_studies.digits.rewards import get_reward
 
             self.reward_fn = get_reward(self.config.reward)
-        self.loss_fn = loss_for_strategy(self.config, self.dit)
+        self.loss_fn = loss_for_strategy(self.config, self.dit, guard=self.guard)
         self.params = trainable_parameters(self.dit, self.config.trainable)
         self.optimizer = torch.optim.AdamW(self.params, lr=self.config.lr, weight_decay=self.config.weight_decay)
         self.iteration = 0

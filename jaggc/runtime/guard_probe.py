@@ -1,0 +1,253 @@
+"""One probe of the guard: the error of every JAGG window of one loss call against the exact gradient.
+
+A window's JAGG gradient is J_knotsᵀ Γ, Γ_j = Σ_s Φ[s, j] g_s; its exact gradient is Σ_s J_sᵀ g_s
+with the same upstream gradients g_s. Their difference
+
+    e_w = Σ_j J_{k_j}ᵀ (Γ_j − g_{k_j})  −  Σ_{s interior} J_sᵀ g_s
+
+is ONE backward through the window's knot outputs and its interior outputs run with grad, taken
+with ``torch.autograd.grad`` into a flat buffer (``.grad`` is not touched) where the window's
+runtime has all of its g_s: in the aggregation node's backward (joint mode; the knot graph is the
+one the real backward then uses, so it is retained), in the deferred window's backward
+(per-window mode; the knots and interiors are re-run with grad there, in the forward's autocast
+state) or when the low-memory mode finishes the window. On a probe call the joint and low-memory
+modes run the interior forwards with grad instead of without (the same forwards, their values
+unchanged), so a window's probe costs one backward of its W steps: 2W F, next to the (W+4) F of
+the window (per-window mode: 3W F, it re-runs the forwards).
+
+The JAGG gradient of the whole call is what its backward adds to ``.grad`` (a snapshot before the
+call, read when the backward has finished: ``run_after_backward``, after DDP's own final
+callback); the exact gradient is that minus Σ_w e_w. Under DDP the probe's forwards run on the
+wrapped module itself (DDP's reducer never sees them), and the windows' errors, one flat buffer
+per σ range, are all-reduced (averaged like DDP's gradients) once per probe; inside the user's
+``no_sync()`` steps nothing is reduced and the figures are this rank's. FSDP is refused: its
+parameters are sharded and autograd never sees them (a probe would need FSDP's own backward per
+window, as the low-memory mode does).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+from torch import nn
+
+from .._compat import fsdp_version, run_after_backward, tree_flatten
+from ..errors import JaggUnsupportedError
+from .aggregate import knot_composites
+from .autocast import autocast_applied
+from .calls import DitCall, split_output
+from .forwards import forward_batched
+from .guard_stats import ProbeResult, range_of
+from .param_grads import parameter_grads
+from .weights import noise_levels
+
+if TYPE_CHECKING:
+    from .guard import Guard
+
+
+def local_module(dit: nn.Module) -> nn.Module:
+    """The module the probe's forwards run on: DDP's wrapped module (no reducer bookkeeping)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return dit.module if isinstance(dit, DistributedDataParallel) else dit
+
+
+def _flat(grads, params, dtype) -> torch.Tensor:
+    return torch.cat([(torch.zeros(p.numel(), dtype=dtype, device=p.device) if g is None else
+                       g.reshape(-1).to(dtype)) for g, p in zip(grads, params)])
+
+
+def grad_forwards(dit: nn.Module, calls: Sequence[DitCall], steps: Sequence[int], *, time_arg, batch: int,
+                  chunk: int | None, unbatched: Sequence[str]) -> dict[int, Any]:
+    """The outputs of ``calls`` WITH grad, in the batched forwards the no-grad path would run."""
+    positions = list(range(len(calls)))
+    chunk = chunk or max(len(positions), 1)
+    outs: dict[int, Any] = {}
+    with torch.enable_grad():
+        for lo in range(0, len(positions), chunk):
+            pos = positions[lo:lo + chunk]
+            out = forward_batched(dit, [calls[p] for p in pos], [steps[p] for p in pos], time_arg, unbatched)
+            for p, o in zip(pos, split_output(out, len(pos), batch)):
+                outs[p] = o
+    return outs
+
+
+class WindowProbe:
+    """The probe of one JAGG window: measures e_w once the window's upstream gradients are known."""
+
+    def __init__(self, call: CallProbe, position: int, sigma_min: float, *, calls, steps, time_arg, batch: int,
+                 knots: tuple[int, ...], phi: torch.Tensor, unbatched, chunk, autocast=None):
+        self.call, self.position, self.sigma_min = call, position, sigma_min
+        self.calls, self.steps, self.time_arg, self.batch = list(calls), list(steps), time_arg, batch
+        self.knots, self.phi, self.unbatched, self.chunk, self.autocast = knots, phi, unbatched, chunk, autocast
+        self.knot_leaves: list | None = None          # flat leaves of the knots' batched output, with grad
+        self.interior_leaves: dict[int, list] | None = None
+        self.unmeasured: set[int] = set()
+
+    @property
+    def interior(self) -> list[int]:
+        return [p for p in range(len(self.calls)) if p not in self.knots]
+
+    def set_graph(self, knot_out: Any, interior_out: dict[int, Any]) -> None:
+        self.knot_leaves = tree_flatten(knot_out)[0]
+        self.interior_leaves = {p: tree_flatten(o)[0] for p, o in interior_out.items()}
+        # the joint mode measures leaf by leaf (one aggregation node per output leaf)
+        self.unmeasured = {i for i, x in enumerate(self.knot_leaves) if isinstance(x, torch.Tensor) and x.requires_grad}
+
+    def _rebuild_graph(self) -> None:
+        """Per-window mode: the knot and interior forwards again, with grad, in the forward's autocast."""
+        dit = self.call.local
+        with autocast_applied(self.autocast), torch.enable_grad():
+            knot_out = forward_batched(dit, [self.calls[p] for p in self.knots], [self.steps[p] for p in self.knots],
+                                       self.time_arg, self.unbatched)
+            interior = self.interior
+            outs = grad_forwards(dit, [self.calls[p] for p in interior], [self.steps[p] for p in interior],
+                                 time_arg=self.time_arg, batch=self.batch, chunk=self.chunk, unbatched=self.unbatched)
+        self.set_graph(knot_out, {interior[i]: o for i, o in outs.items()})
+
+    def measure(self, per_leaf: dict[int, Sequence[torch.Tensor | None]]) -> None:
+        """e_w from the upstream gradients, ``{output leaf index: [g_s per window position]}``."""
+        if self.knot_leaves is None:
+            self._rebuild_graph()
+        outputs, cotangents = [], []
+        for i, grads in per_leaf.items():
+            ref = next((g for g in grads if g is not None), None)
+            knot_leaf = self.knot_leaves[i]
+            if ref is None or not (isinstance(knot_leaf, torch.Tensor) and knot_leaf.requires_grad):
+                continue
+            acc = torch.float64 if ref.dtype == torch.float64 else torch.float32
+            wide = [None if g is None else g.to(acc) for g in grads]
+            gamma = knot_composites(self.phi, wide)
+            own = torch.cat([torch.zeros_like(ref, dtype=acc) if wide[k] is None else wide[k] for k in self.knots], 0)
+            outputs.append(knot_leaf)
+            cotangents.append((gamma - own).to(knot_leaf.dtype))
+            for p in self.interior:
+                if grads[p] is not None:
+                    leaf = self.interior_leaves[p][i]
+                    outputs.append(leaf)
+                    cotangents.append(-grads[p].to(leaf.dtype))
+        if outputs:
+            call = self.call
+            # retain: in the joint mode the real backward goes through the same knot graph next
+            grads = parameter_grads(outputs, call.params, cotangents, names=call.names, retain_graph=True,
+                                    what=f"jaggc guard: the probe of window {self.position}")
+            call.add_window(self, _flat(grads, call.params, call.dtype))
+        self.unmeasured -= set(per_leaf)
+        if not self.unmeasured:
+            self.knot_leaves = self.interior_leaves = None      # the interior graph is freed here
+
+
+class CallProbe:
+    """One probed call of the guarded loss (module docstring)."""
+
+    def __init__(self, guard: Guard, index: int):
+        self.guard, self.index = guard, index
+        self.dit: nn.Module | None = None
+        self.local: nn.Module | None = None
+        self.params: list[torch.Tensor] = []
+        self.names: dict[int, str] = {}
+        self.snapshot: torch.Tensor | None = None
+        self.range_errors: dict[int, torch.Tensor] = {}
+        self.windows: list[tuple[int, float, float]] = []
+        self.positions = 0
+        self.finished = False
+
+    # --- forward: the windows ---------------------------------------------------------------------
+    def _bind(self, dit: nn.Module) -> None:
+        if self.dit is not None:
+            if dit is not self.dit:
+                raise JaggUnsupportedError("jaggc guard: one loss call runs two different DiT modules; a guard probes "
+                                           "one. Guard each module's loss separately")
+            return
+        if fsdp_version(dit):
+            raise JaggUnsupportedError(
+                "jaggc guard: the DiT is wrapped in FSDP, whose sharded parameters autograd never sees, so the probe "
+                "cannot take the exact gradient with torch.autograd.grad. Use the guard under DDP or on one process, "
+                "or measure offline with jaggc.calibrate; drop guard= under FSDP")
+        self.dit, self.local = dit, local_module(dit)
+        self.params = [p for p in self.local.parameters() if p.requires_grad]
+        self.names = {id(p): n for n, p in self.local.named_parameters()}
+        self.dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
+        # the .grad the call's backward will add to (earlier micro-steps' accumulation included)
+        self.snapshot = self._grads()
+
+    def _grads(self) -> torch.Tensor:
+        return _flat([p.grad for p in self.params], self.params, self.dtype)
+
+    def window(self, dit: nn.Module, calls, steps, *, time_arg, batch: int, times: torch.Tensor,
+               knots: tuple[int, ...], phi: torch.Tensor, unbatched, chunk, autocast=None) -> WindowProbe:
+        self._bind(dit)
+        position = self.positions
+        self.positions += 1
+        sigma_min = float(noise_levels(times).min())
+        return WindowProbe(self, position, sigma_min, calls=calls, steps=steps, time_arg=time_arg, batch=batch,
+                           knots=knots, phi=phi, unbatched=unbatched, chunk=chunk, autocast=autocast)
+
+    def add_window(self, window: WindowProbe, error: torch.Tensor) -> None:
+        r = range_of(window.sigma_min, self.guard.sigma_edges)
+        self.range_errors[r] = error if r not in self.range_errors else self.range_errors[r].add_(error)
+        known = {w[0]: k for k, w in enumerate(self.windows)}
+        if window.position in known:      # another output leaf of the same window
+            k = known[window.position]
+            self.windows[k] = (window.position, window.sigma_min, self.windows[k][2] + float(error.norm()))
+        else:
+            self.windows.append((window.position, window.sigma_min, float(error.norm())))
+
+    # --- after the backward ---------------------------------------------------------------------
+    def attach(self, out: Any) -> Any:
+        """``out`` with its loss tensor wrapped so that its backward finishes the probe."""
+        leaves, spec = tree_flatten(out)
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad and leaf.is_floating_point():
+                from .._compat import tree_unflatten
+
+                leaves[i] = _FinishProbe.apply(leaf, self)
+                return tree_unflatten(leaves, spec)
+        return out
+
+    def finish(self) -> ProbeResult | None:
+        """Reduce the windows' errors (DDP), read the call's gradient from ``.grad``: the probe."""
+        if self.finished or self.dit is None:
+            return None
+        self.finished = True
+        self._all_reduce()
+        jagg = self._grads() - self.snapshot
+        error = sum(self.range_errors.values()) if self.range_errors else torch.zeros_like(jagg)
+        return ProbeResult(index=self.index, jagg=jagg, exact=jagg - error, range_errors=dict(self.range_errors),
+                           windows=list(self.windows))
+
+    def _all_reduce(self) -> None:
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        if not (isinstance(self.dit, DistributedDataParallel) and dist.is_available() and dist.is_initialized()):
+            return
+        if not getattr(self.dit, "require_backward_grad_sync", True):
+            return        # the user's no_sync() step: DDP reduced nothing, nor do we
+        ranges = range(len(self.guard.ranges))
+        numel = self.snapshot.numel()
+        flat = torch.cat([self.range_errors.get(r, torch.zeros(numel, dtype=self.dtype, device=self.snapshot.device))
+                          for r in ranges])
+        dist.all_reduce(flat, group=getattr(self.dit, "process_group", None))
+        flat /= dist.get_world_size(group=getattr(self.dit, "process_group", None))
+        parts = flat.split(numel)
+        # a range no rank had a window in stays absent
+        seen = torch.tensor([float(r in self.range_errors) for r in ranges], device=self.snapshot.device)
+        dist.all_reduce(seen, group=getattr(self.dit, "process_group", None))
+        self.range_errors = {r: parts[r].clone() for r in ranges if float(seen[r]) > 0}
+
+
+class _FinishProbe(torch.autograd.Function):
+    """Identity on the loss; its backward asks for the probe to finish once the backward is done."""
+
+    @staticmethod
+    def forward(ctx, loss, probe):
+        ctx.probe = probe
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        probe = ctx.probe
+        run_after_backward(lambda: probe.guard._finished(probe))
+        return grad, None
