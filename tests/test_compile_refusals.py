@@ -171,7 +171,6 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case_id", list(CASES))
 def case_inputs(case: Case) -> tuple:
     """The model and the loss's arguments of a refusal case."""
     model = AffineJacobianField(3, seed=1)
@@ -181,6 +180,7 @@ def case_inputs(case: Case) -> tuple:
     return model, (model, zs, ts, gs, case.num_steps) if case.with_n else (model, zs, ts, gs)
 
 
+@pytest.mark.parametrize("case_id", list(CASES))
 def test_refusal(case_id):
     case = CASES[case_id]
     model, args = case_inputs(case)

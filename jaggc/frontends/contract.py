@@ -45,7 +45,10 @@ class Session(Protocol):
     """What a frontend needs of the compiled loss it runs for (``api.JaggCompiled``)."""
 
     fn: Callable
-    traces: int
+    dit: nn.Module | None          # jagg_compile(dit=...), or None: the loss's module arguments
+    config: Any                    # passes.CompileConfig: window, the windows' options, routing
+    traces: int                    # rewrites made so far (a frontend that rewrites adds one)
+    capture_failures: list[str]    # why earlier capture paths were left (for refusals)
 
     def candidates(self, args: tuple, kwargs: dict) -> list[nn.Module]:
         """The modules to keep opaque (the DiT, or every module argument)."""
@@ -55,6 +58,12 @@ class Session(Protocol):
 
     def show(self, report: Any) -> None:
         """Make ``report`` the one ``.report`` returns (the graph that runs now)."""
+
+    def empty_report(self, path: str, note: str) -> Any:
+        """A report for a call that made no graph (nothing to rewrite)."""
+
+    def intercept_report(self, loss: Any) -> Any:
+        """The report of a call the intercept fallback ran (``intercept.InterceptedLoss``)."""
 
 
 class Frontend(Protocol):
