@@ -87,15 +87,24 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, passes=None, *,
     # compile it), so the capture snapshot is its code as it stands
     stages = [Stage(f"capture ({ctx.frontend})", gm.code.strip() + "\n")]
     stale = False   # the graph changed since it was last compiled
+    current: set = set()   # the facts that hold for the graph as it stands
+    nodes = _node_list(gm)  # the node list as it stands (one snapshot per pass, reused as the next's "before")
     for i, p in enumerate(passes):
+        if p.analysis and p.provides <= current:
+            # its facts still hold (the transform that could make them stale changed nothing,
+            # e.g. no CFG call to split): re-running it would store the same facts
+            stages.append(Stage(p.__name__, stages[-1].code))
+            continue
         try:
-            before = _node_list(gm)
+            before = nodes
             gm = p(gm, ctx)
-            unchanged = _same_nodes(before, _node_list(gm))
+            nodes = _node_list(gm)
+            unchanged = _same_nodes(before, nodes)
             if p.analysis and not unchanged:
                 raise JaggInternalError(f"analysis pass {p.__name__} changed the graph; only transforms may")
             if check:
                 p.ensures(gm, ctx)
+            current = (current if unchanged else current - p.invalidates) | p.provides
             if unchanged:
                 # an analysis, or a transform with nothing to do here: the snapshot stands
                 stages.append(Stage(p.__name__, stages[-1].code))
