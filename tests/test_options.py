@@ -23,7 +23,7 @@ def _loss(dit, zs, ts, gs):
     return sum((dit(zs[k], ts[k]) * gs[k]).sum() for k in range(zs.shape[0]))
 
 
-def _inputs():
+def _inputs(T=T):
     g = torch.Generator().manual_seed(0)
     t = torch.linspace(1.0, 0.1, T, dtype=torch.float64)
     return (torch.randn(T, B, D, generator=g, dtype=torch.float64), torch.stack([t, 0.9 * t], 1),
@@ -82,19 +82,34 @@ def test_a_setting_given_both_ways_is_refused():
         jaggc.jagg_compile(_loss, jagg_frac=0.5, routing=jaggc.Routing(jagg_frac=0.25))
 
 
-def test_deprecated_and_new_keywords_give_the_same_gradient():
-    zs, ts, gs = _inputs()
-    model = AffineJacobianField(D, seed=3)
-    results = []
-    for settings in (dict(jagg_frac=0.5, exact_below_t=0.3), dict(routing=jaggc.Routing(jagg_frac=0.5, exact_below=0.3))):
+def test_deprecated_and_new_keywords_give_the_same_loss_and_gradient_on_two_calls():
+    """W=4 windows, on FX (asserted), the loss value beside the gradient, and a second call after a
+    parameter step: the release-0.1 keywords and their grouped forms compile the same loss."""
+    zs, ts, gs = _inputs(T=12)
+    results = {}
+    for form, settings in {"old": dict(jagg_frac=0.5, exact_below_t=0.3, batch_knots=False),
+                           "new": dict(routing=jaggc.Routing(jagg_frac=0.5, exact_below=0.3),
+                                       options=jaggc.Options(batch_knots=False))}.items():
+        model = AffineJacobianField(D, seed=3)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
-            compiled = jaggc.jagg_compile(_loss, window=3, weights="t", **settings)
-        zero_grads(model)
-        compiled(model, zs, ts, gs).backward()
-        results.append((grads(model).clone(), [r.mode for r in compiled.report.windows]))
-    assert torch.equal(results[0][0], results[1][0])
-    assert results[0][1] == results[1][1] and "routed:exact" in results[0][1]
+            compiled = jaggc.jagg_compile(_loss, window=4, weights="t", **settings)
+        calls = []
+        for _ in range(2):
+            zero_grads(model)
+            loss = compiled(model, zs, ts, gs)
+            loss.backward()
+            calls.append((loss.detach().clone(), grads(model).clone()))
+            with torch.no_grad():              # a parameter step between the calls
+                for p in model.parameters():
+                    p.sub_(0.05 * p.grad)
+        assert compiled.report.path == "fx"
+        results[form] = (calls, [r.mode for r in compiled.report.windows])
+    (old_calls, old_modes), (new_calls, new_modes) = results["old"], results["new"]
+    assert old_modes == new_modes and "routed:exact" in old_modes and "routed:jagg" in old_modes
+    for (old_loss, old_grad), (new_loss, new_grad) in zip(old_calls, new_calls):
+        assert torch.equal(old_loss, new_loss) and torch.equal(old_grad, new_grad)
+    assert not torch.equal(old_calls[0][1], old_calls[1][1])      # the step changed the gradient
 
 
 def test_explain_takes_the_same_settings():

@@ -45,11 +45,12 @@ def ppo_clip(log_prob, old_log_prob, advantages, clip_range):
     return torch.mean(torch.maximum(unclipped_loss, clipped_loss))
 
 
-def flux_step(model_output, latents, eta, sigma, sigma_next, prev_sample):
-    """DanceGRPO's ``flux_step(grpo=True, sde_solver=True)`` log-probability (B,) of a stored
-    transition with per-sample (B,) sigmas."""
-    sigma = sigma.view(-1, 1)
-    sigma_next = sigma_next.view(-1, 1)
+def flux_step(model_output, latents, eta, sigma, sigma_next, prev_sample, log_dtype=torch.float32):
+    """DanceGRPO's ``flux_step(grpo=True, sde_solver=True)`` on a stored transition, with
+    per-sample (B,) sigmas; returns the log-probability (B,). DanceGRPO computes the log-density
+    in float32 (``log_dtype``; the float64 exactness checks pass float64)."""
+    sigma = sigma.view(-1, *([1] * (latents.ndim - 1)))
+    sigma_next = sigma_next.view(-1, *([1] * (latents.ndim - 1)))
     dsigma = sigma_next - sigma
     prev_sample_mean = latents + dsigma * model_output
     pred_original_sample = latents - sigma * model_output
@@ -57,8 +58,9 @@ def flux_step(model_output, latents, eta, sigma, sigma_next, prev_sample):
     score_estimate = -(latents - pred_original_sample * (1 - sigma)) / sigma**2
     log_term = -0.5 * eta**2 * score_estimate
     prev_sample_mean = prev_sample_mean + log_term * dsigma
-    log_prob = -((prev_sample.detach() - prev_sample_mean) ** 2) / (2 * std_dev_t**2) - torch.log(std_dev_t) - _LOG_SQRT_2PI
-    return log_prob.mean(dim=1)
+    log_prob = (-((prev_sample.detach().to(log_dtype) - prev_sample_mean.to(log_dtype)) ** 2)
+                / (2 * std_dev_t**2) - torch.log(std_dev_t) - _LOG_SQRT_2PI)
+    return log_prob.mean(dim=tuple(range(1, log_prob.ndim)))
 
 
 def flow_grpo_sde_loss(transformer, batch, num_steps: int):
@@ -90,7 +92,7 @@ def dance_flux_loss(transformer, batch, num_steps: int):
         latents = batch["latents"][:, j]
         model_output = transformer(latents, timestep=batch["timesteps"][:, j])
         log_prob = flux_step(model_output, latents, ETA, batch["sigmas"][:, j], batch["sigmas_next"][:, j],
-                             batch["next_latents"][:, j])
+                             batch["next_latents"][:, j], log_dtype=latents.dtype)
         total = total + ppo_clip(log_prob, batch["log_probs"][:, j], batch["advantages"][:, j],
                                   batch["clip_range"])
     return total / num_steps

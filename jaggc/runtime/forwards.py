@@ -41,9 +41,19 @@ def nograd_outputs(dit: nn.Module, calls: Sequence[DitCall], steps: Sequence[int
                 outs[p] = cached
         positions = [p for p in positions if p not in outs]
     with torch.no_grad():
-        for lo in range(0, len(positions), chunk):
-            pos = positions[lo:lo + chunk]
-            out = forward_batched(dit, [calls[p] for p in pos], [steps[p] for p in pos], time_arg, unbatched)
-            for p, o in zip(pos, split_output(out, len(pos), batch)):
-                outs[p] = o
+        outs.update(chunked_outputs(dit, calls, steps, positions, time_arg=time_arg, batch=batch, chunk=chunk,
+                                    unbatched=unbatched))
+    return outs
+
+
+def chunked_outputs(dit: nn.Module, calls: Sequence[DitCall], steps: Sequence[int], positions: Sequence[int], *,
+                    time_arg, batch: int, chunk: int, unbatched: Sequence[str]) -> dict[int, Any]:
+    """Outputs of the calls at ``positions`` in batched forwards of ``chunk`` steps, in the grad
+    mode in force (the no-grad interior forwards; the guard's probe runs the same with grad)."""
+    outs: dict[int, Any] = {}
+    for lo in range(0, len(positions), chunk):
+        pos = positions[lo:lo + chunk]
+        out = forward_batched(dit, [calls[p] for p in pos], [steps[p] for p in pos], time_arg, unbatched)
+        for p, o in zip(pos, split_output(out, len(pos), batch)):
+            outs[p] = o
     return outs

@@ -36,8 +36,8 @@ from .._compat import fsdp_version, run_after_backward, tree_flatten
 from ..errors import JaggUnsupportedError
 from .aggregate import knot_composites
 from .autocast import autocast_applied
-from .calls import DitCall, split_output
-from .forwards import forward_batched
+from .calls import DitCall
+from .forwards import chunked_outputs, forward_batched
 from .guard_stats import ProbeResult, range_of
 from .param_grads import parameter_grads
 from .weights import noise_levels
@@ -61,16 +61,9 @@ def _flat(grads, params, dtype) -> torch.Tensor:
 def grad_forwards(dit: nn.Module, calls: Sequence[DitCall], steps: Sequence[int], *, time_arg, batch: int,
                   chunk: int | None, unbatched: Sequence[str]) -> dict[int, Any]:
     """The outputs of ``calls`` WITH grad, in the batched forwards the no-grad path would run."""
-    positions = list(range(len(calls)))
-    chunk = chunk or max(len(positions), 1)
-    outs: dict[int, Any] = {}
     with torch.enable_grad():
-        for lo in range(0, len(positions), chunk):
-            pos = positions[lo:lo + chunk]
-            out = forward_batched(dit, [calls[p] for p in pos], [steps[p] for p in pos], time_arg, unbatched)
-            for p, o in zip(pos, split_output(out, len(pos), batch)):
-                outs[p] = o
-    return outs
+        return chunked_outputs(dit, calls, steps, list(range(len(calls))), time_arg=time_arg, batch=batch,
+                               chunk=chunk or max(len(calls), 1), unbatched=unbatched)
 
 
 class WindowProbe:

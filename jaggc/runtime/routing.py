@@ -38,7 +38,7 @@ from .._compat import tree_flatten
 from ..errors import JaggInputError, JaggUnsupportedError
 from .calls import DitCall, split_output
 from .forwards import forward_batched
-from .weights import noise_levels
+from .weights import check_noise_level, noise_levels
 from .window import PreparedWindow, WindowOptions, prepare_window, run_exact
 
 
@@ -49,9 +49,7 @@ class Routing:
     exact_below: float | None = None   # σ units, as Basis(exact_below=...)
 
     def __post_init__(self):
-        if self.exact_below is not None and not 0 < float(self.exact_below) <= 1:
-            raise JaggInputError(f"Routing(exact_below={self.exact_below!r}) is a noise level σ: use a value in "
-                                 f"(0, 1] (a timestep t of a 0..1000 schedule is σ = t / 1000)")
+        check_noise_level("Routing(exact_below", self.exact_below)
         if not 0.0 <= float(self.jagg_frac) <= 1.0:
             raise JaggInputError(f"Routing(jagg_frac={self.jagg_frac!r}) must be in [0, 1]")
         if self.threshold is not None and not -1.0 <= float(self.threshold) <= 1.0:

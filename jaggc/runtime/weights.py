@@ -73,8 +73,7 @@ class Basis:
             raise JaggInputError(f"Basis('control', p={self.p!r}): the correction probability must be in (0, 1]")
         if self.per not in ("window", "step"):
             raise JaggInputError(f"Basis(per={self.per!r}): use per='window' or per='step'")
-        if self.exact_below is not None and not 0 < self.exact_below <= 1:
-            raise JaggInputError(f"Basis(exact_below={self.exact_below!r}) is a noise level σ: use a value in (0, 1]")
+        check_noise_level("Basis(exact_below", self.exact_below)
         # the randomized basis's draws; a frozen dataclass, so set past __setattr__
         object.__setattr__(self, "_generator", None)
 
@@ -219,6 +218,13 @@ def randomized_matrix(x: torch.Tensor, pos: int) -> torch.Tensor:
     phi[pos, 2] = (1 - m) * linear[pos, 1]
     phi[pos, 1] = m
     return phi
+
+
+def check_noise_level(owner: str, sigma: float | None) -> None:
+    """The one check of a σ-aware threshold (``Basis(exact_below=...)``, ``Routing(exact_below=...)``)."""
+    if sigma is not None and not 0 < float(sigma) <= 1:
+        raise JaggInputError(f"{owner}={sigma!r}) is a noise level σ: use a value in (0, 1] (a timestep t of a "
+                             f"0..1000 schedule is σ = t / 1000)")
 
 
 def noise_levels(times: torch.Tensor) -> torch.Tensor:
