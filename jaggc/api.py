@@ -25,15 +25,10 @@ from .report import Report
 from .report_build import build_report, intercept_report, refresh_times
 from .runtime.guard import Guard
 from .runtime.routing import Routing
-from .runtime.weights import Basis
+from .runtime.weights import DEFAULT_WEIGHTS, Basis
 from .runtime.window import check_window_size
 from .options import CAPTURES, KEYWORDS, DEPRECATED, Options, apply_deprecated
 
-#: jagg_compile's default weights: plain JAGG (t-weights) with σ-aware placement, windows reaching
-#: σ < 0.5 run exactly; the cheapest candidate whose bias stayed within 1.5x its noise floor (with
-#: a margin) and whose cosine beat subsampling in every cell of the bias study (README, Fidelity;
-#: docs/bias_study.md). weights="t" is the paper's plain JAGG.
-DEFAULT_WEIGHTS = Basis("linear", "t", exact_below=0.5)
 
 # capture="auto" tries these in order. FX first: its first call on a 50-step Flow-GRPO loss is
 # about 5x cheaper than Dynamo's, and it takes the trainers' schedule reads, no_grad reference

@@ -1,0 +1,311 @@
+"""``jaggc.stepwise``: JAGG across a trainer's own per-step ``backward()`` calls.
+
+Flow-GRPO, DanceGRPO and MixGRPO call the DiT once per timestep and ``backward()`` right after, in
+their own loop (accelerate's ``accumulate``, DDP, FSDP, GradScaler, clipping and the optimizer step
+as they are). ``stepwise(transformer)`` installs itself on the module the loop calls; the loop
+declares each trajectory's trained timesteps (``trajectory`` or ``steps``) and is otherwise left as
+written. Every call's values are the unchanged loop's; the DiT backward passes of each window of
+``window`` steps become one joint backward of its knots (``run.py``), done before the backward of
+the window's last step returns.
+
+The module keeps its identity: ``transformer.module.disable_adapter()``, ``accelerator.accumulate
+(transformer)``, ``transformer.clip_grad_norm_`` and ``transformer.parameters()`` reach the same
+object. The call path is patched by an instance ``forward`` slot of the outermost module (the one
+the loop calls: after ``accelerator.prepare``, DDP or FSDP wrapping), so DDP's and FSDP's forward
+logic and the module's hooks run for every call, also for the no-grad interior forwards.
+
+Backward forms (``backward=``): ``"joint"`` keeps each knot's graph from its own forward until the
+window's backward ((W + 4) F per window; in σ order two steps' activations at a time, in a random
+order up to every open window's knots); ``"lowmem"`` keeps them only while the steps come in σ
+order, one after another (Flow-GRPO, MixGRPO: the joint form's speed at two steps' activations),
+and from the first step out of order re-runs the knots in the window's backward; ``"per_window"``
+always re-runs them ((W + 6) F per window, two steps' activations).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from ..errors import JaggInputError, JaggUnsupportedError
+from ..options import Options
+from ..runtime.calls import DitCall
+from ..runtime.module_state import module_chain
+from ..runtime.weights import DEFAULT_WEIGHTS, resolve_basis
+from ..runtime.window import check_window_size
+from ..source import frame_location, user_frame
+from .ledger import Ledger
+from .plan import TrajectoryPlan
+from .run import TrajectoryRun
+from .safety import Safety
+
+STEPWISE_MODES = ("joint", "lowmem", "per_window")
+_UNSET = object()
+
+
+@dataclass
+class StepwiseCounts:
+    """What jaggc ran, summed over trajectories (the loop's own no-grad calls are not counted)."""
+
+    trajectories: int = 0
+    grad_forwards: int = 0        # knot forwards, exact steps' forwards and re-runs
+    nograd_forwards: int = 0      # interior steps (and knots whose graph is not held)
+    reruns: int = 0               # knot or flushed steps re-run with grad in a window's backward
+    backwards: int = 0            # DiT backward passes: one per JAGG window, one per exact step
+    exact_steps: int = 0          # steps run as written (exact windows)
+    jagg_windows: int = 0         # windows whose joint backward ran
+    fallbacks: int = 0            # windows run exactly after a warning (safety.py)
+
+
+@dataclass
+class StepwiseReport:
+    """``Stepwise.report``: the settings, the counts, the last trajectory's windows and the warnings."""
+
+    window: int
+    weights: str
+    backward: str
+    counts: StepwiseCounts
+    windows: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        c = self.counts
+        lines = [f"jaggc.stepwise window={self.window} weights={self.weights} backward={self.backward}: "
+                 f"{c.trajectories} trajectories, {c.jagg_windows} JAGG windows, {c.exact_steps} exact steps, "
+                 f"DiT forwards {c.grad_forwards} with grad + {c.nograd_forwards} without ({c.reruns} re-runs), "
+                 f"{c.backwards} DiT backward passes, {c.fallbacks} fallbacks"]
+        for w in self.windows:
+            lines.append(f"  window {w['index']}: steps {w['steps']} {w['mode']}" + (f" ({w['reason']})" if w['reason'] else ""))
+        lines += [f"  note: {n}" for n in self.notes[-5:]]
+        return "\n".join(lines)
+
+
+class Stepwise:
+    """JAGG for a loop that calls ``module`` once per step and backward() after each (module docstring)."""
+
+    def __init__(self, module: nn.Module, *, window: int = 4, weights=DEFAULT_WEIGHTS, backward: str = "joint",
+                 options: Options | None = None):
+        check_window_size(window)
+        if backward not in STEPWISE_MODES:
+            raise JaggInputError(f"stepwise(backward={backward!r}): use one of {STEPWISE_MODES}")
+        self.basis = resolve_basis(weights)
+        if self.basis.kind in ("randomized", "control"):
+            raise JaggUnsupportedError(
+                f"stepwise(weights=Basis({self.basis.kind!r})) draws a window's knots when the window runs, but a "
+                f"per-step loop must know them at the window's first step; use a deterministic basis (weights='t', "
+                f"the default) or jagg_compile on a whole-trajectory loss")
+        self.options = _checked_options(options)
+        self.module, self.window, self.backward = module, window, backward
+        self.ddp = next((m for m in module_chain(module) if isinstance(m, nn.parallel.DistributedDataParallel)), None)
+        self.counts = StepwiseCounts()
+        self.notes: list[str] = []
+        self.ledger = Ledger(module)
+        self.safety = Safety(self)
+        self._run: TrajectoryRun | None = None
+        self._last: TrajectoryRun | None = None
+        self._local = threading.local()
+        self._warned: set[str] = set()
+        self._install()
+
+    # --- the call path ---------------------------------------------------------------------------
+    def _install(self) -> None:
+        if _installed(self.module) is not None:
+            raise JaggInputError(f"{type(self.module).__name__} already has a jaggc.stepwise installed; reuse it "
+                                 f"(jaggc.stepwise returns it) or close() it first")
+        self._previous = self.module.__dict__.get("forward", _UNSET)
+        original = self.module.forward
+        owner = weakref.ref(self)
+
+        def forward(*args, **kwargs):
+            me = owner()
+            if me is None or me._run is None or not torch.is_grad_enabled() or getattr(me._local, "through", 0):
+                return original(*args, **kwargs)
+            return me._run.call(DitCall(tuple(args), dict(kwargs)), original, frame_location(user_frame()))
+
+        forward._jaggc_stepwise = self
+        self.module.__dict__["forward"] = forward
+        _LIVE.add(self)
+        _ensure_optimizer_hook()
+
+    @contextlib.contextmanager
+    def passing_through(self):
+        """Calls jaggc makes itself (re-runs) go straight to the module."""
+        self._local.through = getattr(self._local, "through", 0) + 1
+        try:
+            yield
+        finally:
+            self._local.through -= 1
+
+    def close(self) -> None:
+        """End the current trajectory (its open windows run exactly, with a warning) and give the
+        module its own call path back."""
+        try:
+            self._end("at close()")
+        finally:
+            if self.module.__dict__.get("forward") is not None and getattr(
+                    self.module.__dict__.get("forward"), "_jaggc_stepwise", None) is self:
+                if self._previous is _UNSET:
+                    del self.module.__dict__["forward"]
+                else:
+                    self.module.__dict__["forward"] = self._previous
+            _LIVE.discard(self)
+
+    # --- trajectories ------------------------------------------------------------------------------
+    def trajectory(self, timesteps) -> "Trajectory":
+        """Declare the next trajectory: the timesteps of the steps the loop will train (in any order;
+        shape (steps,) or the trainers' (batch, steps), in the units the DiT is called with or in
+        the other of 0..1000 and 0..1). A trajectory still open is ended first."""
+        self._end("when the next trajectory was declared")
+        plan = TrajectoryPlan(timesteps, window=self.window, basis=self.basis, time_arg=self.options.time_arg)
+        run = TrajectoryRun(self, plan)
+        self._run = self._last = run
+        self.counts.trajectories += 1
+        self.ledger.snapshot()
+        if not any(not w.exact for w in plan.windows):
+            self._warn_once("all-exact", (
+                f"no window of the declared trajectory runs JAGG (" + "; ".join(sorted({w.reason for w in plan.windows}))
+                + f"): every step runs exactly, at the unchanged loop's cost"))
+        return Trajectory(self, run)
+
+    def steps(self, iterable: Iterable, timesteps) -> Iterator:
+        """Declare a trajectory and iterate ``iterable`` (the loop's own steps, yielded unchanged);
+        when the loop ends, by exhaustion, ``break`` or an exception, the trajectory ends with it."""
+        handle = self.trajectory(timesteps)
+        raised = False
+        try:
+            yield from iterable
+        except BaseException:
+            raised = True
+            raise
+        finally:
+            handle.end("by an exception" if raised else "when its loop ended", raised=raised)
+
+    def _end(self, reason: str, *, raised: bool = False) -> None:
+        run = self._run
+        if run is None:
+            return
+        self._run = None
+        self.safety.close(run, reason, raised=raised)
+
+    def drop(self, run: TrajectoryRun) -> None:
+        """Forget ``run`` (after a refusal): its held graphs and gradients are freed."""
+        if self._run is run:
+            self._run = None
+        for win in run.windows:
+            for v in win.visits.values():
+                v.held = v.grads = None
+        self.ledger.snapshot()
+
+    def holds_graphs(self, run: TrajectoryRun) -> bool:
+        return self.backward == "joint" or (self.backward == "lowmem" and run.in_order)
+
+    def left_order(self, run: TrajectoryRun) -> None:
+        """The steps came out of σ order: ``lowmem`` frees the knot graphs it holds (their knots
+        re-run in their windows' backward) so that one window's activations at a time stay alive."""
+        if self.backward != "lowmem":
+            return
+        for win in run.open_windows():
+            for v in win.pending():
+                v.held = None
+        self._warn_once("order", (
+            "the steps come out of σ order, so backward='lowmem' re-runs each window's knot forwards in its backward "
+            "((W + 6) F per window instead of (W + 4) F) to keep one window's activations at a time; "
+            "backward='joint' keeps them at the memory of every open window's knots"))
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        self.notes.append(message)
+        warnings.warn(f"jaggc: {message}", stacklevel=4)
+
+    @property
+    def report(self) -> StepwiseReport:
+        run = self._last
+        windows = []
+        if run is not None:
+            for w in run.windows:
+                mode = "exact" if w.exact else "jagg"
+                windows.append(dict(index=w.planned.index, steps=list(w.planned.steps), mode=mode,
+                                    reason=w.planned.reason, knots=[w.planned.steps[k] for k in w.planned.knots]))
+        return StepwiseReport(self.window, self.basis.label(), self.backward, self.counts, windows, list(self.notes))
+
+
+class Trajectory:
+    """A declared trajectory; as a context manager it ends when the block exits."""
+
+    def __init__(self, owner: Stepwise, run: TrajectoryRun):
+        self.owner, self.run = owner, run
+
+    def end(self, reason: str = "at end()", *, raised: bool = False) -> None:
+        if self.owner._run is self.run:
+            self.owner._end(reason, raised=raised)
+
+    def __enter__(self) -> "Trajectory":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self.end("by an exception" if exc_type else "when its block ended", raised=exc_type is not None)
+        return False
+
+
+def stepwise(module: nn.Module, *, window: int = 4, weights=DEFAULT_WEIGHTS, backward: str = "joint",
+             options: Options | None = None) -> Stepwise:
+    """Install JAGG on ``module`` (the one the loop calls: after ``accelerator.prepare`` or FSDP
+    wrapping) for a loop that backpropagates once per step; returns the ``Stepwise`` whose
+    ``trajectory(timesteps)`` / ``steps(iterable, timesteps)`` declare each trajectory.
+
+    Called again on the same module with the same settings it returns the installed one (so the
+    line may sit inside a function the trainer calls per iteration)."""
+    existing = _installed(module)
+    if existing is not None:
+        same = (existing.window, existing.basis, existing.backward, existing.options) == (
+            window, resolve_basis(weights), backward, _checked_options(options))
+        if not same:
+            raise JaggInputError(f"{type(module).__name__} already has a jaggc.stepwise with other settings "
+                                 f"(window={existing.window}, backward={existing.backward!r}); close() it first")
+        return existing
+    return Stepwise(module, window=window, weights=weights, backward=backward, options=options)
+
+
+def _installed(module: nn.Module) -> Stepwise | None:
+    return getattr(module.__dict__.get("forward"), "_jaggc_stepwise", None)
+
+
+def _checked_options(options: Options | None) -> Options:
+    options = Options() if options is None else options
+    unused = [name for name, default in (("rollout_cache", None), ("split_batches", True), ("backend", None),
+                                         ("on_unsupported", "raise"), ("interior_chunk", None))
+              if getattr(options, name) != default]
+    if unused:
+        raise JaggInputError(f"stepwise(options=...): {unused} do not apply to a per-step loop (each step is its "
+                             f"own call); leave them at their defaults")
+    return options
+
+
+# --- the optimizer step pre-hook: one for every live Stepwise ---------------------------------------
+_LIVE: "weakref.WeakSet[Stepwise]" = weakref.WeakSet()
+_HOOK: list = []
+
+
+def _before_optimizer_step(optimizer, args, kwargs) -> None:
+    for owner in list(_LIVE):
+        if owner._run is not None:
+            owner.safety.optimizer_step(owner._run)
+
+
+def _ensure_optimizer_hook() -> None:
+    if not _HOOK:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _HOOK.append(register_optimizer_step_pre_hook(_before_optimizer_step))
+
+
+__all__ = ["STEPWISE_MODES", "Stepwise", "StepwiseCounts", "StepwiseReport", "Trajectory", "stepwise"]
