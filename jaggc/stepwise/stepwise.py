@@ -256,23 +256,33 @@ class Trajectory:
         return False
 
 
-def stepwise(module: nn.Module, *, window: int = 4, weights=DEFAULT_WEIGHTS, backward: str = "joint",
+def stepwise(module: nn.Module, *, window: int | None = None, weights=None, backward: str | None = None,
              options: Options | None = None) -> Stepwise:
     """Install JAGG on ``module`` (the one the loop calls: after ``accelerator.prepare`` or FSDP
     wrapping) for a loop that backpropagates once per step; returns the ``Stepwise`` whose
-    ``trajectory(timesteps)`` / ``steps(iterable, timesteps)`` declare each trajectory.
+    ``steps(iterable, timesteps)`` / ``trajectory(timesteps)`` declare each trajectory.
 
-    Called again on the same module with the same settings it returns the installed one (so the
-    line may sit inside a function the trainer calls per iteration)."""
+    ``window`` (default 4), ``weights`` (default: plain JAGG with σ-aware placement, as
+    ``jagg_compile``), ``backward`` ("joint", "lowmem" or "per_window"; module docstring),
+    ``options`` (``jaggc.Options``: ``time_arg``, ``check_inputs``). On a module that has one
+    installed, ``stepwise(module)`` returns it (so the loop can reach it where it only has the
+    module), and so does a call with the same settings; other settings are refused."""
     existing = _installed(module)
-    if existing is not None:
-        same = (existing.window, existing.basis, existing.backward, existing.options) == (
-            window, resolve_basis(weights), backward, _checked_options(options))
-        if not same:
-            raise JaggInputError(f"{type(module).__name__} already has a jaggc.stepwise with other settings "
-                                 f"(window={existing.window}, backward={existing.backward!r}); close() it first")
+    given = dict(window=window, weights=weights, backward=backward, options=options)
+    settings = dict(window=4 if window is None else window, weights=DEFAULT_WEIGHTS if weights is None else weights,
+                    backward="joint" if backward is None else backward, options=options)
+    if existing is None:
+        return Stepwise(module, **settings)
+    if all(v is None for v in given.values()):
         return existing
-    return Stepwise(module, window=window, weights=weights, backward=backward, options=options)
+    mine = dict(window=existing.window, weights=existing.basis, backward=existing.backward, options=existing.options)
+    asked = dict(settings, weights=resolve_basis(settings["weights"]), options=_checked_options(options))
+    if mine != asked:
+        differ = sorted(k for k in mine if mine[k] != asked[k])
+        raise JaggInputError(f"{type(module).__name__} already has a jaggc.stepwise with other settings ({differ}: "
+                             f"{', '.join(f'{k}={mine[k]!r}' for k in differ)}); call jaggc.stepwise(module) to get it, "
+                             f"or close() it first")
+    return existing
 
 
 def _installed(module: nn.Module) -> Stepwise | None:
