@@ -25,6 +25,7 @@ always re-runs them ((W + 6) F per window, two steps' activations).
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 import warnings
 import weakref
@@ -119,18 +120,8 @@ class Stepwise:
         if _installed(self.module) is not None:
             raise JaggInputError(f"{type(self.module).__name__} already has a jaggc.stepwise installed; reuse it "
                                  f"(jaggc.stepwise returns it) or close() it first")
-        self._previous = self.module.__dict__.get("forward", _UNSET)
-        original = self.module.forward
-        owner = weakref.ref(self)
-
-        def forward(*args, **kwargs):
-            me = owner()
-            if me is None or me._run is None or not torch.is_grad_enabled() or getattr(me._local, "through", 0):
-                return original(*args, **kwargs)
-            return me._run.call(DitCall(tuple(args), dict(kwargs)), original, frame_location(user_frame()))
-
-        forward._jaggc_stepwise = self
-        self.module.__dict__["forward"] = forward
+        previous = self.module.__dict__.get("forward", _UNSET)
+        self.module.__dict__["forward"] = InstalledForward(self, self.module, previous)
         _LIVE.add(self)
         _ensure_optimizer_hook()
 
@@ -149,12 +140,12 @@ class Stepwise:
         try:
             self._end("at close()")
         finally:
-            if self.module.__dict__.get("forward") is not None and getattr(
-                    self.module.__dict__.get("forward"), "_jaggc_stepwise", None) is self:
-                if self._previous is _UNSET:
+            installed = self.module.__dict__.get("forward")
+            if isinstance(installed, InstalledForward) and installed.owner is self:
+                if installed.previous is _UNSET:
                     del self.module.__dict__["forward"]
                 else:
-                    self.module.__dict__["forward"] = self._previous
+                    self.module.__dict__["forward"] = installed.previous
             _LIVE.discard(self)
 
     # --- trajectories ------------------------------------------------------------------------------
@@ -286,7 +277,38 @@ def stepwise(module: nn.Module, *, window: int | None = None, weights=None, back
 
 
 def _installed(module: nn.Module) -> Stepwise | None:
-    return getattr(module.__dict__.get("forward"), "_jaggc_stepwise", None)
+    installed = module.__dict__.get("forward")
+    return installed.owner if isinstance(installed, InstalledForward) else None
+
+
+class InstalledForward:
+    """The module's instance ``forward`` slot while a ``Stepwise`` is installed: every call of the
+    module during a declared trajectory, with grad, goes to the trajectory; any other call to the
+    forward the module had. A copy of the module (``copy.deepcopy``: a trainer's reference model,
+    an EMA copy) or a pickle of it gets the module's own forward back, not a path into this one."""
+
+    def __init__(self, owner: Stepwise, module: nn.Module, previous):
+        self.owner, self.module, self.previous = owner, module, previous
+        self.original = module.forward if previous is _UNSET else previous
+
+    def __call__(self, *args, **kwargs):
+        owner = self.owner
+        if owner._run is None or not torch.is_grad_enabled() or getattr(owner._local, "through", 0):
+            return self.original(*args, **kwargs)
+        return owner._run.call(DitCall(tuple(args), dict(kwargs)), self.original, frame_location(user_frame()))
+
+    def __deepcopy__(self, memo):
+        copied = memo.get(id(self.module))
+        if self.previous is not _UNSET:
+            return copy.deepcopy(self.previous, memo)
+        return type(copied).forward.__get__(copied) if copied is not None else self.original
+
+    def __reduce__(self):
+        return (_class_forward, (self.module,))
+
+
+def _class_forward(module: nn.Module):
+    return type(module).forward.__get__(module)
 
 
 def _checked_options(options: Options | None) -> Options:
