@@ -11,10 +11,10 @@ changed since:
 
 * parameters: each one's in-place version and storage (an optimizer step, ``p.add_``,
   ``load_state_dict``). A write through ``p.data`` bumps no version and is not seen;
-* ``.grad``: each trainable parameter's gradient tensor identity and version. A tensor that became
-  None or another tensor is a ``zero_grad()`` (``set_to_none=True``, torch's default); a version
-  bump of a gradient that is now all zeros is ``zero_grad(set_to_none=False)``; any other version
-  bump is a foreign write (clipping, unscaling). A backward of a step jaggc runs exactly (its own
+* ``.grad``: each trainable parameter's gradient tensor identity and version. Gradients that all
+  became None (``zero_grad()``, torch's default ``set_to_none=True``) or were all zeroed in place
+  (``set_to_none=False``) are a ``zero_grad``; any other change is a foreign write (a clip or a
+  GradScaler's unscale scales every gradient in place, another tensor put in a ``.grad``). A backward of a step jaggc runs exactly (its own
   DiT graph, ``mark_exact_backward``) also writes ``.grad``: until the next snapshot nothing is
   concluded from it.
 """
@@ -72,24 +72,23 @@ class Ledger:
 
     def grad_change(self) -> GradChange | None:
         """How ``.grad`` changed since the snapshot (module docstring), or None; None also when a
-        step's own backward may have written it (nothing can be concluded then)."""
+        step's own backward may have written it (nothing can be concluded then). A ``zero_grad``
+        empties every gradient it touches; anything else that wrote one (a clip scales them all,
+        zero ones included) is a foreign write."""
         if self.exact_backward:
             return None
-        written = None
+        changed = []
         for (name, p), before in zip(self.trainable, self.grads):
             now = None if p.grad is None else (id(p.grad), version_counter(p.grad))
-            if now == before:
-                continue
-            if before is not None and (now is None or now[0] != before[0]):
-                return GradChange("reset", name)
-            if before is None:
-                # a gradient appeared where there was none: a backward jaggc did not run
-                written = written or GradChange("written", name)
-            elif not bool(_local(p.grad).any()):
-                return GradChange("reset", name)
-            else:
-                written = written or GradChange("written", name)
-        return written
+            if now != before:
+                changed.append((name, p, before, now))
+        if not changed:
+            return None
+        for name, p, before, now in changed:
+            emptied = now is None or (before is not None and now[0] == before[0] and not bool(_local(p.grad).any()))
+            if not emptied:
+                return GradChange("written", name)
+        return GradChange("reset", changed[0][0])
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from .._compat import rng_states, rng_states_restored, tree_flatten, version_counter
-from ..errors import JaggInputError, JaggUnsupportedError
+from ..errors import JaggInputError
 from ..runtime.aggregate import knot_composites
 from ..runtime.calls import DitCall, check_output_requires_grad, per_sample_time, resolve_time_arg
 from ..runtime.checks import check_calls
@@ -161,7 +161,7 @@ class TrajectoryRun:
     def on_grads(self, visit: StepVisit, grads: Sequence[torch.Tensor | None]) -> None:
         win = self.window(visit.step)
         if win.done or visit.exact:
-            raise JaggUnsupportedError(
+            raise self.owner.safety.refuse(self,
                 f"{visit.where}: step {visit.step}'s output got a second gradient after its window's joint backward "
                 f"ran (a second backward() through the same step, retain_graph=True). jaggc's stepwise JAGG takes "
                 f"one backward per step: sum the step's losses and call backward() once")
@@ -180,7 +180,7 @@ class TrajectoryRun:
     def complete(self, win: WindowRun) -> None:
         visits = [win.visits[s] for s in win.planned.steps]
         if len({tuple(v.index) for v in visits}) != 1:
-            raise JaggUnsupportedError(
+            raise self.owner.safety.refuse(self,
                 f"{visits[0].where}: the steps of window {win.planned.index} returned DiT outputs of different "
                 f"structure; a window's steps must call the DiT alike")
         time_arg = resolve_time_arg(visits[0].call, self.owner.options.time_arg)
@@ -237,7 +237,7 @@ class TrajectoryRun:
         same (unchanged) inputs and parameters."""
         for x, version in visit.inputs:
             if version_counter(x) != version:
-                raise JaggUnsupportedError(
+                raise self.owner.safety.refuse(self,
                     f"{visit.where}: an input of step {visit.step}'s DiT call was written in place after the call; "
                     f"jaggc re-runs the call with grad in its window's backward and would see other values. Pass "
                     f"the stored states unchanged (write into a copy)")

@@ -43,7 +43,8 @@ class Safety:
         self.owner.notes.append(message)
         warnings.warn(f"jaggc: {message}", stacklevel=4)
 
-    def _fail(self, run: "TrajectoryRun", message: str) -> JaggUnsupportedError:
+    def refuse(self, run: "TrajectoryRun", message: str) -> JaggUnsupportedError:
+        """The error to raise for ``run``, which is dropped (its graphs freed, the next trajectory clean)."""
         self.owner.drop(run)
         return JaggUnsupportedError(message + " (jaggc dropped this trajectory; the next one starts clean)")
 
@@ -57,7 +58,7 @@ class Safety:
         name = ledger.changed_parameter()
         if name is not None:
             steps = sorted(v.step for w in open_windows for v in w.pending())
-            raise self._fail(run, (
+            raise self.refuse(run, (
                 f"{where}: parameter {name!r} was written between the steps of an open JAGG window (steps {steps} "
                 f"ran before step {step}: an optimizer step or an in-place write). The window's gradient needs the "
                 f"parameters its steps ran with; {FIX_STEP}"))
@@ -68,7 +69,7 @@ class Safety:
         if change.kind == "reset":
             self._zero_grad(run, open_windows, step)
             return
-        raise self._fail(run, (
+        raise self.refuse(run, (
             f"{where}: the .grad of {change.name!r} was written between the steps of an open JAGG window (before "
             f"step {step}: clip_grad_norm_, a GradScaler's unscale_ or another write read a gradient that still "
             f"lacks the window's steps). {FIX_STEP}"))
@@ -108,7 +109,7 @@ class Safety:
         name = self.owner.ledger.changed_parameter()
         if name is not None:
             visit = entries[0][0]
-            raise self._fail(run, (
+            raise self.refuse(run, (
                 f"{visit.where}: parameter {name!r} was written after step {visit.step} ran and before its window's "
                 f"backward; {FIX_STEP}"))
 
@@ -123,7 +124,7 @@ class Safety:
         visits = [v for w in open_windows for v in w.pending()]
         waiting = [s for w in open_windows for s in w.planned.steps
                    if s not in w.visits or w.visits[s].grads is None]
-        raise self._fail(run, (
+        raise self.refuse(run, (
             f"{visits[-1].where}: optimizer.step() ran while JAGG window(s) {[w.planned.index for w in open_windows]} "
             f"were open (steps {sorted(v.step for v in visits)} ran, steps {waiting} not yet, or without their backward()): .grad lacks those "
             f"steps' gradient, so the step was not taken. {FIX_STEP}; a loop that ends early must leave the "
@@ -141,14 +142,14 @@ class Safety:
         change = ledger.grad_change()
         if name is not None or (change is not None and change.kind == "written"):
             what = f"parameter {name!r}" if name is not None else f"the .grad of {change.name!r}"
-            raise self._fail(run, (
+            raise self.refuse(run, (
                 f"the trajectory ended {reason} with JAGG windows open, and {what} was written since its last step "
                 f"(a clip or optimizer step read a partial gradient); {FIX_STEP}"))
         no_grad = [v for w in open_windows for v in w.pending() if v.grads is None]
         # the step an exception left its loop in never reached its backward(), as in the loop itself
         unexplained = [v for v in no_grad if not (raised and run.visited and v.step == run.visited[-1])]
         if unexplained:
-            raise self._fail(run, (
+            raise self.refuse(run, (
                 f"{unexplained[0].where}: step(s) {sorted(v.step for v in unexplained)} of this trajectory never got a "
                 f"gradient: no backward() went through their DiT output, or it went through backward(inputs=...) "
                 f"or torch.autograd.grad, which jaggc's stepwise JAGG cannot serve (each step's gradient reaches "

@@ -35,7 +35,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from ..errors import JaggInputError, JaggUnsupportedError
+from ..errors import JaggError, JaggInputError, JaggUnsupportedError
 from ..options import Options
 from ..runtime.calls import DitCall
 from ..runtime.module_state import module_chain
@@ -113,6 +113,7 @@ class Stepwise:
         self._last: TrajectoryRun | None = None
         self._local = threading.local()
         self._warned: set[str] = set()
+        self._deferred: JaggError | None = None     # a refusal made where Python could not raise it
         self._install()
 
     # --- the call path ---------------------------------------------------------------------------
@@ -138,6 +139,7 @@ class Stepwise:
         """End the current trajectory (its open windows run exactly, with a warning) and give the
         module its own call path back."""
         try:
+            self.raise_deferred()
             self._end("at close()")
         finally:
             installed = self.module.__dict__.get("forward")
@@ -167,16 +169,31 @@ class Stepwise:
 
     def steps(self, iterable: Iterable, timesteps) -> Iterator:
         """Declare a trajectory and iterate ``iterable`` (the loop's own steps, yielded unchanged);
-        when the loop ends, by exhaustion, ``break`` or an exception, the trajectory ends with it."""
+        the trajectory ends with the loop: by exhaustion, or left early (``break``, an exception in
+        the loop's body), which Python tells a generator only by closing it."""
         handle = self.trajectory(timesteps)
-        raised = False
         try:
             yield from iterable
-        except BaseException:
-            raised = True
+        except GeneratorExit:
+            # Python closes a generator its loop left from its finalizer, which swallows what it
+            # raises: a refusal is kept and raised at the next optimizer step or trajectory
+            try:
+                handle.end("when its loop was left early (break or an exception)", raised=True)
+            except JaggError as refusal:
+                self._deferred = refusal
+                warnings.warn(f"jaggc: {refusal} [raised at the next optimizer step, trajectory or close()]",
+                              stacklevel=2)
             raise
-        finally:
-            handle.end("by an exception" if raised else "when its loop ended", raised=raised)
+        except BaseException:
+            handle.end("by an exception of the steps' iterable", raised=True)
+            raise
+        handle.end("when its loop ended")
+
+    def raise_deferred(self) -> None:
+        """Raise a refusal made when the last trajectory's loop was left (``steps``)."""
+        refusal, self._deferred = self._deferred, None
+        if refusal is not None:
+            raise refusal
 
     def _end(self, reason: str, *, raised: bool = False) -> None:
         run = self._run
@@ -329,6 +346,7 @@ _HOOK: list = []
 
 def _before_optimizer_step(optimizer, args, kwargs) -> None:
     for owner in list(_LIVE):
+        owner.raise_deferred()
         if owner._run is not None:
             owner.safety.optimizer_step(owner._run)
 
