@@ -250,3 +250,31 @@ def test_cfg_doubled_batch_matches_the_declared_steps(problem):
         cfg_step(m, j).backward()
     assert rel_err(grads(m), grads(ref_model)) < 1e-13
     jagg.close()
+
+
+def test_a_compiled_per_step_function_warns_once_with_the_way_out(problem):
+    """Never silently slow: decorating the per-step function a trainer's loop calls compiles one
+    trained call per call (report 1 -> 1, no window): warned once, naming the function's line and
+    ``jaggc.stepwise``; the values and gradient are the undecorated loop's."""
+    model, batch = problem
+    compiled = jaggc.jagg_compile(step_loss, window=4)
+    m, unchanged = copy.deepcopy(model), copy.deepcopy(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for j in range(4):
+            compiled(m, batch, j).backward()
+    ours = [str(w.message) for w in caught if "one trained DiT call per call" in str(w.message)]
+    assert len(ours) == 1, ours
+    assert "test_stepwise.py:" in ours[0] and "jaggc.stepwise(transformer" in ours[0]
+    assert all(w.filename == __file__ for w in caught if "one trained DiT call per call" in str(w.message))
+    per_step_loop(unchanged, batch, range(4))
+    assert rel_err(grads(m), grads(unchanged)) < 1e-13
+
+
+def test_a_whole_trajectory_loss_does_not_warn_per_step(problem):
+    model, batch = problem
+    compiled = jaggc.jagg_compile(whole_loss, window=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            compiled(copy.deepcopy(model), batch)
