@@ -69,7 +69,11 @@ def setup(*, size: str = "tiny", num_steps: int = 8, batch: int = 4, trajectorie
     ``accelerator.backward``, an fp16 autocast forward; here on the CPU, ``fp16_on_cpu``).
     ``stepwise``: the keywords of the user's one added line, ``jaggc.stepwise(transformer, **stepwise)``."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
 
+    # accelerate keeps one process-wide state; a study that builds several runs starts each anew
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
     shape = shapes.flow_grpo_sd3(num_steps=num_steps, batch=batch * trajectories, seed=seed, beta=config.beta,
                                  cfg=config.cfg, size=size)
     transformer, pipeline, sample, _ = shape.args
