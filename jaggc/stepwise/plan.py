@@ -89,6 +89,7 @@ class TrajectoryPlan:
         # σ order: high noise first, as the sampler visits them; every sample must agree on it
         self.order = sorted(range(num_steps), key=lambda k: -float(self.times[k].max()))
         ordered = self.times[self.order]
+        self.in_sigma_order = self.order == list(range(num_steps))     # declared as the sampler visits them
         if num_steps > 1:
             steps_down = ordered[1:] < ordered[:-1]
             if not bool(steps_down.all()):
@@ -98,7 +99,6 @@ class TrajectoryPlan:
                     f"declared steps {a} and {b} have the same timestep, or samples disagree on their order "
                     f"({ordered[i].tolist()} vs {ordered[i + 1].tolist()}); declare each trained step once, with "
                     f"per-sample timesteps that follow one schedule")
-        self.sigmas = noise_levels(self.times)                    # the whole declaration's scale
         self.windows: list[PlannedWindow] = []
         self.window_of: dict[int, PlannedWindow] = {}
         for w, positions in enumerate(partition(num_steps, window)):
@@ -114,6 +114,11 @@ class TrajectoryPlan:
             self.windows.append(planned)
             for k in steps:
                 self.window_of[k] = planned
+
+    def replace_window(self, planned: PlannedWindow) -> None:
+        self.windows[planned.index] = planned
+        for k in planned.steps:
+            self.window_of[k] = planned
 
     def __len__(self) -> int:
         return self.times.shape[0]

@@ -82,7 +82,9 @@ class TrajectoryRun:
         self.windows = [WindowRun(w) for w in plan.windows]
         self.visited: list[int] = []                 # declared steps in visit order
         self.in_order = True                         # visits so far follow σ order, one step after another
-        self.prepared: StepVisit | None = None       # DDP: the visit whose forward prepared the reducer
+        # DDP/FSDP with steps out of σ order on some rank: every backward in the last step's (ranks.py)
+        self.deferred = owner.distributed and not plan.in_sigma_order
+        self.latest: StepVisit | None = None         # the visit that made the module's latest forward
         self.closed = False
 
     def window(self, step: int) -> WindowRun:
@@ -103,20 +105,20 @@ class TrajectoryRun:
             self.owner.safety.visited_twice(self, win, step, where)
         self._note_order(step)
         self.visited.append(step)
-        if win.exact:
+        if win.exact and not self.deferred:
             return self._exact_call(win, step, call, forward, where)
-        role = win.planned.role(step)
-        hold = role == "knot" and self.owner.holds_graphs(self)
+        role = win.planned.role(step)            # "exact": an exact window's step on the deferred schedule
+        hold = role != "interior" and self.owner.holds_graphs(self)
         if self.owner.options.check_inputs:
             check_calls(self.owner.module, [call], [step])
         visit = StepVisit(step, call, CallState.of(self.owner.module), rng_states(call.args, call.kwargs),
                           _input_versions(call), where)
         win.visits[step] = visit
+        self.latest = visit
         if hold:
             out = forward(*call.args, **call.kwargs)
             check_output_requires_grad(self.owner.module, out)
             visit.held = out
-            self._forward_done(visit, grad=True)
             self.owner.counts.grad_forwards += 1
         else:
             with torch.no_grad():
@@ -126,9 +128,9 @@ class TrajectoryRun:
         return tapped
 
     def _exact_call(self, win: WindowRun, step: int, call: DitCall, forward: Callable, where: str) -> Any:
-        win.visits[step] = StepVisit(step, call, CallState.of(self.owner.module), None, [], where, exact=True)
+        win.visits[step] = self.latest = StepVisit(step, call, CallState.of(self.owner.module), None, [], where,
+                                                   exact=True)
         out = forward(*call.args, **call.kwargs)
-        self._forward_done(None, grad=True)
         self.owner.counts.grad_forwards += 1
         self.owner.counts.exact_steps += 1
         leaves, _, index = float_leaves(out)
@@ -149,13 +151,12 @@ class TrajectoryRun:
         previous = self.plan.order.index(self.visited[-1]) if self.visited else -1
         if self.in_order and position != previous + 1:
             self.in_order = False
+            if self.owner.distributed and not self.deferred:
+                raise self.owner.safety.refuse(self, (
+                    f"step {step} came out of the declared order under DDP/FSDP: the ranks agreed to run each window's "
+                    f"backward at the step its last step comes in σ order, which this rank now breaks. Declare the steps "
+                    f"in the order the loop visits them"))
             self.owner.left_order(self)
-
-    def _forward_done(self, visit: StepVisit | None, *, grad: bool) -> None:
-        """DDP prepares its reducer in every grad forward outside ``no_sync``: remember whose."""
-        ddp = self.owner.ddp
-        if ddp is not None and grad and ddp.require_backward_grad_sync:
-            self.prepared = visit
 
     # --- a step's gradient arrives ----------------------------------------------------------------
     def on_grads(self, visit: StepVisit, grads: Sequence[torch.Tensor | None]) -> None:
@@ -169,6 +170,8 @@ class TrajectoryRun:
             visit.grads = list(grads)
         else:
             visit.grads = [a if b is None else b if a is None else a + b for a, b in zip(visit.grads, grads)]
+        if self.deferred:
+            return                          # every window's backward runs when the trajectory ends (ranks.py)
         if win.exact:
             # the window had to run exactly after this step's forward: its gradient goes through its own graph
             self.run_backward([(visit, visit.grads)])
@@ -178,7 +181,15 @@ class TrajectoryRun:
 
     # --- a window's joint backward -----------------------------------------------------------------
     def complete(self, win: WindowRun) -> None:
+        self.run_backward(self.window_entries(win))
+        self.finish(win)
+
+    def window_entries(self, win: WindowRun) -> list[tuple[StepVisit, list]]:
+        """What the window's backward sends through which call: each knot its composite
+        Γ_j = Σ_s Φ[s, j] g_s (an exact window: each step its own g_s)."""
         visits = [win.visits[s] for s in win.planned.steps]
+        if win.planned.exact:
+            return [(v, v.grads) for v in visits]
         if len({tuple(v.index) for v in visits}) != 1:
             raise self.owner.safety.refuse(self,
                 f"{visits[0].where}: the steps of window {win.planned.index} returned DiT outputs of different "
@@ -189,33 +200,58 @@ class TrajectoryRun:
         if tuple(knots) != win.planned.knots:
             # σ-aware placement decided otherwise on the calls' own timesteps than on the declared
             # ones (a timestep at the threshold, within roundoff): the window runs exactly
-            self.run_backward([(v, v.grads) for v in visits])
-            win.done = True
-            return
+            return [(v, v.grads) for v in visits]
         batch = times.shape[1]
-        entries = []
-        leaf_grads = list(zip(*[v.grads for v in visits]))          # per tapped leaf: g over the steps
-        composites = [knot_composites(phi, gs) for gs in leaf_grads]
-        for j, position in enumerate(knots):
-            grads = [None if c is None else c[j * batch:(j + 1) * batch] for c in composites]
-            entries.append((visits[position], grads))
-        self.run_backward(entries)
+        composites = [knot_composites(phi, gs) for gs in zip(*[v.grads for v in visits])]   # per tapped leaf
+        return [(visits[position], [None if c is None else c[j * batch:(j + 1) * batch] for c in composites])
+                for j, position in enumerate(knots)]
+
+    def finish(self, win: WindowRun) -> None:
         win.done = True
-        self.owner.counts.jagg_windows += 1
-        for v in visits:
-            v.held, v.grads = None, None
+        if not win.planned.exact:
+            self.owner.counts.jagg_windows += 1
+        for v in win.visits.values():
+            v.held, v.grads, v.exact = None, None, True
+
+    def ready(self) -> bool:
+        """Every declared step ran and got its gradient."""
+        return not self.missing() and all(v.grads is not None for w in self.windows for v in w.pending())
+
+    def complete_all(self) -> None:
+        """The deferred schedule's end (ranks.py), when the trajectory ends, outside any backward
+        (FSDP2 takes a forward inside a backward for a checkpoint's recomputation and would not
+        reshard after it): every window's backward, in window order, the same on every rank. Held
+        graphs go in ONE backward (under FSDP1 a graph whose forward was not the latest is
+        backpropagated only along with a fresh one, whose hooks unshard the parameters); re-run
+        calls one window (an exact window: one step) at a time, at one window's memory."""
+        if self.owner.backward == "joint":
+            self.run_backward([e for w in self.windows if not w.done for e in self.window_entries(w)])
+        else:
+            for w in self.windows:
+                if w.done:
+                    continue
+                entries = self.window_entries(w)
+                for part in ([[e] for e in entries] if w.planned.exact else [entries]):
+                    self.run_backward(part)
+        for w in self.windows:
+            if not w.done:
+                self.finish(w)
 
     def run_backward(self, entries: list[tuple[StepVisit, list]]) -> None:
         """ONE backward of ``entries`` ((visit, upstream grad per tapped leaf)) through each visit's
-        held graph or a re-run of its call. Under DDP a backward that should synchronise (outside
-        ``no_sync``) needs a forward that prepared DDP's reducer among its roots: the last one
-        re-runs when its own forward did not."""
+        held graph or a re-run of its call.
+
+        A backward through DDP that synchronises (outside ``no_sync``) needs a forward that prepared
+        DDP's reducer among its roots, and one through FSDP a forward whose hooks unshard the
+        parameters for it: the module's latest forward. When no held root is that forward, the last
+        entry re-runs; on the deferred schedule it always does (the last forward's kind depends on
+        each rank's order of steps, and every rank must make the same forwards and collectives)."""
         if not entries:
             return
         ddp = self.owner.ddp
-        if ddp is not None and ddp.require_backward_grad_sync and not any(
-                v is self.prepared and v.held is not None for v, _ in entries):
-            entries[-1][0].held = None
+        if (ddp is not None and ddp.require_backward_grad_sync) or self.owner.fsdp:
+            if self.deferred or not any(v is self.latest and v.held is not None for v, _ in entries):
+                entries[-1][0].held = None
         roots, root_grads = [], []
         for visit, grads in entries:
             out = visit.held if visit.held is not None else self.rerun(visit)
@@ -245,7 +281,7 @@ class TrajectoryRun:
         with rng_states_restored(visit.rng), visit.state.applied(self.owner.module), \
                 self.owner.passing_through(), torch.enable_grad():
             out = visit.call(self.owner.module)
-        self._forward_done(visit, grad=True)
+        self.latest = visit
         self.owner.counts.grad_forwards += 1
         self.owner.counts.reruns += 1
         return out

@@ -15,6 +15,7 @@ inputs) and nothing has read ``.grad`` in between; otherwise it raises.
 | ``optimizer.step()`` while a window is open | in a pre-hook on every optimizer step, before any parameter moves | error |
 | a trajectory ending early: the ``steps()`` loop left by ``break`` or an exception, fewer steps than declared, a new ``trajectory()`` before the last one finished, ``Stepwise.close()`` | at that moment | open windows run exactly (warning), unless ``.grad`` was written since: error |
 | a step's gradient never arriving (``backward(inputs=...)``, ``torch.autograd.grad``: neither enters jaggc's node) | when the trajectory ends | error |
+| DDP/FSDP, steps out of σ order (the deferred schedule, ranks.py): ``optimizer.step()`` before the trajectory ended | in the optimizer pre-hook | error (iterate with ``steps()``: the windows' backward runs when the loop ends) |
 
 After an error the trajectory is dropped: the next one starts clean.
 """
@@ -145,6 +146,9 @@ class Safety:
             raise self.refuse(run, (
                 f"the trajectory ended {reason} with JAGG windows open, and {what} was written since its last step "
                 f"(a clip or optimizer step read a partial gradient); {FIX_STEP}"))
+        if run.deferred and run.ready():
+            run.complete_all()              # the deferred schedule's end: as planned, no warning
+            return
         no_grad = [v for w in open_windows for v in w.pending() if v.grads is None]
         # the step an exception left its loop in never reached its backward(), as in the loop itself
         unexplained = [v for v in no_grad if not (raised and run.visited and v.step == run.visited[-1])]

@@ -35,6 +35,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
+from .._compat import fsdp_version
 from ..errors import JaggError, JaggInputError, JaggUnsupportedError
 from ..options import Options
 from ..runtime.calls import DitCall
@@ -44,6 +45,7 @@ from ..runtime.window import check_window_size
 from ..source import frame_location, user_frame
 from .ledger import Ledger
 from .plan import TrajectoryPlan
+from .ranks import agree_on_plan, distributed
 from .run import TrajectoryRun
 from .safety import Safety
 
@@ -105,6 +107,8 @@ class Stepwise:
         self.options = _checked_options(options)
         self.module, self.window, self.backward = module, window, backward
         self.ddp = next((m for m in module_chain(module) if isinstance(m, nn.parallel.DistributedDataParallel)), None)
+        self.distributed = distributed(module)
+        self.fsdp = fsdp_version(module) is not None
         self.counts = StepwiseCounts()
         self.notes: list[str] = []
         self.ledger = Ledger(module)
@@ -157,6 +161,8 @@ class Stepwise:
         the other of 0..1000 and 0..1). A trajectory still open is ended first."""
         self._end("when the next trajectory was declared")
         plan = TrajectoryPlan(timesteps, window=self.window, basis=self.basis, time_arg=self.options.time_arg)
+        if self.distributed:
+            agree_on_plan(plan)
         run = TrajectoryRun(self, plan)
         self._run = self._last = run
         self.counts.trajectories += 1
@@ -212,12 +218,19 @@ class Stepwise:
         self.ledger.snapshot()
 
     def holds_graphs(self, run: TrajectoryRun) -> bool:
+        if self.ddp is not None and run.deferred:
+            # a DDP forward with grad is collective (its first rebuilds the buckets, later ones may
+            # broadcast buffers): on the deferred schedule every rank's steps run without grad alike
+            return False
+        if self.backward == "lowmem" and self.distributed:
+            # every rank must make the same forwards (FSDP gathers in each): by the agreed plan
+            return not run.deferred
         return self.backward == "joint" or (self.backward == "lowmem" and run.in_order)
 
     def left_order(self, run: TrajectoryRun) -> None:
         """The steps came out of σ order: ``lowmem`` frees the knot graphs it holds (their knots
         re-run in their windows' backward) so that one window's activations at a time stay alive."""
-        if self.backward != "lowmem":
+        if self.backward != "lowmem" or self.distributed:
             return
         for win in run.open_windows():
             for v in win.pending():

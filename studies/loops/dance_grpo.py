@@ -69,6 +69,7 @@ def flux_rollout(transformer, cond: dict, sigma_schedule: torch.Tensor, *, batch
 
 def setup(*, size: str = "tiny", num_steps: int = 10, samples: int = 2, seed: int = 0, fraction: float = 0.6,
           gradient_accumulation_steps: int = 1, lr: float = 1e-3, wrap=None, stepwise: dict | None = None,
+          shard: tuple[int, int] = (0, 1),
           dtype=torch.float32) -> DanceGrpoRun:
     """A DanceGRPO run: a Flux DiT with guidance embeddings, ``samples`` one-sample trajectories of
     ``num_steps`` steps with per-sample random permutations (``perms``). ``wrap(transformer)``: the
@@ -81,20 +82,22 @@ def setup(*, size: str = "tiny", num_steps: int = 10, samples: int = 2, seed: in
     cond = models.flux_conditioning(transformer, 1, seed=seed).kwargs
     args = replace(shapes.GRPOConfig(), clip_range=1e-4, gradient_accumulation_steps=gradient_accumulation_steps)
     sigma_schedule = shapes.sd3_time_shift(3.0, torch.linspace(1, 0, num_steps + 1))
-    all_latents, all_log_probs, timesteps = flux_rollout(transformer, cond, sigma_schedule, batch=samples, seed=seed,
+    all_latents, all_log_probs, timesteps = flux_rollout(transformer, cond, sigma_schedule, batch=samples * shard[1], seed=seed,
                                                          eta=args.eta)
-    rewards = torch.linspace(-1.0, 1.0, samples)
+    rewards = torch.linspace(-1.0, 1.0, samples * shard[1])
     samples_dict = {
         "timesteps": timesteps, "latents": all_latents[:, :-1], "next_latents": all_latents[:, 1:],
         "log_probs": all_log_probs, "advantages": (rewards - rewards.mean()) / (rewards.std() + 1e-8),
-        "encoder_hidden_states": cond["encoder_hidden_states"].expand(samples, -1, -1),
-        "pooled_prompt_embeds": cond["pooled_projections"].expand(samples, -1),
+        "encoder_hidden_states": cond["encoder_hidden_states"].expand(samples * shard[1], -1, -1),
+        "pooled_prompt_embeds": cond["pooled_projections"].expand(samples * shard[1], -1),
     }
+    # shard=(rank, world): this process's samples of a rollout of samples * world
+    samples_dict = {k: v[shard[0]::shard[1]] for k, v in samples_dict.items()}
     shapes._off_policy_step(transformer, seed, lambda name: True)
     if dtype != torch.float32:
         transformer.to(dtype)
         samples_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in samples_dict.items()}
-    g = torch.Generator().manual_seed(seed + 5)
+    g = torch.Generator().manual_seed(seed + 5 + shard[0])     # each rank draws its own (set_seed(seed + rank))
     perms = torch.stack([torch.randperm(num_steps, generator=g) for _ in range(samples)])
     for key in ["timesteps", "latents", "next_latents", "log_probs"]:
         samples_dict[key] = samples_dict[key][torch.arange(samples)[:, None], perms]

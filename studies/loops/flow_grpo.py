@@ -62,19 +62,22 @@ class FlowGrpoRun:
 
 def setup(*, size: str = "tiny", num_steps: int = 8, batch: int = 4, trajectories: int = 2, seed: int = 0,
           config: TrainConfig = TrainConfig(), mixed_precision: str = "no", stepwise: dict | None = None,
-          accelerator_kwargs: dict | None = None, dtype=torch.float32) -> FlowGrpoRun:
+          accelerator_kwargs: dict | None = None, dtype=torch.float32, shard: tuple[int, int] = (0, 1)) -> FlowGrpoRun:
     """A Flow-GRPO run: a tiny (or 10m) SD3 with a LoRA (peft), a rollout of ``trajectories`` sample
     batches of ``batch`` samples, an Accelerator on the CPU. ``mixed_precision``: "no", "bf16"
     (accelerate's own CPU autocast forward) or "fp16" (Flow-GRPO's default on a GPU: GradScaler in
     ``accelerator.backward``, an fp16 autocast forward; here on the CPU, ``fp16_on_cpu``).
-    ``stepwise``: the keywords of the user's one added line, ``jaggc.stepwise(transformer, **stepwise)``."""
+    ``stepwise``: the keywords of the user's one added line, ``jaggc.stepwise(transformer, **stepwise)``.
+    ``shard=(rank, world)``: this process's trajectories of a rollout of ``trajectories * world``
+    (each process of a multi-GPU run samples its own)."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
 
     # accelerate keeps one process-wide state; a study that builds several runs starts each anew
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-    shape = shapes.flow_grpo_sd3(num_steps=num_steps, batch=batch * trajectories, seed=seed, beta=config.beta,
+    rank, world = shard
+    shape = shapes.flow_grpo_sd3(num_steps=num_steps, batch=batch * trajectories * world, seed=seed, beta=config.beta,
                                  cfg=config.cfg, size=size)
     transformer, pipeline, sample, _ = shape.args
     if dtype != torch.float32:
@@ -92,7 +95,8 @@ def setup(*, size: str = "tiny", num_steps: int = 8, batch: int = 4, trajectorie
         jaggc.stepwise(transformer, **stepwise)
     neg = sample.pop("negative_prompt_embeds")[:1]
     neg_pooled = sample.pop("negative_pooled_prompt_embeds")[:1]
-    samples_batched = [{k: v[i * batch:(i + 1) * batch] for k, v in sample.items()} for i in range(trajectories)]
+    samples_batched = [{k: v[i * batch:(i + 1) * batch] for k, v in sample.items()}
+                       for i in range(rank, trajectories * world, world)]
     autocast = contextlib.nullcontext       # Flow-GRPO: nullcontext with LoRA, accelerator.autocast otherwise
     return FlowGrpoRun(accelerator, transformer, optimizer, pipeline, samples_batched,
                        neg.expand(batch, -1, -1).contiguous(), neg_pooled.expand(batch, -1).contiguous(), config,

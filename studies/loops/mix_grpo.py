@@ -38,7 +38,8 @@ class MixGrpoRun:
 
 
 def setup(*, size: str = "tiny", samples: int = 2, cur: int = 0, seed: int = 0, gradient_accumulation_steps: int = 1,
-          lr: float = 1e-3, wrap=None, stepwise: dict | None = None) -> MixGrpoRun:
+          lr: float = 1e-3, wrap=None, stepwise: dict | None = None,
+          shard: tuple[int, int] = (0, 1)) -> MixGrpoRun:
     """A MixGRPO run on a Flux DiT with guidance embeddings: ``samples`` one-sample trajectories of a
     25-step shift-3 schedule, SDE on the window at ``cur`` and ODE elsewhere, 24 stored steps."""
     from diffusers import FluxTransformer2DModel
@@ -56,16 +57,18 @@ def setup(*, size: str = "tiny", samples: int = 2, cur: int = 0, seed: int = 0, 
                                                      noise_level=args.noise_level)
         return z, log_prob
 
-    all_latents, all_log_probs, timesteps = flux_rollout(transformer, cond, sigma_schedule, batch=samples, seed=seed,
+    all_latents, all_log_probs, timesteps = flux_rollout(transformer, cond, sigma_schedule, batch=samples * shard[1], seed=seed,
                                                          eta=args.eta, sde_steps=set(window), step=step)
     stored = shapes.MIX_SAMPLING_STEPS - 1
-    rewards = torch.linspace(-1.0, 1.0, samples)
+    rewards = torch.linspace(-1.0, 1.0, samples * shard[1])
     samples_dict = {
         "timesteps": timesteps[:, :stored], "latents": all_latents[:, :stored], "next_latents": all_latents[:, 1:stored + 1],
         "log_probs": all_log_probs[:, :stored], "advantages": (rewards - rewards.mean()) / (rewards.std() + 1e-8),
-        "encoder_hidden_states": cond["encoder_hidden_states"].expand(samples, -1, -1),
-        "pooled_prompt_embeds": cond["pooled_projections"].expand(samples, -1),
+        "encoder_hidden_states": cond["encoder_hidden_states"].expand(samples * shard[1], -1, -1),
+        "pooled_prompt_embeds": cond["pooled_projections"].expand(samples * shard[1], -1),
     }
+    # shard=(rank, world): this process's samples of a rollout of samples * world
+    samples_dict = {k: v[shard[0]::shard[1]] for k, v in samples_dict.items()}
     shapes._off_policy_step(transformer, seed, lambda name: True)
     samples_batched = {k: v.unsqueeze(1) for k, v in samples_dict.items()}
     samples_batched_list = [dict(zip(samples_batched, x)) for x in zip(*samples_batched.values())]
