@@ -176,16 +176,34 @@ def flow_case(rank: int, world: int, window: int, loop: str) -> dict:
     return dict(errors=errors, buckets=len(buckets), params=params)
 
 
-def mix_case(rank: int, world: int, loop: str) -> dict:
-    """MixGRPO's loop on plain DDP: every step's backward all-reduces; stepwise once per window."""
-    run = mg.setup(samples=2, shard=(rank, world), wrap=_wrap("ddp"),
-                   stepwise=dict(window=4, weights="t") if loop == "jaggc" else None)
-    with count_collectives(run.transformer) as counts:
+def mix_case(rank: int, world: int, loop: str, wrapper: str = "ddp", backward: str = "joint") -> dict:
+    """MixGRPO's loop (steps in σ order) on ``wrapper``: on plain DDP every step's backward
+    all-reduces, stepwise once per window; the gathered gradient at each step against the ranks'
+    average of each rank's whole-loss JAGG at the run's parameters."""
+    run = mg.setup(samples=2, shard=(rank, world), wrap=_wrap(wrapper),
+                   stepwise=dict(window=4, weights="t", backward=backward) if loop == "jaggc" else None)
+    plain = mg.setup(samples=2, shard=(rank, world))
+    kind = "fsdp1" if wrapper.startswith("fsdp1") else wrapper
+    errors = []
+
+    def check(opt, args, kwargs_):
+        i = len(errors)
+        got, params = full_grads(run.transformer, kind), full_params(run.transformer, kind)
+
+        def loss(m):
+            if loop == "unchanged":
+                return mg.reference_loss(plain, i, m)
+            return jaggc.jagg_compile(lambda dit, r: mg.reference_loss(r, i, dit), dit=m, window=4, weights="t",
+                                      options=jaggc.Options(batch_knots=False))(m, plain)
+        errors.append(_rel(got, _avg(reference_grad(plain.transformer, params, loss))))
+
+    run.optimizer.register_step_pre_hook(check)
+    with count_collectives(run.transformer if wrapper == "ddp" else None) as counts:
         (mg.train_unchanged if loop == "unchanged" else mg.train_jaggc)(run)
     params = {clean(n): p.detach().clone() for n, p in run.transformer.named_parameters()}
     if loop == "jaggc":
         jaggc.stepwise(run.transformer).close()
-    return dict(collectives=dict(counts), params=params)
+    return dict(collectives=dict(counts), params=params, errors=errors)
 
 
 def rank_body(rank: int, world: int) -> dict:
@@ -194,6 +212,9 @@ def rank_body(rank: int, world: int) -> dict:
         results[("flow", loop, window)] = flow_case(rank, world, window, loop)
     for loop in ("unchanged", "jaggc"):
         results[("mix", loop)] = mix_case(rank, world, loop)
+    for wrapper in ("fsdp1", "fsdp2"):
+        for backward in ("joint", "lowmem"):
+            results[("mix", wrapper, backward)] = mix_case(rank, world, "jaggc", wrapper, backward)
     for wrapper in os.environ.get("JAGGC_STEPWISE_WRAPPERS", ",".join(WRAPPERS)).split(","):
         for mode, weights in DANCE_CASES:
             results[("dance", wrapper, mode, weights)] = dance_case(rank, world, wrapper, mode, weights)
@@ -232,10 +253,20 @@ def test_flow_grpo_under_accelerate_ddp(rank_results):
 def test_mix_grpo_on_plain_ddp_all_reduces_once_per_window(rank_results):
     for res in rank_results:
         unchanged, jagg = res[("mix", "unchanged")], res[("mix", "jaggc")]
+        assert max(unchanged["errors"] + jagg["errors"]) <= 1e-6, (unchanged["errors"], jagg["errors"])
         # 2 samples x 4 steps, one backward each; stepwise: 2 samples x 1 window
         assert unchanged["collectives"]["allreduce_buckets"] == 4 * jagg["collectives"]["allreduce_buckets"] > 0
     assert all(torch.equal(rank_results[0][("mix", "jaggc")]["params"][n], rank_results[1][("mix", "jaggc")]["params"][n])
                for n in rank_results[0][("mix", "jaggc")]["params"])
+
+
+@pytest.mark.parametrize("backward", ["joint", "lowmem"])
+@pytest.mark.parametrize("wrapper", ["fsdp1", "fsdp2"])
+def test_mix_grpo_in_sigma_order_on_fsdp(rank_results, wrapper, backward):
+    """Steps in σ order: each window's backward at its last step, through the knots' held graphs."""
+    for res in rank_results:
+        r = res[("mix", wrapper, backward)]
+        assert len(r["errors"]) == 2 and max(r["errors"]) <= 1e-6, r["errors"]
 
 
 @pytest.mark.parametrize("wrapper", [w for w in WRAPPERS if w != "ddp"])
