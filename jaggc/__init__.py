@@ -17,7 +17,7 @@ from .api import JaggCompiled, explain, jagg_compile
 from .options import Options
 from .report import Report
 from .runtime.routing import Routing
-from .stepwise import Stepwise, stepwise
+from .steps import Stepwise, stepwise
 
 __all__ += ["JaggCompiled", "Options", "Report", "Routing", "Stepwise", "explain", "jagg_compile", "stepwise"]
 

@@ -29,13 +29,15 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from .._compat import rng_states, rng_states_restored, tree_flatten, version_counter
+from .._compat import rng_states, tree_flatten, version_counter
 from ..errors import JaggInputError
 from ..runtime.aggregate import knot_composites
 from ..runtime.calls import DitCall, check_output_requires_grad, per_sample_time, resolve_time_arg
-from ..runtime.checks import check_calls
-from ..runtime.module_state import CallState
+from ..runtime.autocast import current_autocast
+from ..runtime.checks import check_calls, check_step_values
+from ..runtime.module_state import CallState, StateReader
 from .plan import PlannedWindow, TrajectoryPlan
+from .rerun import live_dropouts, rerun_calls
 from .tap import float_leaves, tap_output
 
 if TYPE_CHECKING:
@@ -85,6 +87,9 @@ class TrajectoryRun:
         # DDP/FSDP with steps out of σ order on some rank: every backward in the last step's (ranks.py)
         self.deferred = owner.distributed and not plan.in_sigma_order
         self.latest: StepVisit | None = None         # the visit that made the module's latest forward
+        self.states = StateReader(owner.module)       # the module's state at each call, for its re-run
+        self.dropouts = live_dropouts(self.states.modules)
+        self.checked_placement = False               # device/dtype of the calls' inputs: checked once
         self.closed = False
 
     def window(self, step: int) -> WindowRun:
@@ -110,8 +115,8 @@ class TrajectoryRun:
         role = win.planned.role(step)            # "exact": an exact window's step on the deferred schedule
         hold = role != "interior" and self.owner.holds_graphs(self)
         if self.owner.options.check_inputs:
-            check_calls(self.owner.module, [call], [step])
-        visit = StepVisit(step, call, CallState.of(self.owner.module), rng_states(call.args, call.kwargs),
+            self._check_inputs(call, step)
+        visit = StepVisit(step, call, self._state(), rng_states(call.args, call.kwargs),
                           _input_versions(call), where)
         win.visits[step] = visit
         self.latest = visit
@@ -127,9 +132,21 @@ class TrajectoryRun:
         tapped, visit.index = tap_output(out, lambda grads, v=visit: self.on_grads(v, grads))
         return tapped
 
+    def _state(self) -> CallState:
+        return CallState(self.states.read(), current_autocast())
+
+    def _check_inputs(self, call: DitCall, step: int) -> None:
+        """The window runtime's input refusals (inputs that require grad: computed from an earlier
+        DiT output; NaN/Inf), with the device/dtype placement checked at the trajectory's first step
+        (every step's call has the same structure)."""
+        if not self.checked_placement:
+            check_calls(self.owner.module, [call], [step])
+            self.checked_placement = True
+        else:
+            check_step_values([call], [step])
+
     def _exact_call(self, win: WindowRun, step: int, call: DitCall, forward: Callable, where: str) -> Any:
-        win.visits[step] = self.latest = StepVisit(step, call, CallState.of(self.owner.module), None, [], where,
-                                                   exact=True)
+        win.visits[step] = self.latest = StepVisit(step, call, None, None, [], where, exact=True)
         out = forward(*call.args, **call.kwargs)
         self.owner.counts.grad_forwards += 1
         self.owner.counts.exact_steps += 1
@@ -253,8 +270,9 @@ class TrajectoryRun:
             if self.deferred or not any(v is self.latest and v.held is not None for v, _ in entries):
                 entries[-1][0].held = None
         roots, root_grads = [], []
+        fresh = rerun_calls(self, [v for v, _ in entries if v.held is None])
         for visit, grads in entries:
-            out = visit.held if visit.held is not None else self.rerun(visit)
+            out = visit.held if visit.held is not None else fresh[id(visit)]
             leaves = tree_flatten(out)[0]
             for i, g in zip(visit.index, grads):
                 leaf = leaves[i]
@@ -267,24 +285,6 @@ class TrajectoryRun:
             torch.autograd.backward(roots, root_grads)
             self.owner.counts.backwards += 1
         self.owner.ledger.snapshot_grads()
-
-    def rerun(self, visit: StepVisit) -> Any:
-        """The visit's call again, with grad, as it ran: module and autocast state, RNG state, the
-        same (unchanged) inputs and parameters."""
-        for x, version in visit.inputs:
-            if version_counter(x) != version:
-                raise self.owner.safety.refuse(self,
-                    f"{visit.where}: an input of step {visit.step}'s DiT call was written in place after the call; "
-                    f"jaggc re-runs the call with grad in its window's backward and would see other values. Pass "
-                    f"the stored states unchanged (write into a copy)")
-        self.owner.safety.before_rerun(self, visit)
-        with rng_states_restored(visit.rng), visit.state.applied(self.owner.module), \
-                self.owner.passing_through(), torch.enable_grad():
-            out = visit.call(self.owner.module)
-        self.latest = visit
-        self.owner.counts.grad_forwards += 1
-        self.owner.counts.reruns += 1
-        return out
 
     # --- the end ----------------------------------------------------------------------------------
     def open_windows(self) -> list[WindowRun]:
