@@ -210,3 +210,19 @@ def test_mix_grpo_moving_window(cur, steps):
         assert rel_err(seen[0], seen_unchanged[0]) > 1e-4
     assert jaggc.stepwise(run.transformer).counts.jagg_windows == (2 if steps > 2 else 0)
     jaggc.stepwise(run.transformer).close()
+
+
+def test_the_loop_report_measures_each_loop():
+    """``jaggc trainers --loops``'s numbers on the tiny models: lines changed, ratios, memory within
+    2.2x for the low-memory form, fewer FSDP1 reduce-scatters per trajectory on 2 ranks."""
+    from jaggc_studies.loops import report
+
+    results = report.run_loops(("mix_grpo",), size="tiny", rounds=1, progress=lambda _: None)
+    r = results["mix_grpo"]
+    assert r["lines_changed"] == 2
+    assert set(r["speed"]["median"]) == {"joint", "lowmem", "per_window"} and r["speed"]["median"]["joint"] > 0
+    assert r["memory"]["ratio"]["lowmem"] <= 2.2
+    c = r["collectives"]["reduce_scatters_per_trajectory"]
+    assert c["joint"] < c["unchanged"] and c["lowmem"] < c["unchanged"]
+    text = report.format_loops(results)
+    assert "mix_grpo: 2 lines changed" in text and "FSDP1 reduce-scatters per trajectory" in text
