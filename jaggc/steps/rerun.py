@@ -79,7 +79,8 @@ def _batched(run: "TrajectoryRun", visits: Sequence["StepVisit"]):
 
 def live_dropouts(modules: Sequence[nn.Module]) -> list[nn.Module]:
     """The dropout modules that draw when in training mode (p > 0)."""
-    return [m for m in modules if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
+    kinds = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+    return [m for m in modules if isinstance(m, kinds) and m.p > 0]
 
 
 __all__ = ["live_dropouts", "rerun_calls"]
