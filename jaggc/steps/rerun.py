@@ -12,6 +12,7 @@ each call then re-runs on its own with its own RNG state.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -19,6 +20,7 @@ from torch import nn
 
 from .._compat import rng_states_restored, version_counter
 from ..errors import JaggInputError
+from ..runtime.autocast import autocast_applied
 from ..runtime.calls import batch_size, concat_calls, resolve_time_arg, split_output
 
 if TYPE_CHECKING:
@@ -42,7 +44,7 @@ def rerun_calls(run: "TrajectoryRun", visits: Sequence["StepVisit"]) -> dict[int
     batched = _batched(run, visits)
     if batched is not None:
         call, batch = batched
-        with visits[0].state.applied(owner.module), owner.passing_through(), torch.enable_grad():
+        with _state_applied(run, visits[0].state), owner.passing_through(), torch.enable_grad():
             out = call(owner.module)
             # the slices are views: taken with grad on (a window's backward runs without), or
             # they would carry no graph
@@ -51,7 +53,7 @@ def rerun_calls(run: "TrajectoryRun", visits: Sequence["StepVisit"]) -> dict[int
         owner.counts.grad_forwards += 1
     else:
         for visit in visits:
-            with rng_states_restored(visit.rng), visit.state.applied(owner.module), owner.passing_through(), \
+            with rng_states_restored(visit.rng), _state_applied(run, visit.state), owner.passing_through(), \
                     torch.enable_grad():
                 outs[id(visit)] = visit.call(owner.module)
             owner.counts.grad_forwards += 1
@@ -65,7 +67,7 @@ def _batched(run: "TrajectoryRun", visits: Sequence["StepVisit"]):
     owner = run.owner
     if len(visits) < 2 or not owner.options.batch_knots or any(v.state != visits[0].state for v in visits):
         return None
-    with visits[0].state.applied(owner.module):
+    with _state_applied(run, visits[0].state):
         if any(m.training for m in run.dropouts):
             return None
     time_arg = resolve_time_arg(visits[0].call, owner.options.time_arg)
@@ -75,6 +77,18 @@ def _batched(run: "TrajectoryRun", visits: Sequence["StepVisit"]):
     except JaggInputError:
         return None            # not batch-compatible (another argument structure): one by one
     return call, batch_size(visits[0].call)
+
+
+@contextlib.contextmanager
+def _state_applied(run: "TrajectoryRun", state):
+    """``state.applied(module)`` with the module's flags read by the trajectory's cheap reader first:
+    a re-run in the state the module is in already (the common case) switches nothing."""
+    if run.states.read() == state.module:
+        with autocast_applied(state.autocast):
+            yield
+        return
+    with state.applied(run.owner.module):
+        yield
 
 
 def live_dropouts(modules: Sequence[nn.Module]) -> list[nn.Module]:

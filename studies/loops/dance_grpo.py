@@ -69,7 +69,7 @@ def flux_rollout(transformer, cond: dict, sigma_schedule: torch.Tensor, *, batch
 
 def setup(*, size: str = "tiny", num_steps: int = 10, samples: int = 2, seed: int = 0, fraction: float = 0.6,
           gradient_accumulation_steps: int = 1, lr: float = 1e-3, wrap=None, stepwise: dict | None = None,
-          shard: tuple[int, int] = (0, 1),
+          shard: tuple[int, int] = (0, 1), checkpointing: bool = False,
           dtype=torch.float32) -> DanceGrpoRun:
     """A DanceGRPO run: a Flux DiT with guidance embeddings, ``samples`` one-sample trajectories of
     ``num_steps`` steps with per-sample random permutations (``perms``). ``wrap(transformer)``: the
@@ -105,6 +105,8 @@ def setup(*, size: str = "tiny", num_steps: int = 10, samples: int = 2, seed: in
     samples_batched_list = [dict(zip(samples_batched, x)) for x in zip(*samples_batched.values())]
     for s in samples_batched_list:      # shared, unbatched inputs
         s["text_ids"], s["image_ids"] = cond["txt_ids"], cond["img_ids"]
+    if checkpointing:
+        transformer.enable_gradient_checkpointing()      # the trainer's --gradient_checkpointing
     if wrap is not None:
         transformer = wrap(transformer)
     transformer.train()

@@ -39,7 +39,7 @@ class MixGrpoRun:
 
 def setup(*, size: str = "tiny", samples: int = 2, cur: int = 0, seed: int = 0, gradient_accumulation_steps: int = 1,
           lr: float = 1e-3, wrap=None, stepwise: dict | None = None,
-          shard: tuple[int, int] = (0, 1)) -> MixGrpoRun:
+          shard: tuple[int, int] = (0, 1), checkpointing: bool = False) -> MixGrpoRun:
     """A MixGRPO run on a Flux DiT with guidance embeddings: ``samples`` one-sample trajectories of a
     25-step shift-3 schedule, SDE on the window at ``cur`` and ODE elsewhere, 24 stored steps."""
     from diffusers import FluxTransformer2DModel
@@ -74,6 +74,8 @@ def setup(*, size: str = "tiny", samples: int = 2, cur: int = 0, seed: int = 0, 
     samples_batched_list = [dict(zip(samples_batched, x)) for x in zip(*samples_batched.values())]
     for s in samples_batched_list:
         s["text_ids"], s["image_ids"] = cond["txt_ids"], cond["img_ids"]
+    if checkpointing:
+        transformer.enable_gradient_checkpointing()      # the trainer's --gradient_checkpointing
     if wrap is not None:
         transformer = wrap(transformer)
     transformer.train()

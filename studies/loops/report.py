@@ -43,10 +43,13 @@ def _setups(name: str, size: str) -> tuple[Callable, Callable, Callable]:
         return (lambda **kw: fg.setup(size=size, num_steps=8, batch=2, trajectories=1, **kw),
                 fg.train_unchanged, fg.train_jaggc)
     if name == "dance_grpo":
-        # 20 sampling steps, 60% of them trained: 12 steps, three windows of 4
-        return (lambda **kw: dg.setup(size=size, num_steps=20, samples=1, fraction=0.6, **kw),
-                dg.train_unchanged, dg.train_jaggc)
-    return lambda **kw: mg.setup(size=size, samples=1, **kw), mg.train_unchanged, mg.train_jaggc
+        # its finetune_flux_grpo.sh: 16 sampling steps (15 stored), 60% trained (9: windows of 4, 4, 1),
+        # an optimizer step every 4 samples, gradient checkpointing
+        return (lambda **kw: dg.setup(size=size, num_steps=15, samples=4, fraction=0.6, gradient_accumulation_steps=4,
+                                      checkpointing=True, **kw), dg.train_unchanged, dg.train_jaggc)
+    # its 4-step window at the start of the run, an optimizer step every 3 samples
+    return (lambda **kw: mg.setup(size=size, samples=3, gradient_accumulation_steps=3, **kw),
+            mg.train_unchanged, mg.train_jaggc)
 
 
 def _quiet():
@@ -57,7 +60,8 @@ def _quiet():
 
 
 def speed(name: str, *, size: str = "10m", rounds: int = 5, window: int = 4, forms=FORMS) -> dict:
-    """Interleaved CPU-time rounds of the unchanged loop and each stepwise form (module docstring)."""
+    """Interleaved CPU-time rounds of the unchanged loop and each stepwise form, each round in a
+    rotated order (module docstring)."""
     setup, unchanged, changed = _setups(name, size)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -69,13 +73,12 @@ def speed(name: str, *, size: str = "10m", rounds: int = 5, window: int = 4, for
             for form, run in runs.items():
                 changed(run)                       # warm: the first trajectory's one-off costs
             times = {"unchanged": []} | {form: [] for form in forms}
-            for _ in range(rounds):
-                t = time.process_time()
-                unchanged(base)
-                times["unchanged"].append(time.process_time() - t)
-                for form, run in runs.items():
+            order = ["unchanged"] + list(forms)
+            for r in range(rounds):
+                # each round in another order: no form always runs right after another
+                for form in order[r % len(order):] + order[:r % len(order)]:
                     t = time.process_time()
-                    changed(run)
+                    unchanged(base) if form == "unchanged" else changed(runs[form])
                     times[form].append(time.process_time() - t)
             counts = {form: vars(jaggc.stepwise(run.transformer).counts).copy() for form, run in runs.items()}
             for run in runs.values():
