@@ -226,3 +226,13 @@ def test_the_loop_report_measures_each_loop():
     assert c["joint"] < c["unchanged"] and c["lowmem"] < c["unchanged"]
     text = report.format_loops(results)
     assert "mix_grpo: 2 lines changed" in text and "FSDP1 reduce-scatters per trajectory" in text
+
+
+def test_docs_show_each_loop_s_diff_as_measured():
+    """docs/trainers.md's diff blocks are ``user_diff`` of the loops, in order."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "trainers.md").read_text()
+    shown = re.findall(r"^```diff\n(.*?)^```", text, re.M | re.S)
+    assert [block.rstrip("\n") for block in shown[:3]] == ["\n".join(loops.user_diff(n)) for n in loops.LOOPS]

@@ -40,14 +40,14 @@ class DanceGrpoRun:
 
 
 def flux_rollout(transformer, cond: dict, sigma_schedule: torch.Tensor, *, batch: int, seed: int, eta: float,
-                 sde_steps=None, step=None):
+                 sde_steps=None, step=None, side: int = 4):
     """A stored SDE rollout of ``batch`` samples on a Flux DiT (no grad, eval mode): latents before and
     after each step, log-probs, timesteps ``int(σ * 1000)`` per sample. ``step``: the trainer's
     step function (default ``flux_step``); ``sde_steps``: where it is stochastic (MixGRPO)."""
     num_steps = sigma_schedule.shape[0] - 1
     g = torch.Generator().manual_seed(seed + 1)
     torch.manual_seed(seed + 1)            # the trainers' steps draw their noise with randn_like
-    z = torch.randn(models.flux_latent_shape(transformer, batch), generator=g)
+    z = torch.randn(models.flux_latent_shape(transformer, batch, height=side, width=side), generator=g)
     lat, lps = [z], []
     transformer.eval()
     expand = {k: v.expand(batch, *v.shape[1:]) if k in ("encoder_hidden_states", "pooled_projections") else v
@@ -69,21 +69,22 @@ def flux_rollout(transformer, cond: dict, sigma_schedule: torch.Tensor, *, batch
 
 def setup(*, size: str = "tiny", num_steps: int = 10, samples: int = 2, seed: int = 0, fraction: float = 0.6,
           gradient_accumulation_steps: int = 1, lr: float = 1e-3, wrap=None, stepwise: dict | None = None,
-          shard: tuple[int, int] = (0, 1), checkpointing: bool = False,
+          shard: tuple[int, int] = (0, 1), checkpointing: bool = False, side: int = 4,
           dtype=torch.float32) -> DanceGrpoRun:
     """A DanceGRPO run: a Flux DiT with guidance embeddings, ``samples`` one-sample trajectories of
-    ``num_steps`` steps with per-sample random permutations (``perms``). ``wrap(transformer)``: the
+    ``num_steps`` steps with per-sample random permutations (``perms``), latents of ``side`` x
+    ``side`` packed tokens. ``wrap(transformer)``: the
     sharding (FSDP1 / FSDP2), applied before the optimizer is built; ``stepwise``: the keywords of the
     user's added line, ``jaggc.stepwise(transformer, **stepwise)``."""
     from diffusers import FluxTransformer2DModel
 
     torch.manual_seed(seed)
     transformer = FluxTransformer2DModel(**{**models.FLUX_CONFIGS[size], "guidance_embeds": True})
-    cond = models.flux_conditioning(transformer, 1, seed=seed).kwargs
+    cond = models.flux_conditioning(transformer, 1, seed=seed, height=side, width=side).kwargs
     args = replace(shapes.GRPOConfig(), clip_range=1e-4, gradient_accumulation_steps=gradient_accumulation_steps)
     sigma_schedule = shapes.sd3_time_shift(3.0, torch.linspace(1, 0, num_steps + 1))
-    all_latents, all_log_probs, timesteps = flux_rollout(transformer, cond, sigma_schedule, batch=samples * shard[1], seed=seed,
-                                                         eta=args.eta)
+    all_latents, all_log_probs, timesteps = flux_rollout(transformer, cond, sigma_schedule, batch=samples * shard[1],
+                                                         seed=seed, eta=args.eta, side=side)
     rewards = torch.linspace(-1.0, 1.0, samples * shard[1])
     samples_dict = {
         "timesteps": timesteps, "latents": all_latents[:, :-1], "next_latents": all_latents[:, 1:],

@@ -39,14 +39,15 @@ class MixGrpoRun:
 
 def setup(*, size: str = "tiny", samples: int = 2, cur: int = 0, seed: int = 0, gradient_accumulation_steps: int = 1,
           lr: float = 1e-3, wrap=None, stepwise: dict | None = None,
-          shard: tuple[int, int] = (0, 1), checkpointing: bool = False) -> MixGrpoRun:
+          shard: tuple[int, int] = (0, 1), checkpointing: bool = False, side: int = 4) -> MixGrpoRun:
     """A MixGRPO run on a Flux DiT with guidance embeddings: ``samples`` one-sample trajectories of a
-    25-step shift-3 schedule, SDE on the window at ``cur`` and ODE elsewhere, 24 stored steps."""
+    25-step shift-3 schedule, SDE on the window at ``cur`` and ODE elsewhere, 24 stored steps, latents
+    of ``side`` x ``side`` packed tokens."""
     from diffusers import FluxTransformer2DModel
 
     torch.manual_seed(seed)
     transformer = FluxTransformer2DModel(**{**models.FLUX_CONFIGS[size], "guidance_embeds": True})
-    cond = models.flux_conditioning(transformer, 1, seed=seed).kwargs
+    cond = models.flux_conditioning(transformer, 1, seed=seed, height=side, width=side).kwargs
     args = replace(shapes.GRPOConfig(), clip_range=1e-4, eta=0.7, noise_level=0.7, kl_coeff=0.01,
                    gradient_accumulation_steps=gradient_accumulation_steps)
     sigma_schedule = shapes.sd3_time_shift(3.0, torch.linspace(1, 0, shapes.MIX_SAMPLING_STEPS + 1))
@@ -58,7 +59,7 @@ def setup(*, size: str = "tiny", samples: int = 2, cur: int = 0, seed: int = 0, 
         return z, log_prob
 
     all_latents, all_log_probs, timesteps = flux_rollout(transformer, cond, sigma_schedule, batch=samples * shard[1], seed=seed,
-                                                         eta=args.eta, sde_steps=set(window), step=step)
+                                                         eta=args.eta, sde_steps=set(window), step=step, side=side)
     stored = shapes.MIX_SAMPLING_STEPS - 1
     rewards = torch.linspace(-1.0, 1.0, samples * shard[1])
     samples_dict = {
