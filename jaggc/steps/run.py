@@ -15,7 +15,7 @@ The loop calls the DiT once per step and ``backward()`` after each. Per step (``
 
 A knot whose graph is not held (``backward="per_window"``, or ``"lowmem"`` once the steps come out
 of σ order) is re-run with grad in the window's backward, in the module and autocast state and with
-the RNG state of its own call (``rerun``). Anything that would make the result silently wrong (a
+the RNG state of its own call (rerun.py). Anything that would make the result silently wrong (a
 parameter or ``.grad`` written between two steps of a window, a step visited twice, a trajectory
 that ends early) runs the affected window exactly, with one warning, or raises (``safety.py``
 decides which, with the ledger's help).
@@ -23,7 +23,6 @@ decides which, with the ledger's help).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -90,7 +89,6 @@ class TrajectoryRun:
         self.states = StateReader(owner.module)       # the module's state at each call, for its re-run
         self.dropouts = live_dropouts(self.states.modules)
         self.checked_placement = False               # device/dtype of the calls' inputs: checked once
-        self.closed = False
 
     def window(self, step: int) -> WindowRun:
         return self.windows[self.plan.window_of[step].index]
@@ -179,10 +177,10 @@ class TrajectoryRun:
     def on_grads(self, visit: StepVisit, grads: Sequence[torch.Tensor | None]) -> None:
         win = self.window(visit.step)
         if win.done or visit.exact:
-            raise self.owner.safety.refuse(self,
+            raise self.owner.safety.refuse(self, (
                 f"{visit.where}: step {visit.step}'s output got a second gradient after its window's joint backward "
                 f"ran (a second backward() through the same step, retain_graph=True). jaggc's stepwise JAGG takes "
-                f"one backward per step: sum the step's losses and call backward() once")
+                f"one backward per step: sum the step's losses and call backward() once"))
         if visit.grads is None:
             visit.grads = list(grads)
         else:
@@ -208,9 +206,9 @@ class TrajectoryRun:
         if win.planned.exact:
             return [(v, v.grads) for v in visits]
         if len({tuple(v.index) for v in visits}) != 1:
-            raise self.owner.safety.refuse(self,
+            raise self.owner.safety.refuse(self, (
                 f"{visits[0].where}: the steps of window {win.planned.index} returned DiT outputs of different "
-                f"structure; a window's steps must call the DiT alike")
+                f"structure; a window's steps must call the DiT alike"))
         time_arg = resolve_time_arg(visits[0].call, self.owner.options.time_arg)
         times = torch.stack([per_sample_time(v.call, time_arg, v.step) for v in visits])
         knots, phi = self.owner.basis.sample(times)
