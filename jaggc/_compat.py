@@ -591,3 +591,9 @@ def rng_states_restored(states):
         torch.set_rng_state(cpu)
         set_device_states(devices, device_states)
         yield
+
+
+def in_backward() -> bool:
+    """Whether this thread runs inside an autograd backward now (a checkpoint's recomputation, a
+    backward hook): what FSDP2 asks torch too (``_current_graph_task_id``, no public name)."""
+    return torch._C._current_graph_task_id() != -1

@@ -327,3 +327,38 @@ def test_re_runs_replay_module_state_autocast_and_dropout():
             assert all(torch.equal(a, b) for a, b in zip(values, values_ref)), backward
             assert reruns == (0 if backward == "joint" else 4)
             assert rel_err(g, joint_grad) < 1e-6, backward     # bf16 steps: the same bf16 ops, fp32 sums
+
+
+def test_activation_checkpointing_written_around_the_call(problem):
+    """``torch.utils.checkpoint.checkpoint(dit, ...)`` around each step's call: the knots' held graphs
+    recompute inside the window's backward (the recomputation is no step of its own) and the
+    gradient is the whole-loss JAGG's; the saved activations stay the checkpoint's."""
+    from torch.utils.checkpoint import checkpoint
+
+    model, batch = problem
+
+    def checkpointed_step(dit, j):
+        latents = batch["latents"][:, j]
+
+        def call(z, t):
+            return dit(hidden_states=z, timestep=t, encoder_hidden_states=batch["prompt_embeds"],
+                       pooled_projections=batch["pooled_prompt_embeds"], return_dict=False)[0]
+
+        v = checkpoint(call, latents, batch["timesteps"][:, j], use_reentrant=False)
+        _, log_prob, _, _ = el.sde_step_with_logprob(v, latents, batch["sigmas"][:, j], batch["sigmas_next"][:, j],
+                                                     batch["next_latents"][:, j], batch["sigma_max"])
+        return el.ppo_clip(log_prob, batch["log_probs"][:, j], batch["advantages"][:, j])
+
+    m = copy.deepcopy(model)
+    jagg = jaggc.stepwise(m, window=4, weights="t")
+    with track_saved_tensors() as saved:
+        for j in jagg.steps(RANDOM_ORDER, batch["timesteps"]):
+            checkpointed_step(m, j).backward()
+    assert rel_err(grads(m), whole_loss_grad(model, batch, 4, "t")) < 1e-13
+    assert jagg.counts.fallbacks == 0 and jagg.counts.jagg_windows == 2
+    plain = copy.deepcopy(model)
+    with track_saved_tensors() as unchecked:
+        per_step_loop(plain, batch, RANDOM_ORDER, jaggc.stepwise(plain, window=4, weights="t"))
+    assert saved.peak_bytes < 0.5 * unchecked.peak_bytes
+    jagg.close()
+    jaggc.stepwise(plain).close()

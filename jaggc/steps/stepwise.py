@@ -35,7 +35,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from .._compat import fsdp_version
+from .._compat import fsdp_version, in_backward
 from ..errors import JaggError, JaggInputError, JaggUnsupportedError
 from ..options import Options
 from ..runtime.calls import DitCall
@@ -166,7 +166,7 @@ class Stepwise:
         run = TrajectoryRun(self, plan)
         self._run = self._last = run
         self.counts.trajectories += 1
-        self.ledger.snapshot()
+        self.ledger = Ledger(self.module)      # its parameters as they are now (an adapter added since)
         if not any(not w.exact for w in plan.windows):
             self._warn_once("all-exact", (
                 f"no window of the declared trajectory runs JAGG (" + "; ".join(sorted({w.reason for w in plan.windows}))
@@ -323,7 +323,10 @@ class InstalledForward:
 
     def __call__(self, *args, **kwargs):
         owner = self.owner
-        if owner._run is None or not torch.is_grad_enabled() or getattr(owner._local, "through", 0):
+        if (owner._run is None or not torch.is_grad_enabled() or getattr(owner._local, "through", 0)
+                or in_backward()):
+            # a call inside a backward is a recomputation (activation checkpointing written around
+            # the call), which must repeat the original forward's ops, not be a step of its own
             return self.original(*args, **kwargs)
         return owner._run.call(DitCall(tuple(args), dict(kwargs)), self.original, frame_location(user_frame()))
 
