@@ -17,8 +17,9 @@ from .api import JaggCompiled, explain, jagg_compile
 from .options import Options
 from .report import Report
 from .runtime.routing import Routing
+from .steps import Stepwise, stepwise
 
-__all__ += ["JaggCompiled", "Options", "Report", "Routing", "explain", "jagg_compile"]
+__all__ += ["JaggCompiled", "Options", "Report", "Routing", "Stepwise", "explain", "jagg_compile", "stepwise"]
 
 
 def calibrate(loss_fn, dit, batch, target_cosine=0.95, candidates=None, **kwargs):

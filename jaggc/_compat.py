@@ -567,3 +567,33 @@ def apply_activation_checkpointing(model, check_fn) -> None:
     cw.apply_activation_checkpointing(
         model, checkpoint_wrapper_fn=functools.partial(cw.checkpoint_wrapper, checkpoint_impl=cw.CheckpointImpl.NO_REENTRANT),
         check_fn=check_fn)
+
+
+# --- RNG: a re-run draws what its call drew --------------------------------------------------
+
+def rng_states(*inputs):
+    """The CPU RNG state and that of every accelerator device ``inputs`` live on: what a DiT call
+    drew its dropout masks from. ``torch.utils.checkpoint``'s own device-state helpers (public
+    functions of a module whose API is the checkpoint functions) do the accelerator part."""
+    from torch.utils.checkpoint import get_device_states
+
+    leaves = [x for x in tree_flatten(list(inputs))[0] if isinstance(x, torch.Tensor)]
+    return torch.get_rng_state(), get_device_states(*leaves)
+
+
+@contextlib.contextmanager
+def rng_states_restored(states):
+    """Run the body with the RNG states ``rng_states`` took, then give the caller's stream back."""
+    from torch.utils.checkpoint import set_device_states
+
+    cpu, (devices, device_states) = states
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(cpu)
+        set_device_states(devices, device_states)
+        yield
+
+
+def in_backward() -> bool:
+    """Whether this thread runs inside an autograd backward now (a checkpoint's recomputation, a
+    backward hook): what FSDP2 asks torch too (``_current_graph_task_id``, no public name)."""
+    return torch._C._current_graph_task_id() != -1

@@ -25,15 +25,10 @@ from .report import Report
 from .report_build import build_report, intercept_report, refresh_times
 from .runtime.guard import Guard
 from .runtime.routing import Routing
-from .runtime.weights import Basis
+from .runtime.weights import DEFAULT_WEIGHTS, Basis
 from .runtime.window import check_window_size
 from .options import CAPTURES, KEYWORDS, DEPRECATED, Options, apply_deprecated
 
-#: jagg_compile's default weights: plain JAGG (t-weights) with σ-aware placement, windows reaching
-#: σ < 0.5 run exactly; the cheapest candidate whose bias stayed within 1.5x its noise floor (with
-#: a margin) and whose cosine beat subsampling in every cell of the bias study (README, Fidelity;
-#: docs/bias_study.md). weights="t" is the paper's plain JAGG.
-DEFAULT_WEIGHTS = Basis("linear", "t", exact_below=0.5)
 
 # capture="auto" tries these in order. FX first: its first call on a 50-step Flow-GRPO loss is
 # about 5x cheaper than Dynamo's, and it takes the trainers' schedule reads, no_grad reference
@@ -90,6 +85,8 @@ class JaggCompiled:
         self._path: str | None = None if capture == "auto" else capture
         self.capture_failures: list[str] = []   # why earlier paths of capture="auto" were left
         self._warned_no_dit = False
+        self._one_step_calls = 0         # consecutive calls with one trained DiT call (-1: not per-step)
+        self._per_step_warned = False
         input_writes = _passes().input_writes
         self.frontends: dict[str, Frontend] = {
             "fx": FxFrontend(self, self.__qualname__, input_writes),
@@ -138,6 +135,7 @@ class JaggCompiled:
                 self._announce_fallback(path, failed)
             self._path = path
             self._check_trains_the_dit(out)
+            self._check_not_per_step()
             return out
         return self._unsupported(JaggCaptureError(
             "no capture path could take the loss:\n  " + "\n  ".join(failed)), args, kwargs)
@@ -166,6 +164,31 @@ class JaggCompiled:
                 f"but its value requires grad: it trains something else and runs as written, without JAGG. If the "
                 f"DiT is called inside, pass it as an argument of the loss or with jagg_compile(dit=model)",
                 stacklevel=3)
+
+    def _check_not_per_step(self) -> None:
+        """Never silently slow: a loss whose every call makes ONE trained DiT call is a trainer's
+        per-step function (its loop calls backward after each step): no window can form, so each
+        call runs exactly, at the undecorated cost. Said once, from the second such call on (a
+        trajectory's one-step tail, as MixGRPO's window ends, is a single call among longer ones)."""
+        if self._per_step_warned or self._report is None:
+            return
+        if self._report.trained_calls != 1:
+            self._one_step_calls = -1            # a call with several trained steps: not per-step
+            return
+        if self._one_step_calls < 0:
+            return
+        self._one_step_calls += 1
+        if self._one_step_calls < 2:
+            return
+        self._per_step_warned = True
+        code = getattr(self.fn, "__code__", None)
+        where = f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
+        warnings.warn(
+            f"jaggc: {self.__qualname__}{where} makes one trained DiT call per call, so no JAGG window can form and "
+            f"every call runs exactly, at the undecorated cost: it looks like a trainer's per-step function, called once "
+            f"per timestep with backward() after each. Leave it undecorated and let the loop's own per-step backward "
+            f"run JAGG: jaggc.stepwise(transformer, window=4) once, then `for j in jaggc.stepwise(transformer)"
+            f".steps(train_timesteps, timesteps_of_those_steps):` (docs/trainers.md)", stacklevel=4)
 
     def _unsupported(self, err: JaggUnsupportedError, args, kwargs):
         if self.on_unsupported == "raise":

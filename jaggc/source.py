@@ -19,7 +19,7 @@ import os
 import re
 from typing import Iterable
 
-INTERNAL_MODULES = ("torch", "jaggc.frontends", "jaggc.runtime", "jaggc.passes", "jaggc.api", "jaggc.graph_ops",
+INTERNAL_MODULES = ("torch", "jaggc.frontends", "jaggc.runtime", "jaggc.steps", "jaggc.passes", "jaggc.api", "jaggc.graph_ops",
                     "jaggc._compat", "jaggc.backends", "jaggc.options", "jaggc.source")
 
 

@@ -35,7 +35,8 @@ from typing import Callable
 
 import torch
 
-from jaggc_studies import trainer_shapes
+from jaggc_studies import loops, trainer_shapes
+from jaggc_studies.loops import report as loop_report
 from jaggc.api import DEFAULT_WEIGHTS, jagg_compile
 from jaggc.runtime.module_state import module_state, set_state
 from jaggc.testing import cuda_autocast_on_cpu
@@ -324,25 +325,38 @@ def format_table(results: dict) -> str:
 
 
 def main(args) -> int:
-    names = [n for n in args.names.split(",") if n] if args.names else list(trainer_shapes.SHAPES)
+    names = (list(trainer_shapes.SHAPES) if not args.names else []
+             if args.names == "none" else [n for n in args.names.split(",") if n])
     unknown = [n for n in names if n not in trainer_shapes.SHAPES]
     if unknown:
         raise SystemExit(f"jaggc trainers: unknown shape(s) {unknown}; choose from {list(trainer_shapes.SHAPES)}")
     forms = [f for f in args.forms.split(",") if f]
     if not forms or any(f not in FORMS for f in forms):
         raise SystemExit(f"jaggc trainers: --forms {args.forms!r}: a comma-separated subset of {', '.join(FORMS)}")
+    loop_names = [n for n in args.loops.split(",") if n]
+    if any(n not in loops.LOOPS for n in loop_names):
+        raise SystemExit(f"jaggc trainers: --loops {args.loops!r}: a comma-separated subset of {', '.join(loops.LOOPS)}")
     results = run(names, steps=args.steps, first_call_steps=args.first_call_steps, subsets=args.subsets,
-                  speed_size=args.speed_size, speed_steps=args.speed_steps, rounds=args.rounds, forms=forms)
-    print(format_table(results))
+                  speed_size=args.speed_size, speed_steps=args.speed_steps, rounds=args.rounds, forms=forms) \
+        if names else dict(shapes={})
+    if loop_names:
+        results["loops"] = loop_report.run_loops(loop_names, size=args.speed_size, rounds=args.rounds)
+    if names:
+        print(format_table(results))
+    if loop_names:
+        print(loop_report.format_loops(results["loops"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2, default=str)
     graph = all(r["path"] != "intercept" for r in results["shapes"].values())
-    return 0 if graph else 1
+    fewer = all(c["reduce_scatters_per_trajectory"][f] < c["reduce_scatters_per_trajectory"]["unchanged"]
+                for r in results.get("loops", {}).values() if (c := r.get("collectives")) for f in ("joint", "lowmem"))
+    return 0 if graph and fewer else 1
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--names", default="", help=f"comma-separated shapes (default all): {', '.join(trainer_shapes.SHAPES)}")
+    p.add_argument("--names", default="", help=f"comma-separated shapes (default all; 'none': only the loops): "
+                                               f"{', '.join(trainer_shapes.SHAPES)}")
     p.add_argument("--forms", default=",".join(FORMS),
                    help="cpu: the trainers' CUDA autocast blocks off, as on this machine; gpu: live (bf16 CPU autocast)")
     p.add_argument("--steps", type=int, default=8, help="steps of the gradient-check trajectories")
@@ -352,4 +366,7 @@ def add_arguments(p) -> None:
                    help="model size of the speed runs (Qwen-Image for the author's, Flux for MixGRPO's)")
     p.add_argument("--speed-steps", type=int, default=16, help="trained steps of the author speed run")
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds of the speed runs (0: skip)")
+    p.add_argument("--loops", default=",".join(loops.LOOPS),
+                   help="the trainers' own per-step loops with jaggc.stepwise to measure (lines changed, CPU time, "
+                        "peak activations, collectives); '' to skip")
     p.add_argument("--json", default=None, help="write the results as JSON")

@@ -185,13 +185,13 @@ class Pipeline:
 
 
 def flow_grpo_sd3(*, num_steps: int = T_DEFAULT, batch: int = 2, seed: int = 0, beta: float = 0.04,
-                  cfg: bool = True) -> TrainerShape:
+                  cfg: bool = True, size: str = "tiny") -> TrainerShape:
     """SD3 (tiny) wrapped by peft's ``get_peft_model`` (random rank-4 LoRA on the attention, so the
     adapter-off reference differs from the policy), a shift-3 ``FlowMatchEulerDiscreteScheduler``."""
     import peft
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    base = models.sd3("tiny", seed=seed)
+    base = models.sd3(size, seed=seed)
     lora = peft.LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"],
                            init_lora_weights=False)
     torch.manual_seed(seed + 7)

@@ -264,7 +264,7 @@ LAYER_PREFIXES = {
     "jaggc.backends": "backends", "jaggc.report_view": "report", "jaggc.report_build": "report",
     "jaggc.report": "report", "jaggc.fidelity": "fidelity", "jaggc.grpo": "helpers",
     "jaggc.models": "helpers", "jaggc.testing": "helpers", "jaggc.api": "api", "jaggc.verify": "verify",
-    "jaggc.cli": "cli", "jaggc_studies": "studies", "jaggc": "package",
+    "jaggc.cli": "cli", "jaggc.steps": "steps", "jaggc_studies": "studies", "jaggc": "package",
 }
 _BASE = {"errors", "compat", "source"}
 # layer -> the layers it may import (lazily too). Nothing of the compiler may import the studies;
@@ -282,11 +282,13 @@ MAY_IMPORT = {
     "report": _BASE | {"runtime", "graph_ops", "frontends"},
     "fidelity": _BASE | {"runtime", "frontends"},
     "api": _BASE | {"runtime", "graph_ops", "frontends", "passes", "backends", "report", "package"},
-    "package": _BASE | {"runtime", "api", "report", "fidelity"},
+    # the per-step path (jaggc.steps): the window runtime's pieces and the options, no graph
+    "steps": _BASE | {"runtime", "package"},
+    "package": _BASE | {"runtime", "api", "report", "fidelity", "steps"},
     "verify": _BASE | {"runtime", "api", "report", "helpers", "package", "passes", "frontends", "graph_ops"},
     "cli": {"verify"},
     "studies": {"errors", "compat", "source", "runtime", "graph_ops", "frontends", "api", "report", "fidelity", "helpers",
-                "package", "verify", "studies", "passes", "backends"},
+                "package", "verify", "studies", "passes", "backends", "steps"},
 }
 COMPILER_LAYERS = set(MAY_IMPORT) - {"studies"}
 

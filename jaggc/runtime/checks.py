@@ -71,9 +71,15 @@ def check_placement(dit: nn.Module, call: DitCall, where: str, *, dtypes: bool =
 
 def check_calls(dit: nn.Module, calls: Sequence[DitCall], steps: Sequence[int]) -> None:
     """Device, dtype and autograd-independence of every tensor input, and finiteness."""
-    finite_flags, finite_where = [], []
     for call, step in zip(calls, steps):
         check_placement(dit, call, f"step {step}")
+    check_step_values(calls, steps)
+
+
+def check_step_values(calls: Sequence[DitCall], steps: Sequence[int]) -> None:
+    """Autograd-independence and finiteness of every tensor input of ``calls`` (one host sync)."""
+    finite_flags, finite_where = [], []
+    for call, step in zip(calls, steps):
         for name, t in _tensor_inputs(call):
             if t.requires_grad:
                 raise JaggInputError(

@@ -264,6 +264,13 @@ def lagrange_matrix(x: torch.Tensor, knots: Sequence[int]) -> torch.Tensor:
     return phi
 
 
+#: The default weights of ``jagg_compile`` and ``stepwise``: plain JAGG (t-weights) with σ-aware
+#: placement, windows reaching σ < 0.5 run exactly; the cheapest candidate whose bias stayed within
+#: 1.5x its noise floor (with a margin) and whose cosine beat subsampling in every cell of the bias
+#: study (README, Fidelity; docs/bias_study.md). weights="t" is the paper's plain JAGG.
+DEFAULT_WEIGHTS = Basis("linear", "t", exact_below=0.5)
+
+
 def resolve_basis(weights: str | Basis) -> Basis:
     """The ``weights=`` option: "t", "index", or a Basis."""
     if isinstance(weights, Basis):

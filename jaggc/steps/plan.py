@@ -1,0 +1,152 @@
+"""A declared trajectory: its steps in σ order, cut into windows, and which declared step a DiT call is.
+
+The trainers call the DiT once per step and ``backward()`` after each step, in their own order
+(Flow-GRPO and MixGRPO in sampler order, DanceGRPO in a random permutation of a random subset).
+Before the first step of a trajectory the user declares the timesteps of the steps it will train
+(``Stepwise.trajectory``). From them the plan forms the windows the whole-loss path forms for the
+same steps: sorted by noise level, high to low (the sampler's order), cut into consecutive windows
+of ``window`` steps by ``runtime.window.partition`` (a shorter tail is a window of its own), each
+window's knots and its exactness from the basis (``Basis.knot_positions``, ``Basis.runs_exact``:
+σ-aware placement runs a window that reaches σ < ``exact_below`` exactly; a window of <= 2 steps
+is all knots, so exact).
+
+A DiT call is matched to a declared step by its timestep: per sample, the call's timestep equals
+the declared one (within float32 roundoff), in the units the user declared or, if those differ by
+the 0..1000 vs 0..1 convention (DanceGRPO stores ``int(σ * 1000)`` and calls the DiT with
+``timesteps / 1000``), in noise levels σ. A call whose batch is a multiple of the declared batch
+(classifier-free guidance on ``[uncond; cond]``) matches the declaration tiled.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ..errors import JaggInputError
+from ..runtime.calls import DitCall, per_sample_time, resolve_time_arg
+from ..runtime.weights import Basis, noise_levels
+from ..runtime.window import partition
+
+# a call's timestep and a declared one are the same step when they agree to this relative
+# tolerance (a float32 timestep of a float64 declaration, `long / 1000` against `σ`); distinct
+# steps of any sampler schedule differ by far more (25 steps at shift 3: Δσ >= 1e-2 near σ = 1)
+MATCH_RTOL = 1e-5
+
+
+@dataclass(frozen=True)
+class PlannedWindow:
+    """One window of the plan: declared step indices in σ order, knot positions within it, and
+    whether it runs exactly (every step its own backward, as the unchanged loop runs it)."""
+
+    index: int
+    steps: tuple[int, ...]
+    knots: tuple[int, ...]
+    exact: bool
+    reason: str = ""          # why it is exact ("σ < 0.5", "2 steps"), for reports and warnings
+
+    def role(self, step: int) -> str:
+        if self.exact:
+            return "exact"
+        return "knot" if self.steps.index(step) in self.knots else "interior"
+
+
+def declared_times(timesteps) -> torch.Tensor:
+    """The declaration as a float64 (steps, batch) tensor; batch 1 when the steps are shared by
+    the batch. Accepted: a sequence of numbers or a 1-d tensor (one timestep per step), or a 2-d
+    tensor (batch, steps): the trainers' ``sample["timesteps"][:, trained]``."""
+    if isinstance(timesteps, torch.Tensor):
+        t = timesteps.detach()
+        if t.ndim == 1:
+            t = t[:, None]
+        elif t.ndim == 2:
+            t = t.t()
+        else:
+            raise JaggInputError(
+                f"trajectory(timesteps=...) has shape {tuple(t.shape)}; pass one timestep per trained step, "
+                f"shape (steps,) or (batch, steps) as the trainers store them (sample['timesteps'][:, steps])")
+        return t.to(device="cpu", dtype=torch.float64)
+    if isinstance(timesteps, (list, tuple)) and all(isinstance(x, numbers.Number) for x in timesteps):
+        return torch.tensor([[float(x)] for x in timesteps], dtype=torch.float64)
+    raise JaggInputError(
+        f"trajectory(timesteps=...) got a {type(timesteps).__name__}; pass the trained steps' timesteps as a "
+        f"tensor of shape (steps,) or (batch, steps), or a list of numbers")
+
+
+class TrajectoryPlan:
+    """The windows of one declared trajectory and the rule that maps a DiT call to its step."""
+
+    def __init__(self, timesteps, *, window: int, basis: Basis, time_arg: str | int | None = None):
+        self.times = declared_times(timesteps)                   # (N, Bd), declaration order
+        self.time_arg = time_arg
+        num_steps = self.times.shape[0]
+        if num_steps == 0:
+            raise JaggInputError("trajectory(timesteps=...) declares no step; declare the steps the loop trains")
+        if not bool(torch.isfinite(self.times).all()):
+            raise JaggInputError("trajectory(timesteps=...) holds NaN or Inf; declare each trained step's timestep")
+        # σ order: high noise first, as the sampler visits them; every sample must agree on it
+        self.order = sorted(range(num_steps), key=lambda k: -float(self.times[k].max()))
+        ordered = self.times[self.order]
+        self.in_sigma_order = self.order == list(range(num_steps))     # declared as the sampler visits them
+        if num_steps > 1:
+            steps_down = ordered[1:] < ordered[:-1]
+            if not bool(steps_down.all()):
+                i = int(torch.nonzero(~steps_down.all(1))[0])
+                a, b = self.order[i], self.order[i + 1]
+                raise JaggInputError(
+                    f"declared steps {a} and {b} have the same timestep, or samples disagree on their order "
+                    f"({ordered[i].tolist()} vs {ordered[i + 1].tolist()}); declare each trained step once, with "
+                    f"per-sample timesteps that follow one schedule")
+        self.windows: list[PlannedWindow] = []
+        self.window_of: dict[int, PlannedWindow] = {}
+        for w, positions in enumerate(partition(num_steps, window)):
+            steps = tuple(self.order[p] for p in positions)
+            win_times = self.times[list(steps)]
+            if len(steps) <= 2:
+                planned = PlannedWindow(w, steps, tuple(range(len(steps))), True, f"{len(steps)} step(s): all knots")
+            elif basis.runs_exact(win_times):
+                planned = PlannedWindow(w, steps, tuple(range(len(steps))), True,
+                                        f"σ-aware placement: reaches σ < {basis.exact_below:g}")
+            else:
+                planned = PlannedWindow(w, steps, basis.knot_positions(len(steps)), False)
+            self.windows.append(planned)
+            for k in steps:
+                self.window_of[k] = planned
+
+    def replace_window(self, planned: PlannedWindow) -> None:
+        self.windows[planned.index] = planned
+        for k in planned.steps:
+            self.window_of[k] = planned
+
+    def __len__(self) -> int:
+        return self.times.shape[0]
+
+    def match(self, call: DitCall) -> int | None:
+        """The declared step ``call`` makes, or None if its timestep is none of the declared ones."""
+        arg = resolve_time_arg(call, self.time_arg)
+        t = per_sample_time(call, arg).detach().to(device="cpu", dtype=torch.float64)
+        bd = self.times.shape[1]
+        if t.shape[0] % bd:
+            return None
+        declared = self.times.repeat(1, t.shape[0] // bd)         # (N, Bc): CFG doubles the batch
+        for candidates, value in ((declared, t), (noise_levels(declared), noise_levels(t))):
+            close = (candidates - value).abs() <= MATCH_RTOL * candidates.abs().clamp_min(1e-3)
+            hits = torch.nonzero(close.all(1)).flatten().tolist()
+            if len(hits) == 1:
+                return hits[0]
+        return None
+
+    def describe_call(self, call: DitCall) -> str:
+        arg = resolve_time_arg(call, self.time_arg)
+        t = per_sample_time(call, arg).detach().to(dtype=torch.float64).flatten().tolist()
+        shown = t[0] if len(set(t)) == 1 else t[:4]
+        return f"timestep {shown!r}"
+
+    def describe_steps(self) -> str:
+        values = [float(self.times[k].max()) for k in self.order]
+        return ", ".join(f"{v:g}" for v in values[:8]) + (", ..." if len(values) > 8 else "")
+
+
+__all__ = ["MATCH_RTOL", "PlannedWindow", "TrajectoryPlan", "declared_times"]

@@ -1,0 +1,67 @@
+"""The ranks of a DDP/FSDP run must run the same collectives: one trajectory plan for all of them.
+
+Every DiT backward of a DDP or FSDP module is collective (an all-reduce per gradient bucket, a
+reduce-scatter per FSDP unit), so every rank must make the same number of them, in the same order.
+The unchanged per-step loop makes one per trained step. A stepwise trajectory makes one per JAGG
+window and one per step of an exact window, and whether a window is exact depends on its steps'
+noise levels (σ-aware placement): DanceGRPO draws each rank's subset of steps at random, so rank 0's
+window 1 may reach σ < 0.5 while rank 1's does not, and the ranks' backward counts would differ (a
+hang, or gradients paired with the wrong step). ``agree_on_plan`` makes the plans agree before the
+first step: the ranks must declare the same number of steps (so the same windows), and a window is
+exact on every rank if it is exact on any.
+
+The step at which a window's backward runs must agree as well. In σ order (Flow-GRPO, MixGRPO)
+window k completes at the same step on every rank; in a random order (DanceGRPO: each rank its own
+permutation) it does not, and the loop's own per-step collectives (its ``all_reduce`` of the loss)
+would pair with another rank's backward. Unless every rank declared its steps in σ order, the run
+takes the deferred schedule (``run.py``): every window's backward, exact windows' included, runs in
+the trajectory's last step's backward, in window order. Three small all-reduces per trajectory.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..errors import JaggInputError
+from .plan import PlannedWindow, TrajectoryPlan
+
+
+def distributed(module) -> bool:
+    """Whether ``module``'s backward passes are collective (DDP or FSDP in an initialized group)."""
+    from .._compat import fsdp_version
+    from ..runtime.module_state import module_chain
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    return fsdp_version(module) is not None or any(
+        isinstance(m, torch.nn.parallel.DistributedDataParallel) for m in module_chain(module))
+
+
+def agree_on_plan(plan: TrajectoryPlan) -> list[int]:
+    """Make ``plan``'s windows exact where any rank's are, and its σ order every rank's (module
+    docstring); the windows changed."""
+    sizes = torch.tensor([len(plan), -len(plan)], dtype=torch.int64)
+    dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
+    if int(sizes[0]) != -int(sizes[1]):
+        raise JaggInputError(
+            f"the ranks declared trajectories of different lengths ({-int(sizes[1])} to {int(sizes[0])} steps; this rank "
+            f"{len(plan)}): every rank's DiT backward passes are collective, so every rank must train the same number "
+            f"of steps per trajectory (DanceGRPO: the same timestep_fraction)")
+    exact = torch.tensor([int(w.exact) for w in plan.windows], dtype=torch.int64)
+    dist.all_reduce(exact, op=dist.ReduceOp.MAX)
+    ordered = torch.tensor([int(plan.in_sigma_order)], dtype=torch.int64)
+    dist.all_reduce(ordered, op=dist.ReduceOp.MIN)
+    plan.in_sigma_order = bool(ordered)
+    changed = []
+    for w, flag in zip(list(plan.windows), exact.tolist()):
+        if flag and not w.exact:
+            agreed = PlannedWindow(w.index, w.steps, tuple(range(len(w.steps))), True,
+                                   "another rank's window reaches the σ-aware threshold (ranks' backward passes must "
+                                   "match)")
+            plan.replace_window(agreed)
+            changed.append(w.index)
+    return changed
+
+
+__all__ = ["agree_on_plan", "distributed"]

@@ -1,0 +1,100 @@
+"""A trajectory's calls run again with grad inside a window's backward (knots whose graph is not held).
+
+A re-run must compute what the call computed when the loop made it: the same inputs (written in
+place since? refused), the same parameters (the ledger), the module's and the thread's state of
+then (``CallState``: train/eval, adapters, the step's autocast block) and, where dropout is live,
+the same random draws (the call's RNG state). Calls of one window that share their state run as
+ONE forward on their batch-concatenated inputs (``Options(batch_knots=True)``, the default, as the
+whole-loss path batches its knots): on a latency-bound device a forward and backward of 2B cost
+hardly more than of B. With dropout live a batch would draw other masks than the calls did, so
+each call then re-runs on its own with its own RNG state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+from torch import nn
+
+from .._compat import rng_states_restored, version_counter
+from ..errors import JaggInputError
+from ..runtime.autocast import autocast_applied
+from ..runtime.calls import batch_size, concat_calls, resolve_time_arg, split_output
+
+if TYPE_CHECKING:
+    from .run import StepVisit, TrajectoryRun
+
+
+def rerun_calls(run: "TrajectoryRun", visits: Sequence["StepVisit"]) -> dict[int, Any]:
+    """The outputs, with grad, of ``visits``' calls run again (module docstring), by ``id(visit)``."""
+    owner = run.owner
+    for visit in visits:
+        for x, version in visit.inputs:
+            if version_counter(x) != version:
+                raise owner.safety.refuse(run, (
+                    f"{visit.where}: an input of step {visit.step}'s DiT call was written in place after the call; "
+                    f"jaggc re-runs the call with grad in its window's backward and would see other values. Pass "
+                    f"the stored states unchanged (write into a copy)"))
+        owner.safety.before_rerun(run, visit)
+    outs: dict[int, Any] = {}
+    if not visits:
+        return outs
+    batched = _batched(run, visits)
+    if batched is not None:
+        call, batch = batched
+        with _state_applied(run, visits[0].state), owner.passing_through(), torch.enable_grad():
+            out = call(owner.module)
+            # the slices are views: taken with grad on (a window's backward runs without), or
+            # they would carry no graph
+            for visit, part in zip(visits, split_output(out, len(visits), batch)):
+                outs[id(visit)] = part
+        owner.counts.grad_forwards += 1
+    else:
+        for visit in visits:
+            with rng_states_restored(visit.rng), _state_applied(run, visit.state), owner.passing_through(), \
+                    torch.enable_grad():
+                outs[id(visit)] = visit.call(owner.module)
+            owner.counts.grad_forwards += 1
+    owner.counts.reruns += len(visits)
+    run.latest = visits[-1]
+    return outs
+
+
+def _batched(run: "TrajectoryRun", visits: Sequence["StepVisit"]):
+    """(one batched call, the batch of one) for ``visits``, or None when they must run one by one."""
+    owner = run.owner
+    if len(visits) < 2 or not owner.options.batch_knots or any(v.state != visits[0].state for v in visits):
+        return None
+    with _state_applied(run, visits[0].state):
+        if any(m.training for m in run.dropouts):
+            return None
+    time_arg = resolve_time_arg(visits[0].call, owner.options.time_arg)
+    try:
+        call = concat_calls([v.call for v in visits], time_arg, steps=[v.step for v in visits],
+                            unbatched=owner.options.unbatched)
+    except JaggInputError:
+        return None            # not batch-compatible (another argument structure): one by one
+    return call, batch_size(visits[0].call)
+
+
+@contextlib.contextmanager
+def _state_applied(run: "TrajectoryRun", state):
+    """``state.applied(module)`` with the module's flags read by the trajectory's cheap reader first:
+    a re-run in the state the module is in already (the common case) switches nothing."""
+    if run.states.read() == state.module:
+        with autocast_applied(state.autocast):
+            yield
+        return
+    with state.applied(run.owner.module):
+        yield
+
+
+def live_dropouts(modules: Sequence[nn.Module]) -> list[nn.Module]:
+    """The dropout modules that draw when in training mode (p > 0)."""
+    kinds = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+    return [m for m in modules if isinstance(m, kinds) and m.p > 0]
+
+
+__all__ = ["live_dropouts", "rerun_calls"]

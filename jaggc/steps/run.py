@@ -1,0 +1,299 @@
+"""One declared trajectory at run time: each DiT call of the loop a step, each window's backward once.
+
+The loop calls the DiT once per step and ``backward()`` after each. Per step (``TrajectoryRun.call``):
+
+* a step of an exact window (σ-aware placement, <= 2 steps, or a window jaggc had to run exactly)
+  runs as written: its own forward with grad, its own DiT backward;
+* a JAGG knot runs its forward with grad and keeps the graph (``hold``); an interior step runs
+  without grad. Either hands the loop its values through a ``StepTap`` (tap.py), whose backward
+  brings the step's upstream gradient g_k here (``on_grads``) and enters no DiT graph;
+* once every step of a window has its g_k (the window's last step's ``backward()``, in any order
+  of the steps) the window's composites Γ_j = Σ_s Φ[s, j] g_s go through its knot graphs in ONE
+  nested ``torch.autograd.backward`` (``complete``), so ``.grad`` gets J_aᵀΓ_a + J_bᵀΓ_b before
+  that ``backward()`` returns: when the trajectory's last step's backward returns, ``.grad`` is the
+  whole-loss ``jagg_compile``'s for the same windows and weights.
+
+A knot whose graph is not held (``backward="per_window"``, or ``"lowmem"`` once the steps come out
+of σ order) is re-run with grad in the window's backward, in the module and autocast state and with
+the RNG state of its own call (rerun.py). Anything that would make the result silently wrong (a
+parameter or ``.grad`` written between two steps of a window, a step visited twice, a trajectory
+that ends early) runs the affected window exactly, with one warning, or raises (``safety.py``
+decides which, with the ledger's help).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+
+from .._compat import rng_states, tree_flatten, version_counter
+from ..errors import JaggInputError
+from ..runtime.aggregate import knot_composites
+from ..runtime.calls import DitCall, check_output_requires_grad, per_sample_time, resolve_time_arg
+from ..runtime.autocast import current_autocast
+from ..runtime.checks import check_calls, check_step_values
+from ..runtime.module_state import CallState, StateReader
+from .plan import PlannedWindow, TrajectoryPlan
+from .rerun import live_dropouts, rerun_calls
+from .tap import float_leaves, tap_output
+
+if TYPE_CHECKING:
+    from .stepwise import Stepwise
+
+
+@dataclass
+class StepVisit:
+    """One step's call as jaggc ran it, and what its window's backward needs of it."""
+
+    step: int
+    call: DitCall
+    state: CallState
+    rng: Any                               # the RNG state the call ran with (a re-run draws the same)
+    inputs: list                           # (tensor, version) of its tensor inputs: a re-run needs them unchanged
+    where: str                             # the user's file:line of the call
+    index: list[int] = field(default_factory=list)     # the tapped (floating) output leaves
+    held: Any = None                       # the DiT's output with its graph (a held knot)
+    grads: list | None = None              # g_k per tapped leaf, once the step's backward ran
+    exact: bool = False                    # ran as written (its own DiT backward)
+
+
+class WindowRun:
+    def __init__(self, planned: PlannedWindow):
+        self.planned = planned
+        self.visits: dict[int, StepVisit] = {}
+        self.exact = planned.exact
+        self.done = False
+        self.dropped: set[int] = set()     # steps a zero_grad wiped before the window completed
+
+    @property
+    def open(self) -> bool:
+        """Visited steps still waiting to contribute to ``.grad``."""
+        return not self.done and any(not v.exact for v in self.visits.values())
+
+    def pending(self) -> list[StepVisit]:
+        return [v for v in self.visits.values() if not v.exact]
+
+
+class TrajectoryRun:
+    def __init__(self, owner: "Stepwise", plan: TrajectoryPlan):
+        self.owner = owner
+        self.plan = plan
+        self.windows = [WindowRun(w) for w in plan.windows]
+        self.visited: list[int] = []                 # declared steps in visit order
+        self.in_order = True                         # visits so far follow σ order, one step after another
+        # DDP/FSDP with steps out of σ order on some rank: every backward in the last step's (ranks.py)
+        self.deferred = owner.distributed and not plan.in_sigma_order
+        self.latest: StepVisit | None = None         # the visit that made the module's latest forward
+        self.states = StateReader(owner.module)       # the module's state at each call, for its re-run
+        self.dropouts = live_dropouts(self.states.modules)
+        self.checked_placement = False               # device/dtype of the calls' inputs: checked once
+
+    def window(self, step: int) -> WindowRun:
+        return self.windows[self.plan.window_of[step].index]
+
+    # --- a DiT call of the loop --------------------------------------------------------------
+    def call(self, call: DitCall, forward: Callable, where: str) -> Any:
+        step = self.plan.match(call)
+        if step is None:
+            raise JaggInputError(
+                f"{where}: a grad-enabled call of the DiT at {self.plan.describe_call(call)} is none of this "
+                f"trajectory's declared steps (timesteps {self.plan.describe_steps()}). Declare the timesteps the "
+                f"DiT is called with, one per trained step (sample['timesteps'][:, steps]), or make calls that are "
+                f"not trained steps under torch.no_grad()")
+        self.owner.safety.before_step(self, step, where)
+        win = self.window(step)
+        if step in win.visits or step in win.dropped:
+            self.owner.safety.visited_twice(self, win, step, where)
+        self._note_order(step)
+        self.visited.append(step)
+        if win.exact and not self.deferred:
+            return self._exact_call(win, step, call, forward, where)
+        role = win.planned.role(step)            # "exact": an exact window's step on the deferred schedule
+        hold = role != "interior" and self.owner.holds_graphs(self)
+        if self.owner.options.check_inputs:
+            self._check_inputs(call, step)
+        visit = StepVisit(step, call, self._state(), rng_states(call.args, call.kwargs),
+                          _input_versions(call), where)
+        win.visits[step] = visit
+        self.latest = visit
+        if hold:
+            out = forward(*call.args, **call.kwargs)
+            check_output_requires_grad(self.owner.module, out)
+            visit.held = out
+            self.owner.counts.grad_forwards += 1
+        else:
+            with torch.no_grad():
+                out = forward(*call.args, **call.kwargs)
+            self.owner.counts.nograd_forwards += 1
+        tapped, visit.index = tap_output(out, lambda grads, v=visit: self.on_grads(v, grads))
+        return tapped
+
+    def _state(self) -> CallState:
+        return CallState(self.states.read(), current_autocast())
+
+    def _check_inputs(self, call: DitCall, step: int) -> None:
+        """The window runtime's input refusals (inputs that require grad: computed from an earlier
+        DiT output; NaN/Inf), with the device/dtype placement checked at the trajectory's first step
+        (every step's call has the same structure)."""
+        if not self.checked_placement:
+            check_calls(self.owner.module, [call], [step])
+            self.checked_placement = True
+        else:
+            check_step_values([call], [step])
+
+    def _exact_call(self, win: WindowRun, step: int, call: DitCall, forward: Callable, where: str) -> Any:
+        win.visits[step] = self.latest = StepVisit(step, call, None, None, [], where, exact=True)
+        out = forward(*call.args, **call.kwargs)
+        self.owner.counts.grad_forwards += 1
+        self.owner.counts.exact_steps += 1
+        leaves, _, index = float_leaves(out)
+        grad_leaves = [leaves[i] for i in index if leaves[i].requires_grad]
+        if grad_leaves:
+            # its backward writes .grad through the DiT's own graph: the ledger must not read that
+            # as a foreign write (ledger.py)
+            grad_leaves[0].register_hook(self._exact_backward_hook)
+        return out
+
+    def _exact_backward_hook(self, grad):
+        self.owner.ledger.mark_exact_backward()
+        self.owner.counts.backwards += 1
+        return grad
+
+    def _note_order(self, step: int) -> None:
+        position = self.plan.order.index(step)
+        previous = self.plan.order.index(self.visited[-1]) if self.visited else -1
+        if self.in_order and position != previous + 1:
+            self.in_order = False
+            if self.owner.distributed and not self.deferred:
+                raise self.owner.safety.refuse(self, (
+                    f"step {step} came out of the declared order under DDP/FSDP: the ranks agreed to run each window's "
+                    f"backward at the step its last step comes in σ order, which this rank now breaks. Declare the steps "
+                    f"in the order the loop visits them"))
+            self.owner.left_order(self)
+
+    # --- a step's gradient arrives ----------------------------------------------------------------
+    def on_grads(self, visit: StepVisit, grads: Sequence[torch.Tensor | None]) -> None:
+        win = self.window(visit.step)
+        if win.done or visit.exact:
+            raise self.owner.safety.refuse(self, (
+                f"{visit.where}: step {visit.step}'s output got a second gradient after its window's joint backward "
+                f"ran (a second backward() through the same step, retain_graph=True). jaggc's stepwise JAGG takes "
+                f"one backward per step: sum the step's losses and call backward() once"))
+        if visit.grads is None:
+            visit.grads = list(grads)
+        else:
+            visit.grads = [a if b is None else b if a is None else a + b for a, b in zip(visit.grads, grads)]
+        if self.deferred:
+            return                          # every window's backward runs when the trajectory ends (ranks.py)
+        if win.exact:
+            # the window had to run exactly after this step's forward: its gradient goes through its own graph
+            self.run_backward([(visit, visit.grads)])
+            visit.exact = True
+        elif all(s in win.visits and win.visits[s].grads is not None for s in win.planned.steps):
+            self.complete(win)
+
+    # --- a window's joint backward -----------------------------------------------------------------
+    def complete(self, win: WindowRun) -> None:
+        self.run_backward(self.window_entries(win))
+        self.finish(win)
+
+    def window_entries(self, win: WindowRun) -> list[tuple[StepVisit, list]]:
+        """What the window's backward sends through which call: each knot its composite
+        Γ_j = Σ_s Φ[s, j] g_s (an exact window: each step its own g_s)."""
+        visits = [win.visits[s] for s in win.planned.steps]
+        if win.planned.exact:
+            return [(v, v.grads) for v in visits]
+        if len({tuple(v.index) for v in visits}) != 1:
+            raise self.owner.safety.refuse(self, (
+                f"{visits[0].where}: the steps of window {win.planned.index} returned DiT outputs of different "
+                f"structure; a window's steps must call the DiT alike"))
+        time_arg = resolve_time_arg(visits[0].call, self.owner.options.time_arg)
+        times = torch.stack([per_sample_time(v.call, time_arg, v.step) for v in visits])
+        knots, phi = self.owner.basis.sample(times)
+        if tuple(knots) != win.planned.knots:
+            # σ-aware placement decided otherwise on the calls' own timesteps than on the declared
+            # ones (a timestep at the threshold, within roundoff): the window runs exactly
+            return [(v, v.grads) for v in visits]
+        batch = times.shape[1]
+        composites = [knot_composites(phi, gs) for gs in zip(*[v.grads for v in visits])]   # per tapped leaf
+        return [(visits[position], [None if c is None else c[j * batch:(j + 1) * batch] for c in composites])
+                for j, position in enumerate(knots)]
+
+    def finish(self, win: WindowRun) -> None:
+        win.done = True
+        if not win.planned.exact:
+            self.owner.counts.jagg_windows += 1
+        for v in win.visits.values():
+            v.held, v.grads, v.exact = None, None, True
+
+    def ready(self) -> bool:
+        """Every declared step ran and got its gradient."""
+        return not self.missing() and all(v.grads is not None for w in self.windows for v in w.pending())
+
+    def complete_all(self) -> None:
+        """The deferred schedule's end (ranks.py), when the trajectory ends, outside any backward
+        (FSDP2 takes a forward inside a backward for a checkpoint's recomputation and would not
+        reshard after it): every window's backward, in window order, the same on every rank. Held
+        graphs go in ONE backward (under FSDP1 a graph whose forward was not the latest is
+        backpropagated only along with a fresh one, whose hooks unshard the parameters); re-run
+        calls one window (an exact window: one step) at a time, at one window's memory."""
+        if self.owner.backward == "joint":
+            self.run_backward([e for w in self.windows if not w.done for e in self.window_entries(w)])
+        else:
+            for w in self.windows:
+                if w.done:
+                    continue
+                entries = self.window_entries(w)
+                for part in ([[e] for e in entries] if w.planned.exact else [entries]):
+                    self.run_backward(part)
+        for w in self.windows:
+            if not w.done:
+                self.finish(w)
+
+    def run_backward(self, entries: list[tuple[StepVisit, list]]) -> None:
+        """ONE backward of ``entries`` ((visit, upstream grad per tapped leaf)) through each visit's
+        held graph or a re-run of its call.
+
+        A backward through DDP that synchronises (outside ``no_sync``) needs a forward that prepared
+        DDP's reducer among its roots, and one through FSDP a forward whose hooks unshard the
+        parameters for it: the module's latest forward. When no held root is that forward, the last
+        entry re-runs; on the deferred schedule it always does (the last forward's kind depends on
+        each rank's order of steps, and every rank must make the same forwards and collectives)."""
+        if not entries:
+            return
+        ddp = self.owner.ddp
+        if (ddp is not None and ddp.require_backward_grad_sync) or self.owner.fsdp:
+            if self.deferred or not any(v is self.latest and v.held is not None for v, _ in entries):
+                entries[-1][0].held = None
+        roots, root_grads = [], []
+        fresh = rerun_calls(self, [v for v, _ in entries if v.held is None])
+        for visit, grads in entries:
+            out = visit.held if visit.held is not None else fresh[id(visit)]
+            leaves = tree_flatten(out)[0]
+            for i, g in zip(visit.index, grads):
+                leaf = leaves[i]
+                if g is not None and isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                    roots.append(leaf)
+                    root_grads.append(g.to(leaf.dtype))
+            visit.held = None
+        if roots:
+            self.owner.safety.before_backward(self, entries)
+            torch.autograd.backward(roots, root_grads)
+            self.owner.counts.backwards += 1
+        self.owner.ledger.snapshot_grads()
+
+    # --- the end ----------------------------------------------------------------------------------
+    def open_windows(self) -> list[WindowRun]:
+        return [w for w in self.windows if w.open]
+
+    def missing(self) -> list[int]:
+        return [s for s in self.plan.order if s not in self.window(s).visits and s not in self.window(s).dropped]
+
+
+def _input_versions(call: DitCall) -> list:
+    return [(x, version_counter(x)) for x in tree_flatten((call.args, call.kwargs))[0] if isinstance(x, torch.Tensor)]
+
+
+__all__ = ["StepVisit", "TrajectoryRun", "WindowRun"]

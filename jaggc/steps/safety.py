@@ -1,0 +1,170 @@
+"""The cases in which a trajectory's windows cannot run as planned, and what jaggc does in each.
+
+Never a silently wrong or partial ``.grad``: each case either runs the affected window exactly,
+with one warning, or raises a ``JaggUnsupportedError`` that names the step, its line and the fix.
+The rule that decides: jaggc runs a window exactly when the exact gradient of its visited steps can
+still be formed (their graphs are held, or their calls can be re-run on unchanged parameters and
+inputs) and nothing has read ``.grad`` in between; otherwise it raises.
+
+| case | detected | what happens |
+|---|---|---|
+| a step visited twice | at its second call | its window runs exactly (warning) |
+| ``zero_grad()`` between two steps of a window | at the next step (ledger) | the earlier steps' gradient is dropped, as ``zero_grad`` drops it in the loop; the window runs exactly (warning) |
+| ``.grad`` written otherwise (``clip_grad_norm_``, ``unscale_``) inside a window | at the next step | error |
+| a parameter written between two steps of a window | at the next step, or before the window's backward | error |
+| ``optimizer.step()`` while a window is open | in a pre-hook on every optimizer step, before any parameter moves | error |
+| a trajectory ending early: the ``steps()`` loop left by ``break`` or an exception, fewer steps than declared, a new ``trajectory()`` before the last one finished, ``Stepwise.close()`` | at that moment | open windows run exactly (warning), unless ``.grad`` was written since: error |
+| a step's gradient never arriving (``backward(inputs=...)``, ``torch.autograd.grad``: neither enters jaggc's node) | when the trajectory ends | error |
+| DDP/FSDP, steps out of σ order (the deferred schedule, ranks.py): ``optimizer.step()`` before the trajectory ended | in the optimizer pre-hook | error (iterate with ``steps()``: the windows' backward runs when the loop ends) |
+
+After an error the trajectory is dropped: the next one starts clean.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING
+
+from ..errors import JaggUnsupportedError
+
+if TYPE_CHECKING:
+    from .run import StepVisit, TrajectoryRun, WindowRun
+    from .stepwise import Stepwise
+
+FIX_STEP = ("step the optimizer (and clip, zero_grad) only after a trajectory's last step: with accelerate, "
+            "gradient_accumulation_steps = (your accumulation) x (steps per trajectory)")
+
+
+class Safety:
+    def __init__(self, owner: "Stepwise"):
+        self.owner = owner
+
+    def _warn(self, message: str) -> None:
+        self.owner.counts.fallbacks += 1
+        self.owner.notes.append(message)
+        warnings.warn(f"jaggc: {message}", stacklevel=4)
+
+    def refuse(self, run: "TrajectoryRun", message: str) -> JaggUnsupportedError:
+        """The error to raise for ``run``, which is dropped (its graphs freed, the next trajectory clean)."""
+        self.owner.drop(run)
+        return JaggUnsupportedError(message + " (jaggc dropped this trajectory; the next one starts clean)")
+
+    # --- before a step runs ------------------------------------------------------------------
+    def before_step(self, run: "TrajectoryRun", step: int, where: str) -> None:
+        ledger = self.owner.ledger
+        open_windows = run.open_windows()
+        if not open_windows:
+            ledger.snapshot()
+            return
+        name = ledger.changed_parameter()
+        if name is not None:
+            steps = sorted(v.step for w in open_windows for v in w.pending())
+            raise self.refuse(run, (
+                f"{where}: parameter {name!r} was written between the steps of an open JAGG window (steps {steps} "
+                f"ran before step {step}: an optimizer step or an in-place write). The window's gradient needs the "
+                f"parameters its steps ran with; {FIX_STEP}"))
+        change = ledger.grad_change()
+        if change is None:
+            ledger.snapshot_grads()
+            return
+        if change.kind == "reset":
+            self._zero_grad(run, open_windows, step)
+            return
+        raise self.refuse(run, (
+            f"{where}: the .grad of {change.name!r} was written between the steps of an open JAGG window (before "
+            f"step {step}: clip_grad_norm_, a GradScaler's unscale_ or another write read a gradient that still "
+            f"lacks the window's steps). {FIX_STEP}"))
+
+    def _zero_grad(self, run: "TrajectoryRun", open_windows: list["WindowRun"], step: int) -> None:
+        """A zero_grad before ``step``: the loop would have dropped what the earlier steps contributed."""
+        dropped = []
+        for win in open_windows:
+            for visit in list(win.pending()):
+                if visit.grads is not None:       # its backward ran before the zero_grad
+                    dropped.append(visit.step)
+                    win.dropped.add(visit.step)
+                    del win.visits[visit.step]
+                    visit.held = visit.grads = None
+            self.demote(run, win)
+        self.owner.ledger.snapshot_grads()
+        self._warn(f"zero_grad() ran between the steps of a JAGG window (before step {step}): the gradient of steps "
+                   f"{sorted(dropped)} was dropped, as the loop drops it, and the window runs exactly. {FIX_STEP}")
+
+    def visited_twice(self, run: "TrajectoryRun", win: "WindowRun", step: int, where: str) -> None:
+        if not win.exact:
+            self.demote(run, win)
+        self._warn(f"{where}: step {step} (window {win.planned.index}) was called twice in one trajectory; its window "
+                   f"runs exactly (each call its own backward, as in the loop). Declare each trajectory's steps once")
+
+    def demote(self, run: "TrajectoryRun", win: "WindowRun") -> None:
+        """Run ``win`` exactly from now on: visited steps whose gradient is known go through their own
+        graphs now; the others when their gradient arrives; later steps run as written."""
+        win.exact = True
+        ready = [v for v in win.pending() if v.grads is not None]
+        run.run_backward([(v, v.grads) for v in ready])
+        for v in ready:
+            v.exact, v.grads = True, None
+
+    # --- before jaggc backpropagates or re-runs -------------------------------------------------
+    def before_backward(self, run: "TrajectoryRun", entries) -> None:
+        name = self.owner.ledger.changed_parameter()
+        if name is not None:
+            visit = entries[0][0]
+            raise self.refuse(run, (
+                f"{visit.where}: parameter {name!r} was written after step {visit.step} ran and before its window's "
+                f"backward; {FIX_STEP}"))
+
+    def before_rerun(self, run: "TrajectoryRun", visit: "StepVisit") -> None:
+        self.before_backward(run, [(visit, None)])
+
+    # --- an optimizer step ------------------------------------------------------------------------
+    def optimizer_step(self, run: "TrajectoryRun") -> None:
+        open_windows = run.open_windows()
+        if not open_windows:
+            return
+        visits = [v for w in open_windows for v in w.pending()]
+        waiting = [s for w in open_windows for s in w.planned.steps
+                   if s not in w.visits or w.visits[s].grads is None]
+        raise self.refuse(run, (
+            f"{visits[-1].where}: optimizer.step() ran while JAGG window(s) {[w.planned.index for w in open_windows]} "
+            f"were open (steps {sorted(v.step for v in visits)} ran, steps {waiting} not yet, or without their backward()): .grad lacks those "
+            f"steps' gradient, so the step was not taken. {FIX_STEP}; a loop that ends early must leave the "
+            f"trajectory first (iterate it with Stepwise.steps(...) so that break and exceptions are seen)"))
+
+    # --- the end of a trajectory --------------------------------------------------------------------
+    def close(self, run: "TrajectoryRun", reason: str, *, raised: bool = False) -> None:
+        """The trajectory is over (``reason``; ``raised``: the loop left by an exception): its open
+        windows run exactly, or it raises."""
+        open_windows = run.open_windows()
+        if not open_windows:
+            return
+        ledger = self.owner.ledger
+        name = ledger.changed_parameter()
+        change = ledger.grad_change()
+        if name is not None or (change is not None and change.kind == "written"):
+            what = f"parameter {name!r}" if name is not None else f"the .grad of {change.name!r}"
+            raise self.refuse(run, (
+                f"the trajectory ended {reason} with JAGG windows open, and {what} was written since its last step "
+                f"(a clip or optimizer step read a partial gradient); {FIX_STEP}"))
+        if run.deferred and run.ready():
+            run.complete_all()              # the deferred schedule's end: as planned, no warning
+            return
+        no_grad = [v for w in open_windows for v in w.pending() if v.grads is None]
+        # the step an exception left its loop in never reached its backward(), as in the loop itself
+        unexplained = [v for v in no_grad if not (raised and run.visited and v.step == run.visited[-1])]
+        if unexplained:
+            raise self.refuse(run, (
+                f"{unexplained[0].where}: step(s) {sorted(v.step for v in unexplained)} of this trajectory never got a "
+                f"gradient: no backward() went through their DiT output, or it went through backward(inputs=...) "
+                f"or torch.autograd.grad, which jaggc's stepwise JAGG cannot serve (each step's gradient reaches "
+                f".grad only through its window's joint backward). Call loss.backward() once per step"))
+        for win in open_windows:
+            self.demote(run, win)
+        missing = run.missing()
+        self._warn(
+            f"the trajectory ended {reason} ({len(run.visited)} of {len(run.plan)} declared steps ran"
+            + (f"; steps {missing} did not" if missing else "") + f"): JAGG window(s) "
+            f"{[w.planned.index for w in open_windows]} ran exactly")
+
+
+__all__ = ["FIX_STEP", "Safety"]

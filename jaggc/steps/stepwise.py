@@ -1,0 +1,377 @@
+"""``jaggc.stepwise``: JAGG across a trainer's own per-step ``backward()`` calls.
+
+Flow-GRPO, DanceGRPO and MixGRPO call the DiT once per timestep and ``backward()`` right after, in
+their own loop (accelerate's ``accumulate``, DDP, FSDP, GradScaler, clipping and the optimizer step
+as they are). ``stepwise(transformer)`` installs itself on the module the loop calls; the loop
+declares each trajectory's trained timesteps (``trajectory`` or ``steps``) and is otherwise left as
+written. Every call's values are the unchanged loop's; the DiT backward passes of each window of
+``window`` steps become one joint backward of its knots (``run.py``), done before the backward of
+the window's last step returns.
+
+The module keeps its identity: ``transformer.module.disable_adapter()``, ``accelerator.accumulate
+(transformer)``, ``transformer.clip_grad_norm_`` and ``transformer.parameters()`` reach the same
+object. The call path is patched by an instance ``forward`` slot of the outermost module (the one
+the loop calls: after ``accelerator.prepare``, DDP or FSDP wrapping), so DDP's and FSDP's forward
+logic and the module's hooks run for every call, also for the no-grad interior forwards.
+
+Backward forms (``backward=``): ``"joint"`` keeps each knot's graph from its own forward until the
+window's backward ((W + 4) F per window; in σ order two steps' activations at a time, in a random
+order up to every open window's knots); ``"lowmem"`` keeps them only while the steps come in σ
+order, one after another (Flow-GRPO, MixGRPO: the joint form's speed at two steps' activations),
+and from the first step out of order re-runs the knots in the window's backward; ``"per_window"``
+always re-runs them ((W + 6) F per window, two steps' activations).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from .._compat import fsdp_version, in_backward
+from ..errors import JaggError, JaggInputError, JaggUnsupportedError
+from ..options import Options
+from ..runtime.calls import DitCall
+from ..runtime.module_state import module_chain
+from ..runtime.weights import DEFAULT_WEIGHTS, resolve_basis
+from ..runtime.window import check_window_size
+from ..source import frame_location, user_frame
+from .ledger import Ledger
+from .plan import TrajectoryPlan
+from .ranks import agree_on_plan, distributed
+from .run import TrajectoryRun
+from .safety import Safety
+
+STEPWISE_MODES = ("joint", "lowmem", "per_window")
+_UNSET = object()
+
+
+@dataclass
+class StepwiseCounts:
+    """What jaggc ran, summed over trajectories (the loop's own no-grad calls are not counted)."""
+
+    trajectories: int = 0
+    grad_forwards: int = 0        # knot forwards, exact steps' forwards and re-runs
+    nograd_forwards: int = 0      # interior steps (and knots whose graph is not held)
+    reruns: int = 0               # knot or flushed steps re-run with grad in a window's backward
+    backwards: int = 0            # DiT backward passes: one per JAGG window, one per exact step
+    exact_steps: int = 0          # steps run as written (exact windows)
+    jagg_windows: int = 0         # windows whose joint backward ran
+    fallbacks: int = 0            # windows run exactly after a warning (safety.py)
+
+
+@dataclass
+class StepwiseReport:
+    """``Stepwise.report``: the settings, the counts, the last trajectory's windows and the warnings."""
+
+    window: int
+    weights: str
+    backward: str
+    counts: StepwiseCounts
+    windows: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        c = self.counts
+        lines = [f"jaggc.stepwise window={self.window} weights={self.weights} backward={self.backward}: "
+                 f"{c.trajectories} trajectories, {c.jagg_windows} JAGG windows, {c.exact_steps} exact steps, "
+                 f"DiT forwards {c.grad_forwards} with grad + {c.nograd_forwards} without ({c.reruns} re-runs), "
+                 f"{c.backwards} DiT backward passes, {c.fallbacks} fallbacks"]
+        for w in self.windows:
+            lines.append(f"  window {w['index']}: steps {w['steps']} {w['mode']}" + (f" ({w['reason']})" if w['reason'] else ""))
+        lines += [f"  note: {n}" for n in self.notes[-5:]]
+        return "\n".join(lines)
+
+
+class Stepwise:
+    """JAGG for a loop that calls ``module`` once per step and backward() after each (module docstring)."""
+
+    def __init__(self, module: nn.Module, *, window: int = 4, weights=DEFAULT_WEIGHTS, backward: str = "joint",
+                 options: Options | None = None):
+        check_window_size(window)
+        if backward not in STEPWISE_MODES:
+            raise JaggInputError(f"stepwise(backward={backward!r}): use one of {STEPWISE_MODES}")
+        self.basis = resolve_basis(weights)
+        if self.basis.kind in ("randomized", "control"):
+            raise JaggUnsupportedError(
+                f"stepwise(weights=Basis({self.basis.kind!r})) draws a window's knots when the window runs, but a "
+                f"per-step loop must know them at the window's first step; use a deterministic basis (weights='t', "
+                f"the default) or jagg_compile on a whole-trajectory loss")
+        self.options = _checked_options(options)
+        self.module, self.window, self.backward = module, window, backward
+        self.ddp = next((m for m in module_chain(module) if isinstance(m, nn.parallel.DistributedDataParallel)), None)
+        self.distributed = distributed(module)
+        self.fsdp = fsdp_version(module) is not None
+        self.counts = StepwiseCounts()
+        self.notes: list[str] = []
+        self.ledger = Ledger(module)
+        self.safety = Safety(self)
+        self._run: TrajectoryRun | None = None
+        self._last: TrajectoryRun | None = None
+        self._local = threading.local()
+        self._warned: set[str] = set()
+        self._deferred: JaggError | None = None     # a refusal made where Python could not raise it
+        self._install()
+
+    # --- the call path ---------------------------------------------------------------------------
+    def _install(self) -> None:
+        if _installed(self.module) is not None:
+            raise JaggInputError(f"{type(self.module).__name__} already has a jaggc.stepwise installed; reuse it "
+                                 f"(jaggc.stepwise returns it) or close() it first")
+        previous = self.module.__dict__.get("forward", _UNSET)
+        self.module.__dict__["forward"] = InstalledForward(self, self.module, previous)
+        _LIVE.add(self)
+        _ensure_optimizer_hook()
+
+    @contextlib.contextmanager
+    def passing_through(self):
+        """Calls jaggc makes itself (re-runs) go straight to the module."""
+        self._local.through = getattr(self._local, "through", 0) + 1
+        try:
+            yield
+        finally:
+            self._local.through -= 1
+
+    def close(self) -> None:
+        """End the current trajectory (its open windows run exactly, with a warning) and give the
+        module its own call path back."""
+        try:
+            self.raise_deferred()
+            self._end("at close()")
+        finally:
+            installed = self.module.__dict__.get("forward")
+            if isinstance(installed, InstalledForward) and installed.owner is self:
+                if installed.previous is _UNSET:
+                    del self.module.__dict__["forward"]
+                else:
+                    self.module.__dict__["forward"] = installed.previous
+            _LIVE.discard(self)
+
+    # --- trajectories ------------------------------------------------------------------------------
+    def trajectory(self, timesteps) -> "Trajectory":
+        """Declare the next trajectory: the timesteps of the steps the loop will train (in any order;
+        shape (steps,) or the trainers' (batch, steps), in the units the DiT is called with or in
+        the other of 0..1000 and 0..1). A trajectory still open is ended first."""
+        self._end("when the next trajectory was declared")
+        plan = TrajectoryPlan(timesteps, window=self.window, basis=self.basis, time_arg=self.options.time_arg)
+        if self.distributed:
+            agree_on_plan(plan)
+        run = TrajectoryRun(self, plan)
+        self._run = self._last = run
+        self.counts.trajectories += 1
+        self.ledger = Ledger(self.module)      # its parameters as they are now (an adapter added since)
+        if not any(not w.exact for w in plan.windows):
+            self._warn_once("all-exact", (
+                f"no window of the declared trajectory runs JAGG (" + "; ".join(sorted({w.reason for w in plan.windows}))
+                + f"): every step runs exactly, at the unchanged loop's cost"))
+        return Trajectory(self, run)
+
+    def steps(self, iterable: Iterable, timesteps) -> Iterator:
+        """Declare a trajectory and iterate ``iterable`` (the loop's own steps, yielded unchanged);
+        the trajectory ends with the loop: by exhaustion, or left early (``break``, an exception in
+        the loop's body), which Python tells a generator only by closing it."""
+        handle = self.trajectory(timesteps)
+        try:
+            yield from iterable
+        except GeneratorExit:
+            # Python closes a generator its loop left from its finalizer, which swallows what it
+            # raises: a refusal is kept and raised at the next optimizer step or trajectory
+            try:
+                handle.end("when its loop was left early (break or an exception)", raised=True)
+            except JaggError as refusal:
+                self._deferred = refusal
+                warnings.warn(f"jaggc: {refusal} [raised at the next optimizer step, trajectory or close()]",
+                              stacklevel=2)
+            raise
+        except BaseException:
+            handle.end("by an exception of the steps' iterable", raised=True)
+            raise
+        handle.end("when its loop ended")
+
+    def raise_deferred(self) -> None:
+        """Raise a refusal made when the last trajectory's loop was left (``steps``)."""
+        refusal, self._deferred = self._deferred, None
+        if refusal is not None:
+            raise refusal
+
+    def _end(self, reason: str, *, raised: bool = False) -> None:
+        run = self._run
+        if run is None:
+            return
+        self._run = None
+        self.safety.close(run, reason, raised=raised)
+
+    def drop(self, run: TrajectoryRun) -> None:
+        """Forget ``run`` (after a refusal): its held graphs and gradients are freed."""
+        if self._run is run:
+            self._run = None
+        for win in run.windows:
+            for v in win.visits.values():
+                v.held = v.grads = None
+        self.ledger.snapshot()
+
+    def holds_graphs(self, run: TrajectoryRun) -> bool:
+        if self.ddp is not None and run.deferred:
+            # a DDP forward with grad is collective (its first rebuilds the buckets, later ones may
+            # broadcast buffers): on the deferred schedule every rank's steps run without grad alike
+            return False
+        if self.backward == "lowmem" and self.distributed:
+            # every rank must make the same forwards (FSDP gathers in each): by the agreed plan
+            return not run.deferred
+        return self.backward == "joint" or (self.backward == "lowmem" and run.in_order)
+
+    def left_order(self, run: TrajectoryRun) -> None:
+        """The steps came out of σ order: ``lowmem`` frees the knot graphs it holds (their knots
+        re-run in their windows' backward) so that one window's activations at a time stay alive."""
+        if self.backward != "lowmem" or self.distributed:
+            return
+        for win in run.open_windows():
+            for v in win.pending():
+                v.held = None
+        self._warn_once("order", (
+            "the steps come out of σ order, so backward='lowmem' re-runs each window's knot forwards in its backward "
+            "((W + 6) F per window instead of (W + 4) F) to keep one window's activations at a time; "
+            "backward='joint' keeps them at the memory of every open window's knots"))
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        self.notes.append(message)
+        warnings.warn(f"jaggc: {message}", stacklevel=4)
+
+    @property
+    def report(self) -> StepwiseReport:
+        run = self._last
+        windows = []
+        if run is not None:
+            for w in run.windows:
+                mode = "exact" if w.exact else "jagg"
+                windows.append(dict(index=w.planned.index, steps=list(w.planned.steps), mode=mode,
+                                    reason=w.planned.reason, knots=[w.planned.steps[k] for k in w.planned.knots]))
+        return StepwiseReport(self.window, self.basis.label(), self.backward, self.counts, windows, list(self.notes))
+
+
+class Trajectory:
+    """A declared trajectory; as a context manager it ends when the block exits."""
+
+    def __init__(self, owner: Stepwise, run: TrajectoryRun):
+        self.owner, self.run = owner, run
+
+    def end(self, reason: str = "at end()", *, raised: bool = False) -> None:
+        if self.owner._run is self.run:
+            self.owner._end(reason, raised=raised)
+
+    def __enter__(self) -> "Trajectory":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self.end("by an exception" if exc_type else "when its block ended", raised=exc_type is not None)
+        return False
+
+
+def stepwise(module: nn.Module, *, window: int | None = None, weights=None, backward: str | None = None,
+             options: Options | None = None) -> Stepwise:
+    """Install JAGG on ``module`` (the one the loop calls: after ``accelerator.prepare`` or FSDP
+    wrapping) for a loop that backpropagates once per step; returns the ``Stepwise`` whose
+    ``steps(iterable, timesteps)`` / ``trajectory(timesteps)`` declare each trajectory.
+
+    ``window`` (default 4), ``weights`` (default: plain JAGG with σ-aware placement, as
+    ``jagg_compile``), ``backward`` ("joint", "lowmem" or "per_window"; module docstring),
+    ``options`` (``jaggc.Options``: ``time_arg``, ``check_inputs``). On a module that has one
+    installed, ``stepwise(module)`` returns it (so the loop can reach it where it only has the
+    module), and so does a call with the same settings; other settings are refused."""
+    existing = _installed(module)
+    given = dict(window=window, weights=weights, backward=backward, options=options)
+    settings = dict(window=4 if window is None else window, weights=DEFAULT_WEIGHTS if weights is None else weights,
+                    backward="joint" if backward is None else backward, options=options)
+    if existing is None:
+        return Stepwise(module, **settings)
+    if all(v is None for v in given.values()):
+        return existing
+    mine = dict(window=existing.window, weights=existing.basis, backward=existing.backward, options=existing.options)
+    asked = dict(settings, weights=resolve_basis(settings["weights"]), options=_checked_options(options))
+    if mine != asked:
+        differ = sorted(k for k in mine if mine[k] != asked[k])
+        raise JaggInputError(f"{type(module).__name__} already has a jaggc.stepwise with other settings ({differ}: "
+                             f"{', '.join(f'{k}={mine[k]!r}' for k in differ)}); call jaggc.stepwise(module) to get it, "
+                             f"or close() it first")
+    return existing
+
+
+def _installed(module: nn.Module) -> Stepwise | None:
+    installed = module.__dict__.get("forward")
+    return installed.owner if isinstance(installed, InstalledForward) else None
+
+
+class InstalledForward:
+    """The module's instance ``forward`` slot while a ``Stepwise`` is installed: every call of the
+    module during a declared trajectory, with grad, goes to the trajectory; any other call to the
+    forward the module had. A copy of the module (``copy.deepcopy``: a trainer's reference model,
+    an EMA copy) or a pickle of it gets the module's own forward back, not a path into this one."""
+
+    def __init__(self, owner: Stepwise, module: nn.Module, previous):
+        self.owner, self.module, self.previous = owner, module, previous
+        self.original = module.forward if previous is _UNSET else previous
+
+    def __call__(self, *args, **kwargs):
+        owner = self.owner
+        if (owner._run is None or not torch.is_grad_enabled() or getattr(owner._local, "through", 0)
+                or in_backward()):
+            # a call inside a backward is a recomputation (activation checkpointing written around
+            # the call), which must repeat the original forward's ops, not be a step of its own
+            return self.original(*args, **kwargs)
+        return owner._run.call(DitCall(tuple(args), dict(kwargs)), self.original, frame_location(user_frame()))
+
+    def __deepcopy__(self, memo):
+        copied = memo.get(id(self.module))
+        if self.previous is not _UNSET:
+            return copy.deepcopy(self.previous, memo)
+        return type(copied).forward.__get__(copied) if copied is not None else self.original
+
+    def __reduce__(self):
+        return (_class_forward, (self.module,))
+
+
+def _class_forward(module: nn.Module):
+    return type(module).forward.__get__(module)
+
+
+def _checked_options(options: Options | None) -> Options:
+    options = Options() if options is None else options
+    unused = [name for name, default in (("rollout_cache", None), ("split_batches", True), ("backend", None),
+                                         ("on_unsupported", "raise"), ("interior_chunk", None))
+              if getattr(options, name) != default]
+    if unused:
+        raise JaggInputError(f"stepwise(options=...): {unused} do not apply to a per-step loop (each step is its "
+                             f"own call); leave them at their defaults")
+    return options
+
+
+# --- the optimizer step pre-hook: one for every live Stepwise ---------------------------------------
+_LIVE: "weakref.WeakSet[Stepwise]" = weakref.WeakSet()
+_HOOK: list = []
+
+
+def _before_optimizer_step(optimizer, args, kwargs) -> None:
+    for owner in list(_LIVE):
+        owner.raise_deferred()
+        if owner._run is not None:
+            owner.safety.optimizer_step(owner._run)
+
+
+def _ensure_optimizer_hook() -> None:
+    if not _HOOK:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _HOOK.append(register_optimizer_step_pre_hook(_before_optimizer_step))
+
+
+__all__ = ["STEPWISE_MODES", "Stepwise", "StepwiseCounts", "StepwiseReport", "Trajectory", "stepwise"]
