@@ -47,7 +47,7 @@ from ..errors import JaggCaptureError, JaggGraphError
 from ..graph_ops import dit_call, is_in_place, set_autocast, set_module_state, user_source
 from ..source import frame_location, frame_traceback_line, traceback_location, user_frame
 from ..runtime.autocast import autocast_cache_disabled, current_autocast
-from ..runtime.module_state import ModuleState, applicable, difference, module_state
+from ..runtime.module_state import ModuleState, applicable, difference, module_state, set_state
 from . import example_values
 from .example_values import ExampleValues
 from .aliasing import storage_of
@@ -373,10 +373,23 @@ def capture_fx(fn: Callable, args: tuple, kwargs: dict, dits: list[nn.Module]) -
     # the DiT and other called modules, and tensors the loss built from constants while tracing
     # (``torch.ones(x.shape[-1])`` once the shape is known), which fx stores as ``_tensor_constant``
     root = {n.target: tracer._root_value(n.target) for n in graph.nodes if n.op in ("get_attr", "call_module")}
-    _place_module_states(graph, root, entry, exits)
+    try:
+        _place_module_states(graph, root, entry, exits)
+    finally:
+        # tracing ran the loss's own state changes (``dit.eval()`` before ``return``) on the real
+        # module; the graph replays them, and its first run must start where the loss was entered,
+        # or every call would run in the state the loss set after it
+        _restore_entry_states(dits, entry)
     guard = tracer.reads.guard(graph, root)
     return Captured(fx.GraphModule(root, graph, class_name="JaggLoss"), entry_grad=tracer.entry_grad,
                     entry_autocast=tracer.entry_autocast, guard=guard)
+
+
+def _restore_entry_states(dits: list[nn.Module], entry: dict[int, ModuleState]) -> None:
+    for m in dits:
+        now = module_state(m)
+        if now != entry[id(m)] and applicable(now, entry[id(m)]):
+            set_state(m, entry[id(m)])
 
 
 def _where_in_traceback(e: BaseException) -> str:
