@@ -22,8 +22,8 @@ import warnings
 import pytest
 import torch
 
-from helpers import grads, zero_grads
-from jaggc import JaggCaptureError, JaggUnsupportedError, jagg_compile
+from helpers import grads, reference_jagg, zero_grads
+from jaggc import Guard, JaggCaptureError, JaggUnsupportedError, jagg_compile
 from jaggc.runtime.module_state import module_state
 from jaggc.verify.fields import AffineJacobianField
 
@@ -220,3 +220,25 @@ def test_D_windows_run_in_their_calls_state_at_window_4(loss, capture, backward)
             assert_equal_to_eager(got, want, f"{capture}/{backward}, call {call}")
     except (JaggCaptureError, JaggUnsupportedError) as e:
         refusal_expected(capture, backward, e)
+
+
+@pytest.mark.parametrize("backward", ["joint", "per_window"])
+@pytest.mark.parametrize("capture", ["fx", "intercept"])
+def test_D_the_guard_probes_in_the_calls_state(capture, backward):
+    """The guard's probe (per-window mode: the window's forwards re-run with grad in its backward)
+    measures the calls' own state, though the loss returned with the module in train mode: off the
+    chord (JAGG not exact), its exact gradient is the eager loss's and the compiled gradient the
+    reference JAGG's."""
+    dit = TrainingField(D, seed=4)
+    args = chord_inputs(3, windows=[[k] for k in range(T)])    # every state drawn on its own
+    want = eager(gives_the_module_back, dit, args, True)
+    dit.train()
+    _, jagg = reference_jagg(gives_the_module_back, (dit, *args), dit, 4, time_arg=1)
+    guard = Guard(every=1)
+    compiled = jagg_compile(gives_the_module_back, window=4, weights="t", backward=backward, capture=capture,
+                            guard=guard)
+    value, grad, _ = _run_or_refused(compiled, dit, args, True)
+    torch.testing.assert_close(value, want[0], rtol=1e-12, atol=0)
+    torch.testing.assert_close(grad, jagg, rtol=1e-12, atol=1e-14)
+    assert guard.probed == 1 and guard.last.rel_error > 1e-3     # so the probe can tell the states apart
+    torch.testing.assert_close(guard.last.exact, want[1], rtol=1e-12, atol=1e-14)

@@ -11,9 +11,11 @@ gets the same property for JAGG, the way activation checkpointing does:
     composite gradients, re-runs the knot forward WITH grad and immediately runs its backward
     (a nested ``torch.autograd.backward``, as reentrant checkpointing does), then frees it.
 
-The knot forward re-run inside the backward runs in the autocast state the window's forward ran in
-(``loss.backward()`` is usually called outside the trainer's autocast block): the same numbers as
-the forward, never a silent fp32 re-run of a bf16 call.
+The knot forward re-run inside the backward runs in the module state and autocast state the
+window's forward ran in (``module_state.CallState``): ``loss.backward()`` is usually called outside
+the trainer's autocast block, and after the loss returned, so after a ``dit.train()`` that gives the
+module back at its end: the same numbers as the forward, never a silent fp32 or train-mode re-run
+of a bf16 or eval-mode call.
 
 Peak DiT activation memory: one knot batch (2B samples; B with ``batch_knots=False``), instead of
 every window's. Cost: the knot forward runs twice (once without grad for the values, once with
@@ -40,9 +42,9 @@ from torch import nn
 from .._compat import fsdp_version, tree_flatten, tree_unflatten
 from ..errors import JaggUnsupportedError
 from .aggregate import knot_composites
-from .autocast import autocast_applied, current_autocast
 from .calls import DitCall, concat_calls
 from .forwards import nograd_outputs
+from .module_state import CallState
 
 
 class BackwardGroup:
@@ -74,7 +76,8 @@ class DeferredWindow:
         self.interior_chunk, self.batch_knots, self.unbatched = interior_chunk, batch_knots, unbatched
         self.group = group if group is not None else BackwardGroup(self.grad_forwards)
         self.diff_index: list[tuple[int, int]] = []  # (step position, leaf index) of each node output
-        self.autocast = current_autocast()          # the knot forward's, re-applied in the backward
+        # the calls' module and autocast state, re-applied in the backward (module docstring)
+        self.state = CallState.of(dit)
 
     @property
     def grad_forwards(self) -> int:
@@ -128,7 +131,7 @@ class DeferredWindow:
             groups = [[j] for j in range(len(self.knots))]
         for group in groups:
             with self.group.sync_context(self.dit), torch.enable_grad():
-                with autocast_applied(self.autocast):
+                with self.state.applied(self.dit):
                     out = self._batched_call([self.knots[j] for j in group])(self.dit)
                 leaves = tree_flatten(out)[0]
                 roots, root_grads = [], []
