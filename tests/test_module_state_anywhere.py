@@ -159,6 +159,27 @@ def test_A_a_state_change_after_the_last_call_stays_after_it(loss, capture, back
         refusal_expected(capture, backward, e)
 
 
+def ends_in_eval_untraceable(dit, zs, ts, gs):
+    total = _steps(dit, zs, ts, gs)
+    dit.eval()
+    assert isinstance(total, torch.Tensor), "FX traces a Proxy here: refused after dit.eval() ran"
+    return total
+
+
+@pytest.mark.parametrize("backward", ["joint", "per_window"])
+def test_A_a_path_refusing_after_a_state_change_hands_the_next_one_the_entry_state(backward):
+    """FX refuses the loss mid-trace, after its ``dit.eval()`` ran on the real module; Dynamo
+    refuses the state change; the intercept fallback must still start in train mode."""
+    dit = TrainingField(D, seed=5)
+    args = chord_inputs(4, window=2)
+    want = eager(ends_in_eval_untraceable, dit, args, True)
+    compiled = _compile(ends_in_eval_untraceable, "auto", backward, window=2)
+    for call in range(2):
+        got = _run_or_refused(compiled, dit, args, True)
+        assert compiled.report.path == "intercept"
+        assert_equal_to_eager(got, want, f"auto/{backward}, call {call}")
+
+
 # ----------------------------------------------------------------------------- B
 
 

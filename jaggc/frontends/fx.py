@@ -20,7 +20,10 @@ Plain torch.fx cannot trace a trainer's loss; this tracer records what plain FX 
 - **module state**: a DiT call traced in another state than the loss was entered in (inside peft's
   ``disable_adapter()``, after ``dit.train()``) is replayed in that state (``set_module_state``
   nodes, and a ``state`` on the reference call); FX alone would run every call in whatever state
-  the module has, and the KL reference would be the policy itself;
+  the module has, and the KL reference would be the policy itself. Tracing runs the loss's state
+  changes on the real module (``dit.eval()`` before ``return``); the module is put back in its entry
+  state after the trace, refused or not, so the graph's first run (or the next capture path)
+  starts where the loss was entered, not in the state set after the last call;
 - arguments are bound to the function's signature: tensors (also inside dicts, lists and tuples)
   become placeholders, everything else is baked in (the cache key holds it, ``fx_guards.py``).
 
@@ -348,6 +351,18 @@ def capture_fx(fn: Callable, args: tuple, kwargs: dict, dits: list[nn.Module]) -
     tracer.live = LiveTensors(tracer, dits, _where)
     entry = {id(m): module_state(m) for m in dits}
     try:
+        return _traced(fn, concrete, tracer, dits, entry)
+    finally:
+        # tracing ran the loss's own state changes (``dit.eval()`` before ``return``) on the real
+        # module; the graph replays them, and its first run (or the next capture path, if this one
+        # refuses) must start where the loss was entered, or every call would run in the state the
+        # loss set after it
+        _restore_entry_states(dits, entry)
+
+
+def _traced(fn: Callable, concrete: dict, tracer: DiTLeafTracer, dits: list[nn.Module],
+            entry: dict[int, ModuleState]) -> Captured:
+    try:
         # nothing the trace runs may leave casts in the caller's autocast weight-cast cache: the
         # graph's first run in the same region would share them (autocast.py)
         with _refuse_direct_forward(dits), _RefuseFunctionApply(), _RandomDrawsRefused(), tracer.live, \
@@ -373,13 +388,7 @@ def capture_fx(fn: Callable, args: tuple, kwargs: dict, dits: list[nn.Module]) -
     # the DiT and other called modules, and tensors the loss built from constants while tracing
     # (``torch.ones(x.shape[-1])`` once the shape is known), which fx stores as ``_tensor_constant``
     root = {n.target: tracer._root_value(n.target) for n in graph.nodes if n.op in ("get_attr", "call_module")}
-    try:
-        _place_module_states(graph, root, entry, exits)
-    finally:
-        # tracing ran the loss's own state changes (``dit.eval()`` before ``return``) on the real
-        # module; the graph replays them, and its first run must start where the loss was entered,
-        # or every call would run in the state the loss set after it
-        _restore_entry_states(dits, entry)
+    _place_module_states(graph, root, entry, exits)
     guard = tracer.reads.guard(graph, root)
     return Captured(fx.GraphModule(root, graph, class_name="JaggLoss"), entry_grad=tracer.entry_grad,
                     entry_autocast=tracer.entry_autocast, guard=guard)
