@@ -10,10 +10,10 @@ with ``torch.autograd.grad`` into a flat buffer (``.grad`` is not touched) where
 runtime has all of its g_s: in the aggregation node's backward (joint mode; the knot graph is the
 one the real backward then uses, so it is retained), in the deferred window's backward
 (per-window mode; the knots and interiors are re-run with grad there, in the forward's module
-and autocast state) or when the low-memory mode finishes the window. On a probe call the joint and low-memory
-modes run the interior forwards with grad instead of without (the same forwards, their values
-unchanged), so a window's probe costs one backward of its W steps: 2W F, next to the (W+4) F of
-the window (per-window mode: 3W F, it re-runs the forwards).
+and autocast state) or when the low-memory mode finishes the window. On a probe call the joint
+and low-memory modes run the interior forwards with grad instead of without (the same forwards,
+their values unchanged), so a window's probe costs one backward of its W steps: 2W F, next to the
+(W+4) F of the window (per-window mode: 3W F, it re-runs the forwards).
 
 The JAGG gradient of the whole call is what its backward adds to ``.grad`` (a snapshot before the
 call, read when the backward has finished: ``run_after_backward``, after DDP's own final
