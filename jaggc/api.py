@@ -15,6 +15,7 @@ from torch import nn
 
 from . import _compat
 from .backends import BACKENDS, compile_glue
+from .backward_modes import backward_mode
 from .errors import JaggCaptureError, JaggInputError, JaggUnsupportedError
 from .frontends.contract import Captured, Frontend, bind_loss
 from .frontends.dynamo_runner import DynamoFrontend
@@ -68,6 +69,7 @@ class JaggCompiled:
                 f"Options(backend={backend!r}) compiles the glue of a Dynamo-captured graph; capture={capture!r} "
                 f"has no such graph. Use capture='dynamo' (or 'auto'), or backend=None")
         check_window_size(window)
+        backward = backward_mode(backward)     # "joint" or BackwardMode.JOINT: the symbol from here on
         routing.check_backward(backward)
         functools.update_wrapper(self, fn)
         self.fn = fn

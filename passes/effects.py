@@ -46,7 +46,7 @@ from jaggc.graph_ops import dit_call, is_in_place, live_tensor, user_source
 from jaggc.node_meta import CALL, STORAGE
 
 from .context import PassContext
-from .infra import ensure, graph_pass
+from .infra import Fact, ensure, graph_pass
 
 # no data is read: the result is an alias of the input
 _PURE_VIEWS = frozenset({
@@ -186,7 +186,7 @@ def input_writes(gm: fx.GraphModule) -> bool:
 def rewritten_groups(ctx: PassContext) -> list[list[fx.Node]]:
     """The DiT calls each rewritten node runs together: every JAGG window; all routed windows (one
     ``jagg_trajectory`` node); in the low-memory mode every window, exact ones too."""
-    lowmem = ctx.config.options.backward == "lowmem"
+    lowmem = ctx.config.options.backward.support.backward_in_forward
     groups = [list(w.nodes) for w in ctx.windows if w.mode == "jagg" or (lowmem and w.mode != "routed")]
     routed = [n for w in ctx.windows if w.mode == "routed" for n in w.nodes]
     return groups + ([routed] if routed else [])
@@ -207,8 +207,9 @@ def _ensure_acyclic_windows(gm: fx.GraphModule, ctx: PassContext) -> None:
     ensure(nx.is_directed_acyclic_graph(g), "check_window_inputs", "the contracted window graph is acyclic")
 
 
-@graph_pass(requires={"windows"}, provides={"effects"}, analysis=True, ensures=_ensure_acyclic_windows)
+@graph_pass(requires={Fact.WINDOWS}, provides={Fact.EFFECTS}, analysis=True, ensures=_ensure_acyclic_windows)
 def check_window_inputs(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Refuse a window whose calls wait for each other (a value or an in-place write between them)."""
     groups = rewritten_groups(ctx)
     if not groups:
         return gm
