@@ -1,8 +1,8 @@
-"""The source tree's layering: private torch APIs only in ``jaggc/_compat.py``, imports that point down
+"""The source tree's layering: private torch APIs only in ``jaggc/_compat/``, imports that point down
 the layers (``MAY_IMPORT``; the compiler never imports the studies), and no import cycles.
 
 * Private torch: a torch upgrade that moves a private name should cost one file. Checked three
-  ways on jaggc/, passes/ and verify/ (outside ``_compat.py``): the text ``torch._`` and dotted
+  ways on jaggc/, passes/ and verify/ (outside the ``_compat`` package): the text ``torch._`` and dotted
   private paths (``torch.fx._symbolic_trace``), ``from torch.x import _y`` imports, and the private
   attributes of torch objects that jaggc reads (``PRIVATE_TORCH_ATTRIBUTES``). The exceptions are
   listed in ``_compat``'s docstring (``DOCUMENTED_EXCEPTIONS`` must appear there).
@@ -31,7 +31,8 @@ import pytest
 import jaggc._compat
 
 ROOT = Path(__file__).resolve().parents[1]
-COMPAT = ROOT / "jaggc" / "_compat.py"
+COMPAT = ROOT / "jaggc" / "_compat"          # a package, one module per concern
+COMPAT_FILES = sorted(COMPAT.glob("*.py"))
 
 
 def _package_dirs() -> dict[str, Path]:
@@ -86,7 +87,7 @@ _PRIVATE_PATH = re.compile(r"\btorch(?:\.[A-Za-z]\w*)*\.(_\w+)")
 
 
 def _outside_compat() -> dict[str, Path]:
-    return {name: path for name, path in MODULES.items() if path != COMPAT}
+    return {name: path for name, path in MODULES.items() if path not in COMPAT_FILES}
 
 
 def private_torch_uses(path: Path) -> list[str]:
@@ -111,7 +112,7 @@ def private_torch_uses(path: Path) -> list[str]:
 
 def test_private_torch_apis_only_in_compat():
     found = [use for path in _outside_compat().values() for use in private_torch_uses(path)]
-    assert not found, "private torch APIs outside jaggc/_compat.py (add a named wrapper there):\n" + "\n".join(found)
+    assert not found, "private torch APIs outside jaggc/_compat/ (add a named wrapper there):\n" + "\n".join(found)
 
 
 def test_the_check_sees_each_kind_of_private_use(tmp_path):
@@ -135,13 +136,28 @@ def test_documented_exceptions_are_in_the_compat_docstring():
 
 def test_every_compat_name_is_used():
     """A name in _compat that nobody uses is a private API kept alive for nothing."""
-    tree = ast.parse(COMPAT.read_text())
-    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    defined |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    defined = set()
+    for path in COMPAT_FILES:
+        tree = ast.parse(path.read_text())
+        defined |= {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        defined |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
     defined = {name for name in defined if not name.startswith("_")}
     users = "\n".join(p.read_text() for p in _outside_compat().values())
     unused = sorted(name for name in defined if not re.search(rf"\b{name}\b", users))
-    assert not unused, f"jaggc/_compat.py names nobody in jaggc/, passes/, verify/ uses: {unused}"
+    assert not unused, f"jaggc/_compat names nobody in jaggc/, passes/, verify/ uses: {unused}"
+
+
+def test_compat_is_one_module_per_concern_each_named_in_its_docstring():
+    """The package's docstring names each of its modules; each module opens with the idea it holds;
+    callers import from ``jaggc._compat`` itself (its ``__all__`` re-exports every public name)."""
+    doc = jaggc._compat.__doc__
+    for path in COMPAT_FILES:
+        if path.name != "__init__.py":
+            assert f"``{path.stem}``" in doc, path.stem
+            assert ast.get_docstring(ast.parse(path.read_text())), f"{path.name} has no opening docstring"
+    public = {n.name for path in COMPAT_FILES for n in ast.parse(path.read_text()).body
+              if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and not n.name.startswith("_")}
+    assert public <= set(jaggc._compat.__all__)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,7 +340,7 @@ LAYER_PREFIXES = {
     "jaggc.runtime": "runtime", "jaggc.config": "vocabulary", "jaggc.call_site": "vocabulary",
     "jaggc.graph_ops": "graph_ops", "jaggc.node_meta": "graph_ops", "jaggc.alias_roots": "graph_ops",
     "jaggc.frontends": "frontends", "jaggc.passes": "passes",
-    "jaggc.backends": "backends", "jaggc.report_view": "report", "jaggc.report_build": "report",
+    "jaggc.backends": "backends", "jaggc.report_view": "report", "jaggc.report_drawing": "report", "jaggc.report_build": "report",
     "jaggc.report": "report", "jaggc.fidelity": "fidelity", "jaggc.grpo": "helpers",
     "jaggc.models": "helpers", "jaggc.testing": "helpers", "jaggc.api": "api", "jaggc.verify": "verify",
     "jaggc.cli": "cli", "jaggc.steps": "steps", "jaggc_studies": "studies", "jaggc": "package",
