@@ -75,6 +75,12 @@ SUPPORT: dict[BackwardMode, ModeSupport] = {
                                      knots_in_backward=False, backward_in_forward=True),
 }
 
+#: columns no refusal can read, each with why (the behaviour test checks them all the same)
+DOCUMENTED_ONLY: dict[str, str] = {
+    "autograd_grad": "jaggc never sees a torch.autograd.grad call on the loss; per_window's nested backward "
+                     "writes .grad, so autograd.grad gets nothing for the parameters (docs/limitations.md)",
+}
+
 #: every mode, in the order the table lists them (for messages)
 BACKWARD_MODES: tuple[BackwardMode, ...] = tuple(SUPPORT)
 
@@ -98,5 +104,5 @@ def backward_mode(value, *, where: str = "backward") -> BackwardMode:
         raise JaggInputError(f"{where}={value!r}: use one of {tuple(m.value for m in BACKWARD_MODES)}") from None
 
 
-__all__ = ["BACKWARD_MODES", "BackwardMode", "CAPTURE_PATHS", "ModeSupport", "SUPPORT", "backward_mode",
+__all__ = ["BACKWARD_MODES", "BackwardMode", "CAPTURE_PATHS", "DOCUMENTED_ONLY", "ModeSupport", "SUPPORT", "backward_mode",
            "mode_names", "modes_where"]
