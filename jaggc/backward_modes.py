@@ -104,5 +104,5 @@ def backward_mode(value, *, where: str = "backward") -> BackwardMode:
         raise JaggInputError(f"{where}={value!r}: use one of {tuple(m.value for m in BACKWARD_MODES)}") from None
 
 
-__all__ = ["BACKWARD_MODES", "BackwardMode", "CAPTURE_PATHS", "DOCUMENTED_ONLY", "ModeSupport", "SUPPORT", "backward_mode",
-           "mode_names", "modes_where"]
+__all__ = ["BACKWARD_MODES", "BackwardMode", "CAPTURE_PATHS", "DOCUMENTED_ONLY", "ModeSupport", "SUPPORT",
+           "backward_mode", "mode_names", "modes_where"]

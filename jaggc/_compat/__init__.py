@@ -27,11 +27,20 @@ Documented exceptions (tests/test_layering.py checks that each is listed here):
 from __future__ import annotations
 
 from .pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
-from .dynamo import assume_constant_result, backend_failed_type, compiler_disable, detect_fake_mode, dynamo_real_stack, dynamo_recompile_limits, dynamo_unique_graphs, dynamo_unsupported_types, fake_mode_accepts_real_tensors, flat_apply_function, flat_apply_inputs, is_flat_apply_node, lookup_dynamo_backend, nonstrict_trace, recompile_limit_types, recompile_reason, unwrap_backend_error
-from .tracing import DYNAMO_ENTER_AUTOCAST, DYNAMO_EXIT_AUTOCAST, SET_GRAD_ENABLED, copy_input_codegen, fake_mode_suspended, fx_patches_reverted, is_fake, new_fake_mode, traced_input_value
-from .modules import MODULE_CALL_SLOT, apply_activation_checkpointing, compiled_inner_module, module_call_impl, module_hook_keys
+from .dynamo import (
+    assume_constant_result, backend_failed_type, compiler_disable, detect_fake_mode, dynamo_real_stack,
+    dynamo_recompile_limits, dynamo_unique_graphs, dynamo_unsupported_types, fake_mode_accepts_real_tensors,
+    flat_apply_function, flat_apply_inputs, is_flat_apply_node, lookup_dynamo_backend, nonstrict_trace,
+    recompile_limit_types, recompile_reason, unwrap_backend_error)
+from .tracing import (
+    DYNAMO_ENTER_AUTOCAST, DYNAMO_EXIT_AUTOCAST, SET_GRAD_ENABLED, copy_input_codegen, fake_mode_suspended,
+    fx_patches_reverted, is_fake, new_fake_mode, traced_input_value)
+from .modules import (
+    MODULE_CALL_SLOT, apply_activation_checkpointing, compiled_inner_module, module_call_impl,
+    module_hook_keys)
 from .tensors import dispatch_mode_base, version_counter, written_arguments
-from .autograd import in_backward, queue_backward_callback, rng_states, rng_states_restored, run_after_backward
+from .autograd import (
+    in_backward, queue_backward_callback, rng_states, rng_states_restored, run_after_backward)
 from .fsdp_slots import GradSlot, fsdp_gradient_slots, fsdp_version
 
 __all__ = [

@@ -27,7 +27,8 @@ class InterceptFrontend:
         cfg = self.session.config
         if self.name not in cfg.options.backward.support.captures:     # backward_modes.SUPPORT
             raise JaggUnsupportedError(
-                f"backward='{cfg.options.backward}' needs a captured graph (it proves the loss is a sum of per-step terms), "
+                f"backward='{cfg.options.backward}' needs a captured graph (it proves the loss is a sum of per-step "
+                f"terms), "
                 f"but no capture path took {self.qualname}: {'; '.join(self.session.capture_failures) or 'see above'}. "
                 f"Use {mode_names(m for m in BACKWARD_MODES if self.name in m.support.captures)}")
         bound = bind_loss(self.session.fn, args, kwargs)
