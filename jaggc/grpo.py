@@ -10,7 +10,7 @@ Three step policies, each written as mu = a*z + b*v with a, b, std independent o
 - ``"cps"``: Flow-GRPO sde_type='cps' (arXiv 2509.05952); log-prob is -mean squared error.
 
 All math is done in fp32 (fp64 inputs stay fp64 so exactness can be tested). log-probs are means
-over the non-batch elements, as in the trainers. See docs/background/algorithm.md §1-§3.
+over the non-batch elements, as in the trainers. The estimator they feed: arXiv 2607.17572 (README).
 """
 
 from __future__ import annotations
@@ -231,6 +231,21 @@ def flow_grpo_sde_step(v, z, sigma, sigma_next, *, noise_level: float = 0.7,
     return _finish(v, prev_sample, mean, std, std_dev_t, a, b, generator, log_prob_fn)
 
 
+def flux_step_mean(model_output, latents, sigma, sigma_next, eta, *, sde_solver: bool = True):
+    """DanceGRPO's ``flux_step``: the mean of the next state and the predicted clean sample for
+    velocity ``model_output`` at ``latents`` (``sigma``, ``sigma_next``: numbers or tensors that
+    broadcast against ``latents``). The one place its arithmetic is written: ``dance_flux_step``
+    here, the verifier's ``flux_step`` (verify/grpo_losses.py) and the trainers' own shape of it
+    (studies/trainers/dance_grpo.py) call it, each with its own log-density around it."""
+    dsigma = sigma_next - sigma
+    mean = latents + dsigma * model_output
+    pred_original_sample = latents - sigma * model_output
+    if sde_solver:
+        score_estimate = -(latents - pred_original_sample * (1 - sigma)) / sigma**2
+        mean = mean + (-0.5 * eta**2 * score_estimate) * dsigma
+    return mean, pred_original_sample
+
+
 def dance_flux_step(v, z, sigma, sigma_next, *, eta: float = 0.3, prev_sample=None,
                     generator: torch.Generator | None = None,
                     include_constants: bool = True) -> StepPolicy:
@@ -242,11 +257,7 @@ def dance_flux_step(v, z, sigma, sigma_next, *, eta: float = 0.3, prev_sample=No
     v, z, prev_sample = _prepare(v, z, prev_sample)
     s, sn = _sigmas(sigma, sigma_next, v.shape[0], v.dtype, v.device, positive_sigma=True)
     a, b, std, _ = (_bcast(t, v.ndim) for t in _dance_coefficients(s, sn, eta))
-    s, sn = _bcast(s, v.ndim), _bcast(sn, v.ndim)
-    dsigma = sn - s
-    pred_original = z - s * v
-    score = -(z - pred_original * (1 - s)) / s**2
-    mean = z + dsigma * v + (-0.5 * eta**2 * score) * dsigma
+    mean, _ = flux_step_mean(v, z, _bcast(s, v.ndim), _bcast(sn, v.ndim), eta)
 
     def log_prob_fn(x, mu):
         lp = -((x - mu) ** 2) / (2 * std**2)

@@ -3,8 +3,10 @@
 exactly at run time is ``Routing`` (runtime/routing.py).
 
 The sixteen flat keywords of release 0.1 still work for one release, each with a
-``DeprecationWarning`` naming its new place (``DEPRECATED``); ``compile_settings`` is the one place
-that turns keywords into a ``CompileConfig``, so ``jagg_compile`` and ``explain`` cannot drift.
+``DeprecationWarning`` naming its new place (``DEPRECATED``). ``apply_deprecated`` is the one place
+that folds them into ``Options``/``Routing``, and ``Options.window_options`` the one that makes the
+runtime's ``WindowOptions``; ``JaggCompiled`` (api.py) builds its ``CompileConfig`` (config.py) from
+those two, for ``jagg_compile`` and ``explain`` alike, so the two cannot drift.
 """
 
 from __future__ import annotations

@@ -34,6 +34,11 @@ class WindowRow:
 
 @dataclass
 class Report:
+    """What a compiled loss did on its latest capture (``compiled.report``; ``jaggc.explain``): the
+    capture path, the graph after every pass (``stages``, ``stage(name)``, ``diff``), one row per
+    window (its steps, mode, knots, basis, DiT backward passes), the notes and refusals met on the
+    way, and ``table()`` / ``to_dot()`` / ``render_condensed()`` to read them."""
+
     path: str                              # "dynamo", "fx", "intercept" or "uncompiled"
     stages: list = field(default_factory=list)
     windows: list[WindowRow] = field(default_factory=list)
@@ -173,10 +178,11 @@ class Report:
     def render_condensed(self, path_stem: str, name: str = "") -> list[str]:
         """The condensed picture (one column per trained DiT call, the windows as boxes, each
         step's glue as one node): ``path_stem.png`` and ``.svg`` with matplotlib, else the text
-        view in ``path_stem.txt``. Returns the paths written (see ``jaggc.report_view``)."""
-        from . import report_view
+        view in ``path_stem.txt``. Returns the paths written (``jaggc.report_view``, ``jaggc.report_drawing``)."""
+        from .report_drawing import write_condensed
+        from .report_view import condensed_view
 
-        return report_view.write_condensed(report_view.condensed_view(self, name=name), str(path_stem))
+        return write_condensed(condensed_view(self, name=name), str(path_stem))
 
 
 def _target_name(node: fx.Node) -> str:

@@ -57,12 +57,12 @@ def cmd_example(args) -> int:
 
 def cmd_inspect(args) -> int:
     import jaggc
-    from jaggc import report_view
+    from jaggc import report_drawing
     from jaggc_studies.example_losses import EXAMPLES, build_example
 
     names = args.examples or list(EXAMPLES)
     os.makedirs(args.out, exist_ok=True)
-    no_matplotlib = report_view.matplotlib_missing() if args.view != "full" else None
+    no_matplotlib = report_drawing.matplotlib_missing() if args.view != "full" else None
     if no_matplotlib:
         print(f"matplotlib is not importable ({no_matplotlib}): writing the condensed view as text "
               f"(pip install 'jaggc[examples]' for PNG/SVG)\n")

@@ -9,13 +9,14 @@ import xml.etree.ElementTree as ET
 import pytest
 
 import jaggc
-from jaggc import report_view
+from jaggc import report_drawing
 from jaggc.cli import main
 from jaggc_studies.example_losses import build_example
 from jaggc.graph_ops import is_runtime_target
 from jaggc.node_meta import CALL, WINDOW
 from jaggc.passes.modes import is_grad_switch
-from jaggc.report_view import ROLE_LETTER, condensed_view, render_images, to_condensed_dot, to_text
+from jaggc.report_drawing import render_images
+from jaggc.report_view import ROLE_LETTER, condensed_view, to_condensed_dot, to_text
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -149,7 +150,7 @@ def test_render_exact_windows_and_report_method(reports, tmp_path):
 
 def test_text_fallback_without_matplotlib(reports, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)   # `import matplotlib` now raises ImportError
-    assert report_view.matplotlib_missing() is not None
+    assert report_drawing.matplotlib_missing() is not None
     with pytest.raises(ImportError):
         render_images(condensed_view(reports("flow_grpo_sd3")), str(tmp_path / "x"))
     paths = reports("flow_grpo_sd3").render_condensed(str(tmp_path / "flow"), name="flow")

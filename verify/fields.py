@@ -36,7 +36,7 @@ class AffineJacobianField(nn.Module):
 
 
 class TimeAffineField(nn.Module):
-    """v = b(θ) t + c(θ) + φ(z, t): J is free of z and affine in t (spec condition E2).
+    """v = b(θ) t + c(θ) + φ(z, t): J is free of z and affine in t (exactness condition E2, verify/symbolic.py).
 
     t-weighted JAGG is exact for arbitrary states; index weights are not on non-uniform grids.
     """

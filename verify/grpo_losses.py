@@ -51,13 +51,8 @@ def flux_step(model_output, latents, eta, sigma, sigma_next, prev_sample, log_dt
     in float32 (``log_dtype``; the float64 exactness checks pass float64)."""
     sigma = sigma.view(-1, *([1] * (latents.ndim - 1)))
     sigma_next = sigma_next.view(-1, *([1] * (latents.ndim - 1)))
-    dsigma = sigma_next - sigma
-    prev_sample_mean = latents + dsigma * model_output
-    pred_original_sample = latents - sigma * model_output
+    prev_sample_mean, _ = grpo.flux_step_mean(model_output, latents, sigma, sigma_next, eta)
     std_dev_t = eta * torch.sqrt(sigma - sigma_next)
-    score_estimate = -(latents - pred_original_sample * (1 - sigma)) / sigma**2
-    log_term = -0.5 * eta**2 * score_estimate
-    prev_sample_mean = prev_sample_mean + log_term * dsigma
     log_prob = (-((prev_sample.detach().to(log_dtype) - prev_sample_mean.to(log_dtype)) ** 2)
                 / (2 * std_dev_t**2) - torch.log(std_dev_t) - _LOG_SQRT_2PI)
     return log_prob.mean(dim=tuple(range(1, log_prob.ndim)))

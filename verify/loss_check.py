@@ -1,7 +1,7 @@
 """Translation validation of ``@jagg_compile`` on the user's own loss: ``check_loss``.
 
 JAGG is exact, whatever the loss does with the velocities and wherever the states lie, when the
-DiT's parameter-Jacobian does not depend on the state and is affine in the timestep (spec E2). So a
+DiT's parameter-Jacobian does not depend on the state and is affine in the timestep (exactness condition E2, proved in verify/symbolic.py). So a
 stand-in DiT with the user's call signature and output structure,
 
     v = c * z + a(theta) + t * b(theta)        (a, b nonlinear in their parameters),

@@ -1,4 +1,4 @@
-"""Symbolic (sympy) proofs of the JAGG identities of spec §2, with a readable transcript.
+"""Symbolic (sympy) proofs of the JAGG identities of the JAGG estimator (arXiv 2607.17572), with a readable transcript.
 
 Every proof is a ``ProofLine(claim, assumption, result, ok)``: ``result`` is what sympy simplified
 the claim's residual to (``0`` for an identity), ``ok`` whether that is what the claim says.

@@ -1,7 +1,9 @@
 """Flat gradient estimators of a GRPO loss on one stored batch, for measuring JAGG's fidelity.
 
 Every estimator here is a linear combination of vector-Jacobian products ``J(z, t)ᵀ c`` at a few
-*knot* inputs (spec §2, §2.2, §2.3), computed from the SAME per-step upstream gradients
+*knot* inputs (arXiv 2607.17572; the variants and their measurements: docs/default.md and
+docs/fidelity.md, "Variants selectable in @jagg_compile, measured"), computed from the SAME
+per-step upstream gradients
 ``g_k = ∂L/∂v_k`` that the exact gradient uses:
 
     exact          Σ_k J_kᵀ g_k                                    (1 backward per trained step)
@@ -304,7 +306,8 @@ def hat(rec, dit, *, spacing: int, weights: str = "t", exact_steps_from: int | N
 
 
 def extrapolate(rec, dit, *, spacing: int, weights: str = "t", exact_steps_from: int | None = None) -> Estimate:
-    """Causal linear extrapolation with shared knots (spec §2.2): knots every ``spacing`` steps
+    """Causal linear extrapolation with shared knots (docs/default.md: a variant free of noise
+    leakage): knots every ``spacing`` steps
     over steps 0..E-1 (one backward each); a step after knot k_j uses the line through the
     Jacobians at k_{j-1} and k_j, steps before the second knot the first one; steps ≥ E exact.
     ``@jagg_compile(window=T, weights=Basis("extrapolate", knots=...))``."""
@@ -321,7 +324,8 @@ def extrapolate(rec, dit, *, spacing: int, weights: str = "t", exact_steps_from:
 
 def denoised(rec: Recording, dit: nn.Module, *, window: int, weights: str = "t", exact_windows=(),
              means: Sequence[torch.Tensor] | None = None, end_time: torch.Tensor | None = None) -> Estimate:
-    """Denoised right knot (spec §2.2): window [a, r), knots z_a at t_a and
+    """Denoised right knot (docs/default.md: a variant free of noise leakage): window [a, r),
+    knots z_a at t_a and
     z*_r = z_a + Σ_{k=a}^{r-1} (μ_k − z_k) at t_r. ``means`` μ_k (the SDE step means at the
     evaluating parameters) and ``end_time`` (t of the state after the last trained step) default
     to ``rec.extra`` (``jaggc_studies.fidelity.flow_grpo.flow_grpo_extras`` fills them for the digits trainer's batches)."""
@@ -398,7 +402,8 @@ def subsample(rec: Recording, dit: nn.Module, *, window: int, k: float = 2, exac
 
 
 # ---------------------------------------------------------------------------------------------
-# window selection: σ-aware hybrid and §2.5 routing
+# window selection: σ-aware hybrid and score routing (docs/fidelity.md, "Does the routing score
+# predict the window's fidelity?")
 
 
 def windows_below(rec: Recording, window: int, t0: float) -> tuple[int, ...]:
@@ -407,7 +412,8 @@ def windows_below(rec: Recording, window: int, t0: float) -> tuple[int, ...]:
 
 
 def routing_scores(rec: Recording, window: int, weights: str = "t") -> list[float]:
-    """Spec §2.5 score per window: min over interior k of cos(v_k − v_a, α_k (v_b − v_a)) over the
+    """The routing score per window (docs/fidelity.md): min over interior k of
+    cos(v_k − v_a, α_k (v_b − v_a)) over the
     flattened batch (nan for windows of ≤ 2 steps: always exact)."""
     basis = Basis("linear", weights)
     scores = []
@@ -446,7 +452,7 @@ def routed_exact_windows(rec: Recording, window: int, *, jagg_frac: float = 1.0,
 
 @dataclass(frozen=True)
 class Setting:
-    """One estimator configuration. ``variant`` in VARIANTS; ``jagg_frac`` < 1 routes (§2.5);
+    """One estimator configuration. ``variant`` in VARIANTS; ``jagg_frac`` < 1 routes by score;
     ``exact_below`` (timestep units) is the σ-aware hybrid; ``k`` for subsample; ``spacing`` for hat."""
 
     variant: str = "jagg"

@@ -56,8 +56,10 @@ class RolloutCache:
     time_arg: str | int | None = None
     unbatched: tuple[str, ...] = ("img_ids", "txt_ids")
     stats: RolloutCacheStats = field(default_factory=RolloutCacheStats)
-    _rows: dict = field(default_factory=dict, repr=False)   # (state, digest) -> (output leaves of one row, spec)
-    _versions: tuple | None = field(default=None, repr=False)
+    # private state, not constructor arguments: (state, digest) -> (output leaves of one row, spec),
+    # and the parameter versions the rows were recorded at
+    _rows: dict = field(default_factory=dict, init=False, repr=False)
+    _versions: tuple | None = field(default=None, init=False, repr=False)
 
     def __len__(self) -> int:
         return len(self._rows)

@@ -2,7 +2,9 @@
 
 JAGG is exact when the DiT's Jacobian is affine along the window and the states lie on the chord.
 The velocities of the window are a cheap proxy that is already at hand (the knot forward and the
-interior no-grad forwards run anyway), so each window gets a score (spec §2.5):
+interior no-grad forwards run anyway), so each window gets a score (the routing of arXiv 2607.17572,
+``jagg_frac``, whose exact rule is not published; the definition used here and how well it predicts
+fidelity: docs/fidelity.md, "Does the routing score predict the window's fidelity?"):
 
     v̂_k = Σ_j Φ[k, j] v_{knot j}           (the basis' prediction of step k's velocity)
     score = min over interior k of  mean over samples of  cos(v_k − v_a, v̂_k − v_a)
@@ -11,8 +13,8 @@ with v_a the first knot's velocity (the plain cos(v_k, v̂_k) saturates near 1, 
 velocities of neighbouring steps share a large common part). Three rules, combinable:
 
   * ``exact_below``: σ-aware placement; a window reaching a noise level σ below this value runs
-    exact: the low-σ tail is where the gradient concentrates and the Jacobian is least affine (spec
-    §3). σ is read from the timesteps as ``Basis(exact_below=...)`` reads it (``noise_levels``: the
+    exact: the low-σ tail is where the gradient concentrates and the Jacobian is least affine
+    (docs/default.md). σ is read from the timesteps as ``Basis(exact_below=...)`` reads it (``noise_levels``: the
     timesteps where they lie in [0, 1], else timestep / 1000), so the two are one rule in one unit;
     here it combines with the two rules below, there it runs in every backward mode;
   * ``threshold``: windows whose score is at least this go to JAGG;
@@ -35,6 +37,7 @@ import torch
 from torch import nn
 
 from .._compat import tree_flatten
+from ..backward_modes import backward_mode, mode_names, modes_where
 from ..errors import JaggInputError, JaggUnsupportedError
 from .calls import DitCall, split_output
 from .forwards import forward_batched
@@ -44,6 +47,12 @@ from .window import PreparedWindow, WindowOptions, prepare_window, run_exact
 
 @dataclass(frozen=True)
 class Routing:
+    """Which windows run JAGG and which exactly, chosen at run time (module docstring):
+    ``jagg_frac`` the fraction of windows (by routing score) kept as JAGG, ``threshold`` a score
+    below which a window runs exactly, ``exact_below`` a noise level σ below which it does. The
+    default routes nothing (every window of > 2 steps is JAGG); routing needs a backward mode whose
+    ``SUPPORT`` row allows it (backward_modes.py)."""
+
     jagg_frac: float = 1.0
     threshold: float | None = None
     exact_below: float | None = None   # σ units, as Basis(exact_below=...)
@@ -56,11 +65,12 @@ class Routing:
             raise JaggInputError(f"Routing(threshold={self.threshold!r}) is a cosine score: use a value in [-1, 1]")
 
     def check_backward(self, backward: str) -> None:
-        """The one check that routing runs in the joint mode (jagg_compile and the runtime)."""
-        if self.active and backward != "joint":
+        """The one check that routing runs in a mode that supports it (jagg_compile and the runtime;
+        the table is backward_modes.SUPPORT)."""
+        if self.active and not backward_mode(backward).support.routing:
             raise JaggUnsupportedError(
                 f"routing (Routing(jagg_frac={self.jagg_frac}, threshold={self.threshold}, "
-                f"exact_below={self.exact_below})) needs backward='joint': it scores every window before "
+                f"exact_below={self.exact_below})) needs {mode_names(modes_where('routing'))}: it scores every window before "
                 f"choosing, which the per-window and low-memory modes' deferred knot work cannot do")
 
     @property
@@ -85,7 +95,7 @@ def _velocity(output: Any) -> torch.Tensor:
 
 
 def window_score(prepared: PreparedWindow) -> float:
-    """The §2.5 score of a prepared window (module docstring); +1 for a perfectly linear window."""
+    """The routing score of a prepared window (module docstring); +1 for a perfectly linear window."""
     num_knots, batch = len(prepared.knots), prepared.batch
     knot_v = _velocity(prepared.knot_out).split(batch, 0)
     knot_v = torch.stack([v.reshape(batch, -1) for v in knot_v]).double()   # (K, B, D)

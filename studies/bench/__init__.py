@@ -10,7 +10,7 @@ What is measured, per mode (a strategy at a window size, e.g. ``jagg@4``):
     the peak RSS of a fresh process running only that mode (``memory.py``);
   * first-call overhead (trace + passes) and recompiles over repeated calls of a fixed shape.
 
-Cost model (spec §2.4; F = one DiT forward of batch B, backward = 2F): exact = 3F per step;
+Cost model (docs/benchmarks.md; F = one DiT forward of batch B, backward = 2F): exact = 3F per step;
 a JAGG window of W steps = (W-2)F no-grad interior + 2F knot forward + 4F joint backward, so the
 step speedup is 3W/(W+4) and the backward speedup W/2. ``theory_*`` holds that formula;
 ``*_trajectory`` applies it window by window to the actual partition (a shorter tail window);

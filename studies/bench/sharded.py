@@ -23,7 +23,7 @@ trainers' own per-step loop (one ``backward()`` per step), one loss evaluation a
     sharded ``.grad``, unsharded inside no_sync; DDP's ``.grad``): what a mode keeps between windows.
 
 Nothing is timed: on 2 CPU processes time says little about a GPU cluster; the cost model
-(README, spec §2.4) gives the forward/backward counts.
+(README, docs/benchmarks.md) gives the forward/backward counts.
 """
 
 from __future__ import annotations

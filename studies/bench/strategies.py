@@ -6,7 +6,7 @@ boundary and at its end) plus its cost-model prediction. A mode is a strategy at
 written ``name@W`` ("jagg@4"); ``exact`` and ``exact_per_step`` take no window. Adding a mode to
 the bench is one line in ``STRATEGIES``.
 
-Cost model (spec §2.4; F = one DiT forward of batch B, backward = 2F): exact = 3F per step; a JAGG
+Cost model (docs/benchmarks.md; F = one DiT forward of batch B, backward = 2F): exact = 3F per step; a JAGG
 window of W steps = (W-2)F no-grad interior + 2F knot forward + 4F joint backward = (W+4)F, so the
 step speedup is 3W/(W+4) and the backward speedup W/2. ``Cost.backward`` is the work done inside
 ``loss.backward()`` (where the per-window mode re-runs its knot forward), so that the theory sits

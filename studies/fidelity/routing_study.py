@@ -1,4 +1,4 @@
-"""Does the spec §2.5 routing score predict how well JAGG approximates a window?
+"""Does the routing score (docs/fidelity.md) predict how well JAGG approximates a window?
 
     python -m jaggc_studies.fidelity.routing_study [--bases digits,shapes] [--rollouts 16] [--steps 10,25]
                                            [--conditions on,off1] [--json PATH] [--out PATH]

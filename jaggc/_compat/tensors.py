@@ -1,0 +1,35 @@
+"""Tensor and op internals: a tensor's in-place version counter, the arguments an aten op's schema
+marks as written, and the base class of a Python dispatch mode."""
+
+from __future__ import annotations
+
+import torch
+
+
+def dispatch_mode_base():
+    """The base class of a Python dispatch mode (sees every aten op run on real tensors)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+def written_arguments(func, args: tuple, kwargs: dict) -> list:
+    """The tensors an aten op (as a dispatch mode sees it) writes in place: the arguments its
+    schema marks as written (``Tensor(a!)``: ``self`` of ``add_``, ``out=``, each of a written
+    list). The intercept path saves an input before the loss's first write into it. The schema is
+    only reachable as ``OpOverload._schema``."""
+    out = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        out.extend(v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, torch.Tensor))
+    return out
+
+
+def version_counter(t) -> int:
+    """A tensor's in-place version counter, bumped by every in-place write (optimizer steps
+    included): the rollout cache's cheap test that the parameters are still the recording's.
+    ``Tensor._version`` is what autograd's "modified by an inplace operation" check reads; torch
+    exposes it under no public name."""
+    return t._version
