@@ -2,12 +2,15 @@
 by command.
 
 Quick profile (always): every capture path x backward mode (fx, dynamo, intercept, auto x joint,
-per_window, lowmem; intercept has no lowmem: it needs a captured graph) on 22 programs each (a
-fixed seed per combination), 242 cases, about 75 s on two shared cores
-(``test_fuzz_quick_ran_every_case`` prints the outcome counts with ``-s``). Each case checks value, gradient
-(exact at window 2, the exactness theorem on affine fields with chord states, a hand-computed
-JAGG otherwise), the writes into the inputs, a second call after a parameter step, and that
-mutations are refused naming a step.
+per_window, lowmem; intercept has no lowmem: it needs a captured graph) on QUICK_EXAMPLES programs
+each (a fixed seed per combination), at least 200 cases (``test_fuzz_quick_ran_every_case`` prints
+the outcome counts with ``-s``; docs/reliability.md has the timing). Each case checks value, logged
+values, gradient (exact at window 2, the exactness theorem on affine fields with chord states, a
+hand-computed JAGG otherwise) in the program's backward form, the writes into the inputs, the module
+state the loss leaves, a second round after a parameter step, the guard's bit-identity, that
+mutations and checkpoints around the DiT call are refused naming a step or line, and that a loss
+whose eager run raises raises. Failures of issue 36's classes still open on this branch
+(``loss_fuzz.KNOWN_OPEN``) are counted as ``known-open <class>`` and printed, not failed.
 
 Long profile (a campaign, by command): random programs (up to 12 steps, the real SD3 more often)
 for ``JAGGC_FUZZ_MINUTES`` minutes, cycling through the combinations; it prints the outcome counts,
@@ -72,7 +75,7 @@ def test_fuzz_quick_ran_every_case():
     if ran != set(COMBOS):
         pytest.skip("the quick profile did not run in full in this session (-k?)")
     summary = _summary(_QUICK_STATS, 0)
-    print(json.dumps({k: summary[k] for k in ("cases", "outcomes", "per_combination")}, indent=1))
+    print(json.dumps({k: summary[k] for k in ("cases", "outcomes", "per_combination", "known_open")}, indent=1))
     assert summary["cases"] >= 200
     assert all(n >= QUICK_EXAMPLES for n in summary["per_combination"].values())
     right = {c for (c, _, o) in _QUICK_STATS if o.startswith("right")}
@@ -96,7 +99,13 @@ def test_fuzz_quick_covers_the_grammar():
     assert seen["container"] == set(fuzz.CONTAINERS)
     assert seen["in_place"] == set(fuzz.IN_PLACE)
     assert seen["mutation"] == set(fuzz.MUTATIONS)
-    for key in ("time", "schedule", "term", "cfg", "kl", "data_if", "extra", "accumulate", "chord", "weights"):
+    assert seen["state_op"] == set(fuzz.STATE_OPS)
+    assert seen["autocast"] == set(fuzz.AUTOCAST)
+    assert seen["checkpoint"] == set(fuzz.CHECKPOINT)
+    assert seen["backward_form"] == set(fuzz.BACKWARD_FORMS)
+    assert seen["data_if"] == set(fuzz.DATA_IF)
+    assert seen["returns"] == set(fuzz.RETURNS)
+    for key in ("time", "schedule", "term", "cfg", "kl", "extra", "accumulate", "chord", "weights", "entry_train", "guard"):
         assert len(seen[key]) > 1, key
 
 
@@ -133,6 +142,12 @@ def _summary(stats: Counter, seconds: float) -> dict:
     for (capture, backward, outcome), n in stats.items():
         per_outcome[outcome.split(" (")[0]] += n
         per_path[f"{capture}/{backward}"] += n
+    known = Counter()
+    for (capture, backward, outcome), n in stats.items():
+        if outcome.startswith("known-open"):
+            known[f"{outcome.split()[-1]} {capture}/{backward}"] += n
     return {"cases": sum(stats.values()), "seconds": round(seconds), "failures": 0,
             "outcomes": dict(sorted(per_outcome.items())), "per_combination": dict(sorted(per_path.items())),
+            "known_open": {"classes": sorted(fuzz.KNOWN_OPEN), "cases": dict(sorted(known.items())),
+                           "first_lines": {f"{c}: {line}": n for (c, line), n in sorted(fuzz.KNOWN_OPEN_SEEN.items())}},
             "detail": {f"{c}/{b}: {o}": n for (c, b, o), n in sorted(stats.items())}}
