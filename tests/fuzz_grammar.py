@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import os
+import random
 import tempfile
 from dataclasses import asdict, dataclass
 
@@ -302,16 +303,19 @@ def programs(long: bool = False, lowmem: bool = False):
     fields are each off in about half the programs, so the older grammar keeps its share."""
     from hypothesis import strategies as st
 
-    def sometimes(draw, values, percent=50):
-        return draw(st.sampled_from(values[1:])) if draw(st.integers(0, 99)) < percent else values[0]
+    # percentages from a plain seeded stream: hypothesis draws small or zero data far more often than
+    # uniformly (its ``randoms()`` too), which would make a "10%" field fire in a third of the programs
+    def sometimes(draw, rng, values, percent=50):
+        return draw(st.sampled_from(values[1:])) if rng.random() * 100 < percent else values[0]
 
     @st.composite
     def draw_program(draw):
-        roll = draw(st.integers(0, 99))
+        rng = random.Random(draw(st.integers(0, 2 ** 32 - 1)))
+        roll = rng.randrange(100)
         dit = "sd3" if roll < (8 if long else 3) else "curved" if roll < 45 else "affine"
         steps = draw(st.integers(2, 3 if dit == "sd3" else (12 if long else 6)))
         window = draw(st.integers(2, min(6, steps)))
-        mutation = draw(st.sampled_from(MUTATIONS)) if draw(st.integers(0, 99)) < 10 else "none"
+        mutation = draw(st.sampled_from(MUTATIONS[1:])) if rng.random() < 0.12 else "none"
         return Program(
             dit=dit, steps=steps, window=window, container=draw(st.sampled_from(CONTAINERS)),
             time="tensor" if dit == "sd3" else draw(st.sampled_from(("tensor", "tensor", "float"))),
@@ -323,10 +327,10 @@ def programs(long: bool = False, lowmem: bool = False):
             extra=draw(st.sampled_from(("none",) * (8 if lowmem else 2) + ("decay", "first", "named"))),
             accumulate=draw(st.sampled_from(("add", "iadd", "mean") * (3 if lowmem else 1) + ("stack",))),
             in_place=draw(st.sampled_from(IN_PLACE[:-1] * 2 + IN_PLACE[-1:])), mutation=mutation,
-            chord=draw(st.integers(0, 9)) < 7, weights=draw(st.sampled_from(("t", "t", "default"))),
-            entry_train=draw(st.booleans()), state_op=sometimes(draw, STATE_OPS, 40),
-            autocast=sometimes(draw, AUTOCAST, 30), checkpoint=sometimes(draw, CHECKPOINT, 5),
-            guard=draw(st.integers(0, 99)) < 15, backward_form=sometimes(draw, BACKWARD_FORMS, 45),
+            chord=rng.random() < 0.7, weights=draw(st.sampled_from(("t", "t", "default"))),
+            entry_train=draw(st.booleans()), state_op=sometimes(draw, rng, STATE_OPS, 40),
+            autocast=sometimes(draw, rng, AUTOCAST, 30), checkpoint=sometimes(draw, rng, CHECKPOINT, 8),
+            guard=rng.random() < 0.15, backward_form=sometimes(draw, rng, BACKWARD_FORMS, 45),
             returns=draw(st.sampled_from(RETURNS)), seed=draw(st.integers(0, 10_000)))
 
     return draw_program()

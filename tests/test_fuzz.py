@@ -113,6 +113,7 @@ def test_fuzz_quick_covers_the_grammar():
 def test_fuzz_campaign():
     deadline = time.monotonic() + 60 * float(os.environ["JAGGC_FUZZ_MINUTES"])
     before = Counter(fuzz.STATS)
+    failures: list[str] = []
     start = time.monotonic()
     rounds = 0
     while time.monotonic() < deadline:
@@ -124,17 +125,24 @@ def test_fuzz_campaign():
                       suppress_health_check=list(HealthCheck))
             @given(program=fuzz.programs(long=True, lowmem=backward == "lowmem"))
             def explore(program):
-                _run(program, capture, backward)
+                try:
+                    _run(program, capture, backward)
+                except fuzz.FuzzFailure as e:      # counted and kept; the campaign goes on (no shrinking)
+                    fuzz.STATS[(capture, backward, "FAILED")] += 1
+                    failures.append(f"{capture}/{backward}: {e}")
 
             explore()
         rounds += 1
     stats = fuzz.STATS - before
     summary = _summary(stats, time.monotonic() - start)
-    print(json.dumps(summary, indent=1))
+    summary["failures"] = len(failures)
+    summary["failure_texts"] = failures
+    print(json.dumps({k: v for k, v in summary.items() if k != "failure_texts"}, indent=1))
     if os.environ.get("JAGGC_FUZZ_REPORT"):
         with open(os.environ["JAGGC_FUZZ_REPORT"], "w") as f:
             json.dump(summary, f, indent=1)
     assert summary["cases"] > 0
+    assert not failures, "\n\n".join(failures[:5])
 
 
 def _summary(stats: Counter, seconds: float) -> dict:
@@ -150,4 +158,13 @@ def _summary(stats: Counter, seconds: float) -> dict:
             "outcomes": dict(sorted(per_outcome.items())), "per_combination": dict(sorted(per_path.items())),
             "known_open": {"classes": sorted(fuzz.KNOWN_OPEN), "cases": dict(sorted(known.items())),
                            "first_lines": {f"{c}: {line}": n for (c, line), n in sorted(fuzz.KNOWN_OPEN_SEEN.items())}},
+            "features": _features(),
             "detail": {f"{c}/{b}: {o}": n for (c, b, o), n in sorted(stats.items())}}
+
+
+def _features() -> dict:
+    """Per value of issue 36's grammar fields, the outcome kinds (this process's cases)."""
+    out: dict = {}
+    for (field, value, kind), n in sorted(fuzz.FEATURES.items()):
+        out.setdefault(f"{field}={value}", {})[kind] = n
+    return out
