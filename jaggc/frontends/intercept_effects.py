@@ -44,6 +44,7 @@ from .. import _compat
 from .._compat import tree_flatten, tree_unflatten
 from ..errors import JaggCaptureError, JaggGraphError
 from ..runtime.calls import DitCall
+from ..runtime.guard_probe import local_module
 from ..runtime.module_state import CallState
 from ..source import frame_location, user_frame
 from .aliasing import storage_of
@@ -161,8 +162,9 @@ def refuse_writes_into_saved_inputs(dit: nn.Module, run: RecordingRun, states: l
                 saved.append(True)
             return t
 
+        # on DDP's wrapped module: a forward the reducer never sees a backward of is not its business
         with torch.enable_grad(), states[k].applied(dit), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            call(dit)
+            call(local_module(dit))
         if saved:
             raise JaggGraphError(
                 f"step {k}{f' ({line})' if line else ''}: the loss writes in place ({op}) into the storage of the "
