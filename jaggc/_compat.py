@@ -593,6 +593,14 @@ def rng_states_restored(states):
         yield
 
 
+def backward_accumulates_everywhere() -> bool:
+    """Inside a backward: whether the running backward is a plain ``backward()`` that accumulates
+    into every leaf it reaches (not ``backward(inputs=...)`` nor ``torch.autograd.grad``, which
+    give the engine a set of tensors to compute for). Reentrant checkpointing asks the same
+    (``torch.autograd._is_checkpoint_valid``, no public name)."""
+    return torch.autograd.Variable._execution_engine.is_checkpoint_valid()
+
+
 def in_backward() -> bool:
     """Whether this thread runs inside an autograd backward now (a checkpoint's recomputation, a
     backward hook): what FSDP2 asks torch too (``_current_graph_task_id``, no public name)."""

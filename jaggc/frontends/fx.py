@@ -20,7 +20,10 @@ Plain torch.fx cannot trace a trainer's loss; this tracer records what plain FX 
 - **module state**: a DiT call traced in another state than the loss was entered in (inside peft's
   ``disable_adapter()``, after ``dit.train()``) is replayed in that state (``set_module_state``
   nodes, and a ``state`` on the reference call); FX alone would run every call in whatever state
-  the module has, and the KL reference would be the policy itself;
+  the module has, and the KL reference would be the policy itself. Tracing runs the loss's state
+  changes on the real module (``dit.eval()`` before ``return``); the module is put back in its entry
+  state after the trace, refused or not, so the graph's first run (or the next capture path)
+  starts where the loss was entered, not in the state set after the last call;
 - arguments are bound to the function's signature: tensors (also inside dicts, lists and tuples)
   become placeholders, everything else is baked in (the cache key holds it, ``fx_guards.py``).
 
@@ -44,14 +47,15 @@ from torch import fx, nn
 from .. import _compat
 from .._compat import SET_GRAD_ENABLED, fake_mode_suspended, tree_flatten, tree_unflatten
 from ..errors import JaggCaptureError, JaggGraphError
-from ..graph_ops import dit_call, is_in_place, set_autocast, set_module_state, user_source
+from ..graph_ops import dit_call, is_in_place, set_autocast, user_source
 from ..source import frame_location, frame_traceback_line, traceback_location, user_frame
 from ..runtime.autocast import autocast_cache_disabled, current_autocast
-from ..runtime.module_state import ModuleState, applicable, difference, module_state
+from ..runtime.module_state import ModuleState, module_state
 from . import example_values
 from .example_values import ExampleValues
 from .aliasing import storage_of
 from .contract import Captured, bind_loss, direct_forward_error, instance_slots, refuse_checkpoint_region
+from .fx_module_states import place_module_states, restore_entry_states
 from .live_tensors import LiveTensors
 from .value_reads import ValueReads
 from ..node_meta import REQUIRES_GRAD, STORAGE, TRACED_CALL, TRACED_MODES, TracedCall
@@ -349,6 +353,18 @@ def capture_fx(fn: Callable, args: tuple, kwargs: dict, dits: list[nn.Module]) -
     tracer.live = LiveTensors(tracer, dits, _where)
     entry = {id(m): module_state(m) for m in dits}
     try:
+        return _traced(fn, concrete, tracer, dits, entry)
+    finally:
+        # tracing ran the loss's own state changes (``dit.eval()`` before ``return``) on the real
+        # module; the graph replays them, and its first run (or the next capture path, if this one
+        # refuses) must start where the loss was entered, or every call would run in the state the
+        # loss set after it
+        restore_entry_states(dits, entry)
+
+
+def _traced(fn: Callable, concrete: dict, tracer: DiTLeafTracer, dits: list[nn.Module],
+            entry: dict[int, ModuleState]) -> Captured:
+    try:
         # nothing the trace runs may leave casts in the caller's autocast weight-cast cache: the
         # graph's first run in the same region would share them (autocast.py)
         with _refuse_direct_forward(dits), _RefuseFunctionApply(), _RandomDrawsRefused(), tracer.live, \
@@ -374,7 +390,7 @@ def capture_fx(fn: Callable, args: tuple, kwargs: dict, dits: list[nn.Module]) -
     # the DiT and other called modules, and tensors the loss built from constants while tracing
     # (``torch.ones(x.shape[-1])`` once the shape is known), which fx stores as ``_tensor_constant``
     root = {n.target: tracer._root_value(n.target) for n in graph.nodes if n.op in ("get_attr", "call_module")}
-    _place_module_states(graph, root, entry, exits)
+    place_module_states(graph, root, entry, exits)
     guard = tracer.reads.guard(graph, root)
     return Captured(fx.GraphModule(root, graph, class_name="JaggLoss"), entry_grad=tracer.entry_grad,
                     entry_autocast=tracer.entry_autocast, guard=guard)
@@ -384,67 +400,3 @@ def _where_in_traceback(e: BaseException) -> str:
     """``file:line: `` of the innermost user frame of an exception raised while tracing."""
     location = traceback_location(e)
     return f"{location}: " if location else ""
-
-
-def _place_module_states(graph: fx.Graph, root: dict, entry: dict[int, ModuleState],
-                         exits: dict[int, ModuleState]) -> None:
-    """Replay the module-state changes the loss made while it was traced (module docstring).
-
-    The trained (grad-enabled) calls of a module must share one state, the graph's base state for
-    that module: a prologue sets it if the loss changed it before them (``dit.train()``). A call
-    traced in another state (a no-grad reference under ``disable_adapter()``) runs in its own
-    state; an epilogue leaves the module as the loss left it."""
-    by_module: dict[int, list[fx.Node]] = {}
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target is dit_call:
-            by_module.setdefault(id(TRACED_CALL.of(node).module), []).append(node)
-    first = next(n for n in graph.nodes if n.op != "placeholder")
-    output = next(n for n in graph.nodes if n.op == "output")
-    count = 0
-
-    def state_attr(state: ModuleState, before: fx.Node) -> fx.Node:
-        nonlocal count
-        name = f"jagg_module_state_{count}"
-        count += 1
-        root[name] = state
-        with graph.inserting_before(before), warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)   # get_attr of a plain object
-            return graph.get_attr(name)
-
-    for calls in by_module.values():
-        module = TRACED_CALL.of(calls[0]).module
-        trained = [n for n in calls if TRACED_CALL.of(n).grad_enabled]
-        states = {TRACED_CALL.of(n).state for n in trained}
-        if len(states) > 1:
-            a, b = trained[0], next(n for n in trained if TRACED_CALL.of(n).state != TRACED_CALL.of(trained[0]).state)
-            raise JaggCaptureError(
-                f"{user_source(b)}: this grad-enabled DiT call runs in another module state than the one at "
-                f"{user_source(a)} ({difference(TRACED_CALL.of(a).state, TRACED_CALL.of(b).state)}); "
-                f"a JAGG window pairs the Jacobians of its calls, which is only meaningful for one module state. "
-                f"Keep the trained calls in one state (reference calls may differ if run under torch.no_grad())",
-                path="fx", where=user_source(b))
-        base = states.pop() if states else entry[id(module)]
-        for node, state in [(first, base)] + [(n, TRACED_CALL.of(n).state) for n in calls] + [(output, exits[id(module)])]:
-            frm = entry[id(module)] if node is first else base
-            if state != frm and not applicable(frm, state):
-                raise JaggCaptureError(
-                    f"{user_source(node) or 'the loss'}: the DiT is called in another state than the loss was "
-                    f"entered in ({difference(frm, state)}); a compiled graph can replay train/eval, requires_grad "
-                    f"and peft adapter switches, not changed hooks or merged adapters",
-                    path="fx", where=user_source(node))
-        dit_name = calls[0].args[0].target
-        if base != entry[id(module)]:
-            attr = state_attr(base, first)
-            with graph.inserting_after(attr):
-                dit_attr = graph.get_attr(dit_name)
-            with graph.inserting_after(dit_attr):
-                graph.call_function(set_module_state, (dit_attr, attr))
-        for node in calls:
-            state = TRACED_CALL.of(node).state
-            if state != base:
-                node.kwargs = {**node.kwargs, "state": state_attr(state, node)}
-        if exits[id(module)] != base:
-            attr = state_attr(exits[id(module)], output)
-            with graph.inserting_before(output):
-                dit_attr = graph.get_attr(dit_name)
-                graph.call_function(set_module_state, (dit_attr, attr))

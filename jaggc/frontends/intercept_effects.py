@@ -15,6 +15,10 @@ saved inputs are written back (again protecting the recorded calls) and the argu
 get their entries back. The replay then runs once on the caller's inputs, exactly as the
 undecorated loss would: its writes happen once, with the window outputs' values.
 
+The DiT's module state (train/eval, requires_grad, adapter switches) is put back as the loss was
+entered with: a loss that calls ``dit.eval()`` at step k leaves the module in eval mode after the
+recording, and a replay starting there would run the calls before step k in eval mode.
+
 A write into a parameter or buffer of the DiT inside the loss is refused: the windows run between
 the two runs, so no order of the DiT's reads around it would be the loss's.
 
@@ -45,7 +49,7 @@ from .._compat import tree_flatten, tree_unflatten
 from ..errors import JaggCaptureError, JaggGraphError
 from ..runtime.calls import DitCall
 from ..runtime.guard_probe import local_module
-from ..runtime.module_state import CallState
+from ..runtime.module_state import CallState, applicable, module_state, set_state
 from ..source import frame_location, user_frame
 from .aliasing import storage_of
 
@@ -82,6 +86,8 @@ class RecordingRun:
         self.written_after: dict[int, tuple[list[int], str, str]] = {}
         self.containers = _container_snapshot(list(arguments.values()))
         self.watch = _WriteWatch(self)
+        self.dit = dit
+        self.entry_state = module_state(dit)        # put back before the replay (module docstring)
 
     def before_write(self, t: torch.Tensor, func) -> None:
         storage = storage_of(t)
@@ -143,6 +149,12 @@ class RecordingRun:
                     x.copy_(before)
         for c in self.containers:
             c.restore()
+        now = module_state(self.dit)
+        if now != self.entry_state and applicable(now, self.entry_state):
+            # ``dit.eval()`` at step k: the replay must start in the entry state, as the loss's
+            # single eager run does, or the calls before step k would run in eval mode (a hook
+            # the loss leaves registered cannot be undone: the replay's state check refuses it)
+            set_state(self.dit, self.entry_state)
         return False
 
 

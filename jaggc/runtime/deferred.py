@@ -11,13 +11,23 @@ gets the same property for JAGG, the way activation checkpointing does:
     composite gradients, re-runs the knot forward WITH grad and immediately runs its backward
     (a nested ``torch.autograd.backward``, as reentrant checkpointing does), then frees it.
 
-The knot forward re-run inside the backward runs in the autocast state the window's forward ran in
-(``loss.backward()`` is usually called outside the trainer's autocast block): the same numbers as
-the forward, never a silent fp32 re-run of a bf16 call.
+The knot forward re-run inside the backward runs in the module state and autocast state the
+window's forward ran in (``module_state.CallState``): ``loss.backward()`` is usually called outside
+the trainer's autocast block, and after the loss returned, so after a ``dit.train()`` that gives the
+module back at its end: the same numbers as the forward, never a silent fp32 or train-mode re-run
+of a bf16 or eval-mode call.
 
 Peak DiT activation memory: one knot batch (2B samples; B with ``batch_knots=False``), instead of
 every window's. Cost: the knot forward runs twice (once without grad for the values, once with
 grad in backward), so a window costs (W + 2) forwards + one joint backward instead of W + 2B.
+
+The parameters are inputs of the window's autograd node, so that a backward asking for them
+reaches it: a plain ``loss.backward()`` runs the nested backward, which accumulates into ``.grad``
+as a plain backward does (and goes through DDP's and FSDP's hooks); ``loss.backward(inputs=[...])``
+and ``torch.autograd.grad(loss, params)`` get the knots' parameter gradients returned through the
+node instead (``torch.autograd.grad`` of the re-run knots), so autograd writes exactly the
+``.grad`` asked for, or none. Under DDP and FSDP those two forms are refused: the reduction runs
+in the wrapper's hooks of a plain backward.
 
 Under DDP the nested backwards are the DDP backwards: each window's knot forward goes through the
 DDP module. A ``BackwardGroup`` shared by the windows of one loss evaluation wraps every knot
@@ -37,12 +47,12 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .._compat import fsdp_version, tree_flatten, tree_unflatten
+from .._compat import backward_accumulates_everywhere, fsdp_version, tree_flatten, tree_unflatten
 from ..errors import JaggUnsupportedError
 from .aggregate import knot_composites
-from .autocast import autocast_applied, current_autocast
 from .calls import DitCall, concat_calls
 from .forwards import nograd_outputs
+from .module_state import CallState, module_chain
 
 
 class BackwardGroup:
@@ -74,7 +84,8 @@ class DeferredWindow:
         self.interior_chunk, self.batch_knots, self.unbatched = interior_chunk, batch_knots, unbatched
         self.group = group if group is not None else BackwardGroup(self.grad_forwards)
         self.diff_index: list[tuple[int, int]] = []  # (step position, leaf index) of each node output
-        self.autocast = current_autocast()          # the knot forward's, re-applied in the backward
+        # the calls' module and autocast state, re-applied in the backward (module docstring)
+        self.state = CallState.of(dit)
 
     @property
     def grad_forwards(self) -> int:
@@ -98,10 +109,12 @@ class DeferredWindow:
                 if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
                     self.diff_index.append((s, i))
                     values.append(leaf)
-        # the anchor only makes the node's outputs require grad; the DiT's parameters get their
-        # gradients from the nested backward, not through the outer graph
+        # the anchor makes the node's outputs require grad; the DiT's trainable parameters are its
+        # inputs so that backward(inputs=...) and autograd.grad reach it (module docstring). A plain
+        # backward gets their gradients from the nested backward, not through the outer graph
         anchor = torch.empty(0, requires_grad=True)
-        tied = _DeferredWindowFn.apply(anchor, self, values)
+        self.params = [p for p in self.dit.parameters() if p.requires_grad]
+        tied = _DeferredWindowFn.apply(anchor, self, values, *self.params)
         leaves_per_step = [list(leaves) for leaves, _ in flat]
         for (s, i), v in zip(self.diff_index, tied):
             leaves_per_step[s][i] = v
@@ -115,7 +128,17 @@ class DeferredWindow:
         out = {i: knot_composites(self.phi, gs) for i, gs in per_leaf.items()}
         return {i: c for i, c in out.items() if c is not None}
 
-    def backward(self, grads: Sequence[torch.Tensor | None]) -> None:
+    def backward(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Run the window's knot backward. A plain backward: nested, into ``.grad``; returns
+        Nones. ``backward(inputs=...)`` / ``autograd.grad``: returns the parameter gradients."""
+        returned = not backward_accumulates_everywhere()
+        if returned and (fsdp_version(self.dit) or any(type(m).__name__ == "DistributedDataParallel"
+                                                        for m in module_chain(self.dit))):
+            raise JaggUnsupportedError(
+                "backward='per_window' under DDP/FSDP runs each window's knot backward through the wrapper's "
+                "hooks of a plain loss.backward(); loss.backward(inputs=...) and torch.autograd.grad(loss, ...) "
+                "would bypass its gradient reduction. Call loss.backward() or use backward='joint'")
+        param_grads: list[torch.Tensor | None] = [None] * len(self.params)
         if self.probe is not None:
             per_leaf: dict[int, list] = {}
             for (s, i), g in zip(self.diff_index, grads):
@@ -128,7 +151,7 @@ class DeferredWindow:
             groups = [[j] for j in range(len(self.knots))]
         for group in groups:
             with self.group.sync_context(self.dit), torch.enable_grad():
-                with autocast_applied(self.autocast):
+                with self.state.applied(self.dit):
                     out = self._batched_call([self.knots[j] for j in group])(self.dit)
                 leaves = tree_flatten(out)[0]
                 roots, root_grads = [], []
@@ -138,13 +161,19 @@ class DeferredWindow:
                     b = self.batch
                     roots.append(leaf)
                     root_grads.append(torch.cat([gamma[i][j * b:(j + 1) * b] for j in group], 0).to(leaf.dtype))
-                if roots:
+                if not roots:
+                    continue
+                if not returned:
                     torch.autograd.backward(roots, root_grads)
+                    continue
+                parts = torch.autograd.grad(roots, self.params, root_grads, allow_unused=True)
+                param_grads = [a if b is None else b if a is None else a + b for a, b in zip(param_grads, parts)]
+        return param_grads
 
 
 class _DeferredWindowFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, anchor, window: DeferredWindow, values: list):
+    def forward(ctx, anchor, window: DeferredWindow, values: list, *params):
         ctx.window = window
         # split_output's slices are views of the batched output; own storage keeps autograd's
         # view tracking out of the way (W*B output samples: negligible next to a forward)
@@ -158,5 +187,4 @@ class _DeferredWindowFn(torch.autograd.Function):
                 "a per-window-mode JAGG window was backpropagated twice (retain_graph=True): its knot "
                 "activations are rebuilt and freed inside the first backward. Use backward='joint' to "
                 "backpropagate the same loss more than once")
-        window.backward(grads)
-        return None, None, None
+        return (None, None, None, *window.backward(grads))

@@ -9,11 +9,11 @@ is ONE backward through the window's knot outputs and its interior outputs run w
 with ``torch.autograd.grad`` into a flat buffer (``.grad`` is not touched) where the window's
 runtime has all of its g_s: in the aggregation node's backward (joint mode; the knot graph is the
 one the real backward then uses, so it is retained), in the deferred window's backward
-(per-window mode; the knots and interiors are re-run with grad there, in the forward's autocast
-state) or when the low-memory mode finishes the window. On a probe call the joint and low-memory
-modes run the interior forwards with grad instead of without (the same forwards, their values
-unchanged), so a window's probe costs one backward of its W steps: 2W F, next to the (W+4) F of
-the window (per-window mode: 3W F, it re-runs the forwards).
+(per-window mode; the knots and interiors are re-run with grad there, in the forward's module
+and autocast state) or when the low-memory mode finishes the window. On a probe call the joint
+and low-memory modes run the interior forwards with grad instead of without (the same forwards,
+their values unchanged), so a window's probe costs one backward of its W steps: 2W F, next to the
+(W+4) F of the window (per-window mode: 3W F, it re-runs the forwards).
 
 The JAGG gradient of the whole call is what its backward adds to ``.grad`` (a snapshot before the
 call, read when the backward has finished: ``run_after_backward``, after DDP's own final
@@ -35,10 +35,11 @@ from torch import nn
 from .._compat import fsdp_version, run_after_backward, tree_flatten
 from ..errors import JaggUnsupportedError
 from .aggregate import knot_composites
-from .autocast import autocast_applied
+from .autocast import current_autocast
 from .calls import DitCall
 from .forwards import chunked_outputs, forward_batched
 from .guard_stats import ProbeResult, range_of
+from .module_state import CallState, module_state
 from .param_grads import parameter_grads
 from .weights import noise_levels
 
@@ -73,7 +74,10 @@ class WindowProbe:
                  knots: tuple[int, ...], phi: torch.Tensor, unbatched, chunk, autocast=None):
         self.call, self.position, self.sigma_min = call, position, sigma_min
         self.calls, self.steps, self.time_arg, self.batch = list(calls), list(steps), time_arg, batch
-        self.knots, self.phi, self.unbatched, self.chunk, self.autocast = knots, phi, unbatched, chunk, autocast
+        self.knots, self.phi, self.unbatched, self.chunk = knots, phi, unbatched, chunk
+        # per-window mode: the module and autocast state the re-run forwards run in (those of the
+        # window's forward, not of backward time), of the module they run on
+        self.state = CallState(module_state(call.local), autocast if autocast is not None else current_autocast())
         self.knot_leaves: list | None = None          # flat leaves of the knots' batched output, with grad
         self.interior_leaves: dict[int, list] | None = None
         self.unmeasured: set[int] = set()
@@ -89,9 +93,10 @@ class WindowProbe:
         self.unmeasured = {i for i, x in enumerate(self.knot_leaves) if isinstance(x, torch.Tensor) and x.requires_grad}
 
     def _rebuild_graph(self) -> None:
-        """Per-window mode: the knot and interior forwards again, with grad, in the forward's autocast."""
+        """Per-window mode: the knot and interior forwards again, with grad, in the forward's module and
+        autocast state."""
         dit = self.call.local
-        with autocast_applied(self.autocast), torch.enable_grad():
+        with self.state.applied(dit), torch.enable_grad():
             knot_out = forward_batched(dit, [self.calls[p] for p in self.knots], [self.steps[p] for p in self.knots],
                                        self.time_arg, self.unbatched)
             interior = self.interior
