@@ -210,3 +210,13 @@ def test_known_open_needs_the_program_without_the_feature_to_pass(monkeypatch):
         fuzz.run_case(program, "fx", "joint")
     monkeypatch.setattr(fuzz, "_run_case", lambda p, c, b: always_wrong(p, c, b) if p.state_op != "none" else "right (fx)")
     assert fuzz.run_case(program, "fx", "joint") == "known-open A"
+
+
+def test_fuzz_oracle_windows_of_a_call_entered_in_another_state():
+    """The campaign's one failure after issue-36-state merged was the fuzzer's own: with two calls
+    per round (accumulation), the second call is entered in eval mode (the first's ``dit.eval()`` at
+    step 3 stays), so it has no state cut, and the hand JAGG must use that call's windows."""
+    program = fuzz.Program(dit="curved", steps=7, window=6, container="dict_tb", term="linear", cfg="two_calls",
+                           kl=True, accumulate="mean", in_place="detached_write", chord=False, state_op="between_eval",
+                           autocast="call", backward_form="accumulate", returns="logs", seed=5528)
+    assert fuzz.run_case(program, "intercept", "per_window") == "right (intercept)"
