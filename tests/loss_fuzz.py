@@ -439,7 +439,7 @@ def _declined(p: Program, capture: str, backward: str, e: JaggCaptureError, what
 def _refused(p: Program, dit: nn.Module, e: JaggError, what: str, args, inputs) -> str:
     text = str(e)
     by_line = p.mutation == "forward" or p.checkpoint != "none"
-    names = re.search(r"step \d+", text) or (by_line and re.search(r"\.py:\d+", text))
+    names = re.search(r"steps? \d+", text) or (by_line and re.search(r"\.py:\d+", text))
     if not names:
         raise FuzzFailure(f"a refusal that names no step ({type(e).__name__}: {text})\n{what}")
     if p.checkpoint != "none" and p.mutation == "none" and "enable_gradient_checkpointing" not in text:

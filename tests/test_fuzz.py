@@ -220,3 +220,14 @@ def test_fuzz_oracle_windows_of_a_call_entered_in_another_state():
                            kl=True, accumulate="mean", in_place="detached_write", chord=False, state_op="between_eval",
                            autocast="call", backward_form="accumulate", returns="logs", seed=5528)
     assert fuzz.run_case(program, "intercept", "per_window") == "right (intercept)"
+
+
+def test_fuzz_nan_state_with_two_call_cfg_is_refused_naming_steps():
+    """Campaign finding (after the merge): a NaN state under two-call CFG is refused on the intercept
+    path, but for another reason: NaN != NaN, so the uncond and cond calls on the NaN state are not
+    recognized as one step, and the refusal is "steps 0 and 1 have the same timestep" (loud and
+    naming the steps, so accepted; the NaN refusal would be the better message)."""
+    program = fuzz.Program(dit="curved", steps=4, window=3, container="dict_tb", schedule="float", term="linear",
+                           clip=10.0, cfg="two_calls", extra="decay", in_place="scale_states", mutation="nan",
+                           weights="default", state_op="give_back", backward_form="sum2", seed=1786)
+    assert fuzz.run_case(program, "intercept", "joint") == "refused"
