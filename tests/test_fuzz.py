@@ -1,21 +1,26 @@
-"""The differential fuzzer of GRPO loss programs (tests/loss_fuzz.py, issue 28): quick in CI, long
+"""The differential fuzzer of GRPO loss programs (tests/loss_fuzz.py, issues 28 and 36): quick in CI, long
 by command.
 
 Quick profile (always): every capture path x backward mode (fx, dynamo, intercept, auto x joint,
-per_window, lowmem; intercept has no lowmem: it needs a captured graph) on 22 programs each (a
-fixed seed per combination), 242 cases, about 75 s on two shared cores
-(``test_fuzz_quick_ran_every_case`` prints the outcome counts with ``-s``). Each case checks value, gradient
-(exact at window 2, the exactness theorem on affine fields with chord states, a hand-computed
-JAGG otherwise), the writes into the inputs, a second call after a parameter step, and that
-mutations are refused naming a step.
+per_window, lowmem; intercept has no lowmem: it needs a captured graph) on QUICK_EXAMPLES programs
+each (a fixed seed per combination), at least 200 cases (``test_fuzz_quick_ran_every_case`` prints
+the outcome counts with ``-s``; docs/reliability.md has the timing). Each case checks value, logged
+values, gradient (exact at window 2, the exactness theorem on affine fields with chord states, a
+hand-computed JAGG otherwise) in the program's backward form, the writes into the inputs, the module
+state the loss leaves, a second round after a parameter step, the guard's bit-identity, that
+mutations and checkpoints around the DiT call are refused naming a step or line, and that a loss
+whose eager run raises raises. Failures of issue 36's classes still open on this branch
+(``loss_fuzz.KNOWN_OPEN``) are counted as ``known-open <class>`` and printed, not failed.
 
 Long profile (a campaign, by command): random programs (up to 12 steps, the real SD3 more often)
-for ``JAGGC_FUZZ_MINUTES`` minutes, cycling through the combinations; it prints the outcome counts,
-and ``JAGGC_FUZZ_REPORT=file.json`` writes them:
+for ``JAGGC_FUZZ_MINUTES`` minutes, cycling through the combinations; a failing case is counted
+(``FAILED``) and kept, the campaign goes on (no shrinking) and fails at the end; it prints the outcome
+counts, and ``JAGGC_FUZZ_REPORT=file.json`` writes them with the failures' texts:
 
     JAGGC_FUZZ_MINUTES=20 JAGGC_FUZZ_REPORT=/tmp/fuzz.json .venv/bin/python -m pytest -q -s tests/test_fuzz.py -k campaign
 
-Every bug a campaign found is a regression test in tests/test_fuzz_regressions.py.
+Every bug a campaign found is a regression test (tests/test_fuzz_regressions.py,
+tests/test_checkpoint_and_inplace.py).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ _RESET_EVERY = 40     # a fresh Dynamo cache now and then: every case compiles n
 
 
 _QUICK_STATS: Counter = Counter()
+_QUICK_PROGRAMS: list = []
 
 
 def _run(program, capture, backward, stats=None):
@@ -54,8 +60,9 @@ def _run(program, capture, backward, stats=None):
 def _quick(capture, backward):
     @seed(28_000 + COMBOS.index((capture, backward)))
     @_QUICK
-    @given(program=fuzz.programs(long=False, lowmem=backward == "lowmem"))
+    @given(program=fuzz.programs(long=False, lowmem=backward == "lowmem", salt=COMBOS.index((capture, backward))))
     def run(program):
+        _QUICK_PROGRAMS.append(program)
         _run(program, capture, backward, _QUICK_STATS)
     return run
 
@@ -88,7 +95,7 @@ def test_fuzz_quick_ran_every_case(quick_stats):
     path and refusals of the mutations among them."""
     assert {(c, b) for c, b, _ in quick_stats} == set(COMBOS)
     summary = _summary(quick_stats, 0)
-    print(json.dumps({k: summary[k] for k in ("cases", "outcomes", "per_combination")}, indent=1))
+    print(json.dumps({k: summary[k] for k in ("cases", "outcomes", "per_combination", "known_open")}, indent=1))
     assert summary["cases"] >= 200
     assert all(n >= QUICK_EXAMPLES for n in summary["per_combination"].values())
     right = {c for (c, _, o) in quick_stats if o.startswith("right")}
@@ -96,23 +103,24 @@ def test_fuzz_quick_ran_every_case(quick_stats):
     assert summary["outcomes"].get("refused", 0) > 0
 
 
-def test_fuzz_quick_covers_the_grammar():
+def test_fuzz_quick_covers_the_grammar(quick_stats):
     """The quick profile's programs reach every value of every grammar field (not vacuous)."""
+    assert {(c, b) for c, b, _ in quick_stats} == set(COMBOS)
     seen: dict[str, set] = {}
-
-    @settings(max_examples=QUICK_EXAMPLES * len(COMBOS), derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
-    @given(program=fuzz.programs(long=False))
-    def collect(program):
+    for program in _QUICK_PROGRAMS:
         for key, value in fuzz.describe(program).items():
             seen.setdefault(key, set()).add(value)
-
-    collect()
     assert seen["dit"] == set(fuzz.DITS)
     assert seen["container"] == set(fuzz.CONTAINERS)
     assert seen["in_place"] == set(fuzz.IN_PLACE)
     assert seen["mutation"] == set(fuzz.MUTATIONS)
-    for key in ("time", "schedule", "term", "cfg", "kl", "data_if", "extra", "accumulate", "chord", "weights"):
+    assert seen["state_op"] == set(fuzz.STATE_OPS)
+    assert seen["autocast"] == set(fuzz.AUTOCAST)
+    assert seen["checkpoint"] == set(fuzz.CHECKPOINT)
+    assert seen["backward_form"] == set(fuzz.BACKWARD_FORMS)
+    assert seen["data_if"] == set(fuzz.DATA_IF)
+    assert seen["returns"] == set(fuzz.RETURNS)
+    for key in ("time", "schedule", "term", "cfg", "kl", "extra", "accumulate", "chord", "weights", "entry_train", "guard"):
         assert len(seen[key]) > 1, key
 
 
@@ -120,6 +128,7 @@ def test_fuzz_quick_covers_the_grammar():
 def test_fuzz_campaign():
     deadline = time.monotonic() + 60 * float(os.environ["JAGGC_FUZZ_MINUTES"])
     before = Counter(fuzz.STATS)
+    failures: list[str] = []
     start = time.monotonic()
     rounds = 0
     while time.monotonic() < deadline:
@@ -129,19 +138,27 @@ def test_fuzz_campaign():
 
             @settings(max_examples=4, derandomize=False, deadline=None, database=None,
                       suppress_health_check=list(HealthCheck))
-            @given(program=fuzz.programs(long=True, lowmem=backward == "lowmem"))
+            @given(program=fuzz.programs(long=True, lowmem=backward == "lowmem",
+                                         salt=rounds * len(COMBOS) + COMBOS.index((capture, backward))))
             def explore(program):
-                _run(program, capture, backward)
+                try:
+                    _run(program, capture, backward)
+                except fuzz.FuzzFailure as e:      # counted and kept; the campaign goes on (no shrinking)
+                    fuzz.STATS[(capture, backward, "FAILED")] += 1
+                    failures.append(f"{capture}/{backward}: {e}")
 
             explore()
         rounds += 1
     stats = fuzz.STATS - before
     summary = _summary(stats, time.monotonic() - start)
-    print(json.dumps(summary, indent=1))
+    summary["failures"] = len(failures)
+    summary["failure_texts"] = failures
+    print(json.dumps({k: v for k, v in summary.items() if k != "failure_texts"}, indent=1))
     if os.environ.get("JAGGC_FUZZ_REPORT"):
         with open(os.environ["JAGGC_FUZZ_REPORT"], "w") as f:
             json.dump(summary, f, indent=1)
     assert summary["cases"] > 0
+    assert not failures, "\n\n".join(failures[:5])
 
 
 def _summary(stats: Counter, seconds: float) -> dict:
@@ -149,6 +166,82 @@ def _summary(stats: Counter, seconds: float) -> dict:
     for (capture, backward, outcome), n in stats.items():
         per_outcome[outcome.split(" (")[0]] += n
         per_path[f"{capture}/{backward}"] += n
+    known = Counter()
+    for (capture, backward, outcome), n in stats.items():
+        if outcome.startswith("known-open"):
+            known[f"{outcome.split()[-1]} {capture}/{backward}"] += n
     return {"cases": sum(stats.values()), "seconds": round(seconds), "failures": 0,
             "outcomes": dict(sorted(per_outcome.items())), "per_combination": dict(sorted(per_path.items())),
+            "known_open": {"classes": sorted(fuzz.KNOWN_OPEN), "cases": dict(sorted(known.items())),
+                           "first_lines": {f"{c}: {line}": n for (c, line), n in sorted(fuzz.KNOWN_OPEN_SEEN.items())}},
+            "features": _features(),
             "detail": {f"{c}/{b}: {o}": n for (c, b, o), n in sorted(stats.items())}}
+
+
+def _features() -> dict:
+    """Per value of issue 36's grammar fields, the outcome kinds (this process's cases)."""
+    out: dict = {}
+    for (field, value, kind), n in sorted(fuzz.FEATURES.items()):
+        out.setdefault(f"{field}={value}", {})[kind] = n
+    return out
+
+
+# issue 36's classes, one minimal program each (E, autocast-region numerics at 2.5e-3, is below
+# the fuzzer's bf16 tolerance: tests/test_autocast_regions.py states and measures it)
+_OPEN_EXAMPLES = {
+    "A": (fuzz.Program(dit="affine", steps=2, window=2, term="linear", state_op="end_eval"), "fx", "joint"),
+    "B": (fuzz.Program(dit="affine", steps=4, window=2, term="linear", state_op="between_eval"), "intercept", "joint"),
+    "C": (fuzz.Program(dit="affine", steps=4, window=4, term="linear", backward_form="inputs"), "fx", "per_window"),
+    "D": (fuzz.Program(dit="affine", steps=4, window=4, term="linear", entry_train=True, state_op="give_back"),
+          "fx", "per_window"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_OPEN_EXAMPLES))
+def test_known_open_classes_are_still_open(name):
+    """Each class in KNOWN_OPEN still fails on its minimal program (counted, not failed): when the
+    fix merges this test fails, and the class leaves KNOWN_OPEN (then the fuzzer checks it). A
+    class not in KNOWN_OPEN (all of A-D since issue-36-state merged): its minimal program is right."""
+    program, capture, backward = _OPEN_EXAMPLES[name]
+    if name not in fuzz.KNOWN_OPEN:
+        assert fuzz.run_case(program, capture, backward).startswith("right")
+        return
+    outcome = fuzz.run_case(program, capture, backward)
+    assert outcome.startswith("known-open"), f"class {name} is fixed ({outcome}): remove it from loss_fuzz.KNOWN_OPEN"
+
+
+def test_known_open_needs_the_program_without_the_feature_to_pass(monkeypatch):
+    """A failure is counted as known-open only when the same program without the open classes'
+    features passes; otherwise it fails the case."""
+    program = fuzz.Program(dit="affine", steps=2, window=2, term="linear", state_op="end_eval")
+    monkeypatch.setattr(fuzz, "KNOWN_OPEN", {"A"})
+
+    def always_wrong(p, capture, backward):
+        raise fuzz.FuzzFailure("silently wrong (simulated)")
+
+    monkeypatch.setattr(fuzz, "_run_case", always_wrong)
+    with pytest.raises(fuzz.FuzzFailure, match="simulated"):
+        fuzz.run_case(program, "fx", "joint")
+    monkeypatch.setattr(fuzz, "_run_case", lambda p, c, b: always_wrong(p, c, b) if p.state_op != "none" else "right (fx)")
+    assert fuzz.run_case(program, "fx", "joint") == "known-open A"
+
+
+def test_fuzz_oracle_windows_of_a_call_entered_in_another_state():
+    """The campaign's one failure after issue-36-state merged was the fuzzer's own: with two calls
+    per round (accumulation), the second call is entered in eval mode (the first's ``dit.eval()`` at
+    step 3 stays), so it has no state cut, and the hand JAGG must use that call's windows."""
+    program = fuzz.Program(dit="curved", steps=7, window=6, container="dict_tb", term="linear", cfg="two_calls",
+                           kl=True, accumulate="mean", in_place="detached_write", chord=False, state_op="between_eval",
+                           autocast="call", backward_form="accumulate", returns="logs", seed=5528)
+    assert fuzz.run_case(program, "intercept", "per_window") == "right (intercept)"
+
+
+def test_fuzz_nan_state_with_two_call_cfg_is_refused_naming_steps():
+    """Campaign finding (after the merge): a NaN state under two-call CFG is refused on the intercept
+    path, but for another reason: NaN != NaN, so the uncond and cond calls on the NaN state are not
+    recognized as one step, and the refusal is "steps 0 and 1 have the same timestep" (loud and
+    naming the steps, so accepted; the NaN refusal would be the better message)."""
+    program = fuzz.Program(dit="curved", steps=4, window=3, container="dict_tb", schedule="float", term="linear",
+                           clip=10.0, cfg="two_calls", extra="decay", in_place="scale_states", mutation="nan",
+                           weights="default", state_op="give_back", backward_form="sum2", seed=1786)
+    assert fuzz.run_case(program, "intercept", "joint") == "refused"

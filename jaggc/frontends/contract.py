@@ -11,14 +11,16 @@ The graph frontends (FX, Dynamo) produce a ``Captured``: a GraphModule in the ca
 graph; it runs the loss twice around a recording proxy (``intercept.py``) and reports from that.
 
 The rules every frontend applies the same way live here once: how the loss's arguments are
-bound (``bind_loss``) and how a call through ``dit.forward(...)`` is refused
-(``direct_forward_error``).
+bound (``bind_loss``), how a call through ``dit.forward(...)`` is refused
+(``direct_forward_error``), and how a DiT call inside a checkpoint the loss wrote is refused
+(``checkpoint_region_error``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol
 
@@ -26,6 +28,7 @@ from torch import fx, nn
 
 from ..config import CompileConfig
 from ..errors import JaggGraphError
+from ..source import user_frame
 from ..runtime.autocast import AUTOCAST_OFF, AutocastState
 
 
@@ -98,6 +101,52 @@ def direct_forward_error(where: str = "", module: nn.Module | None = None, node:
         f"{where + ': ' if where else ''}{what} is called through `.forward(...)`"
         f"{f' (graph node {node})' if node else ''}; call the module itself, `dit(...)`, so that its hooks "
         f"(DDP/FSDP gradient sync, peft) run and jaggc can see the call")
+
+
+def checkpoint_region_error(where: str = "", module: nn.Module | None = None, region: str = "") -> JaggGraphError:
+    """The one refusal of a DiT call inside an activation checkpoint written in the loss
+    (``torch.utils.checkpoint.checkpoint(call_dit, dit, z, t, ...)``, either ``use_reentrant``).
+    jaggc runs the window's knot and interior forwards itself, outside that region, so the promise
+    (activations recomputed, not stored) would silently not hold: the knots would keep every
+    activation. With ``use_reentrant=True`` and stored (no-grad) states the DiT gets no gradient at
+    all. Checkpointing inside the DiT is honoured by every window forward: that is the fix.
+    ``where``: ``file:line``; ``region``: the graph node of the region, where there is one."""
+    what = f"the DiT ({type(module).__name__})" if module is not None else "the DiT"
+    return JaggGraphError(
+        f"{where or 'unknown source line'}: {what} is called inside {region or 'torch.utils.checkpoint.checkpoint'}, "
+        f"e.g. torch.utils.checkpoint.checkpoint(dit, ...) or a torch.autograd.Function around the DiT call. "
+        f"jaggc cannot rewrite a call hidden in such a region (its window forwards would run outside the "
+        f"checkpoint and keep every activation), and use_reentrant=True checkpointing with stored (no-grad) "
+        f"states gives the DiT no gradient at all. Call the DiT directly in the loss and checkpoint inside "
+        f"it: dit.enable_gradient_checkpointing() (non-reentrant)")
+
+
+def checkpoint_region_caller(frame=None):
+    """If a frame from ``frame`` (default: the caller's) outwards runs torch.utils.checkpoint's code
+    (the non-reentrant ``checkpoint`` function, the reentrant ``CheckpointFunction``), the call being
+    made is inside a checkpoint region the loss wrote: the user's frame that opened the outermost
+    such region (its line is the one to name), or True if there is none; else None."""
+    import torch.utils.checkpoint as checkpoint_module
+
+    here = os.path.realpath(checkpoint_module.__file__)
+    frame = inspect.currentframe().f_back if frame is None else frame
+    outermost = None
+    while frame is not None:
+        if os.path.realpath(frame.f_code.co_filename) == here:
+            outermost = frame
+        frame = frame.f_back
+    if outermost is None:
+        return None
+    return user_frame(outermost.f_back) or True
+
+
+def refuse_checkpoint_region(module: nn.Module) -> None:
+    """Raise ``checkpoint_region_error`` if this DiT call runs inside a checkpoint region the loss
+    wrote (``checkpoint_region_caller``), naming the line that opened the region."""
+    caller = checkpoint_region_caller(inspect.currentframe().f_back)
+    if caller is not None:
+        where = f"{caller.f_code.co_filename}:{caller.f_lineno}" if caller is not True else ""
+        raise checkpoint_region_error(where, module)
 
 
 _MISSING = object()

@@ -25,13 +25,12 @@ from torch import fx, nn
 
 from .. import _compat
 from .._compat import tree_flatten
-from ..errors import JaggGraphError
 from ..graph_ops import dit_call, flatten_output, user_source
 from ..runtime.calls import DitCall
 from ..runtime.checks import conform_placement
 from ..runtime.module_state import module_chain
 from . import opaque_op
-from .contract import direct_forward_error, instance_slots
+from .contract import checkpoint_region_error, direct_forward_error, instance_slots
 from .fake_cache import cached_fake_call
 
 _OPAQUE: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
@@ -337,10 +336,4 @@ def check_no_dit_in_subgraphs(gm: fx.GraphModule) -> None:
         op = users[0] if users else None
         op_name = getattr(op.target, "__name__", str(op.target)) if op is not None else sub_name
         where = (user_source(op) if op is not None else "") or user_source(hidden[0][0])
-        raise JaggGraphError(
-            f"{where or 'unknown source line'}: the DiT ({type(hidden[0][1]).__name__}) is called inside "
-            f"{op_name} (graph node {op.name if op is not None else sub_name}), e.g. "
-            f"torch.utils.checkpoint.checkpoint(dit, ...) or a torch.autograd.Function around the DiT call. "
-            f"jaggc cannot rewrite a call hidden in such a region, and use_reentrant=True checkpointing with "
-            f"stored (no-grad) states gives the DiT no gradient at all. Call the DiT directly in the loss "
-            f"and checkpoint inside it: dit.enable_gradient_checkpointing() (non-reentrant)")
+        raise checkpoint_region_error(where, hidden[0][1], f"{op_name} (graph node {op.name if op is not None else sub_name})")

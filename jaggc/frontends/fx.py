@@ -54,7 +54,7 @@ from ..runtime.module_state import ModuleState, module_state
 from . import example_values
 from .example_values import ExampleValues
 from .aliasing import storage_of
-from .contract import Captured, bind_loss, direct_forward_error, instance_slots
+from .contract import Captured, bind_loss, direct_forward_error, instance_slots, refuse_checkpoint_region
 from .fx_module_states import place_module_states, restore_entry_states
 from .live_tensors import LiveTensors
 from .value_reads import ValueReads
@@ -263,6 +263,7 @@ class DiTLeafTracer(fx.Tracer):
 
     def call_module(self, m: nn.Module, forward, args, kwargs):
         if id(m) in self.dits:
+            refuse_checkpoint_region(m)     # its window forwards would run outside the region
             dit = self.create_proxy("get_attr", self._attr_name(m), (), {})
             proxy = self.create_proxy("call_function", dit_call, (dit, tuple(args), dict(kwargs)), {})
             proxy.node.stack_trace = _user_stack()  # fx would name this frame, not the user's call

@@ -48,11 +48,11 @@ from ..runtime.checks import check_placement
 from ..runtime.rollout_cache import RolloutCache
 from ..runtime.grouping import cut_announcement, group_calls, leaf_difference
 from ..runtime.module_state import CallState
-from .contract import direct_forward_error
+from .contract import direct_forward_error, refuse_checkpoint_region
 from ..runtime.routing import Routing
 from ..runtime.trajectory import run_trajectory
 from ..runtime.window import WindowOptions
-from .intercept_effects import RecordingRun
+from .intercept_effects import RecordingRun, refuse_writes_into_saved_inputs
 
 
 class DitProxy:
@@ -63,6 +63,8 @@ class DitProxy:
         object.__setattr__(self, "_on_call", on_call)
 
     def __call__(self, *args, **kwargs):
+        # the windows run outside a checkpoint the loss wrote around the call (contract.py)
+        refuse_checkpoint_region(self._dit)
         if not torch.is_grad_enabled():
             return self._dit(*args, **kwargs)  # reference calls run as written
         return self._on_call(DitCall(tuple(args), dict(kwargs)))
@@ -212,6 +214,7 @@ class InterceptedLoss:
         run = RecordingRun(bound.arguments, dit, recorded)
         with cache.record(), run:
             self._run(bound, DitProxy(dit, on_call))
+        refuse_writes_into_saved_inputs(dit, run, states)
         return recorded, states, cache
 
     def _replay(self, dit, bound, recorded, outs):

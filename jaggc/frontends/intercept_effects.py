@@ -22,6 +22,16 @@ recording, and a replay starting there would run the calls before step k in eval
 A write into a parameter or buffer of the DiT inside the loss is refused: the windows run between
 the two runs, so no order of the DiT's reads around it would be the loss's.
 
+A write, after a DiT call, into the storage of that call's input is a loss eager PyTorch rejects
+when the DiT saved the input for backward (every view of a storage shares one version counter:
+``z = latents[:, j]; v = dit(z, t); latents[:, j + 1].add_(...)`` raises "a variable needed for
+gradient computation has been modified by an inplace operation" at ``backward``). The intercept path
+never runs the DiT with grad on the loss's own tensors, so it would return a gradient where eager
+raises. ``refuse_writes_into_saved_inputs`` asks the DiT itself (one grad-mode forward of the call
+on its recorded copy, under ``saved_tensors_hooks``) whether it saves the written input, and refuses
+the loss naming the step and the write's line if it does (under autocast a DiT saves its casts, not
+the input, and eager runs: so does jaggc).
+
 Nothing is copied when the loss writes nothing: the cost is one Python check per aten op of the
 recording run (also inside the DiT's recording forward).
 """
@@ -36,9 +46,11 @@ from torch import nn
 
 from .. import _compat
 from .._compat import tree_flatten, tree_unflatten
-from ..errors import JaggCaptureError
+from ..errors import JaggCaptureError, JaggGraphError
 from ..runtime.calls import DitCall
-from ..runtime.module_state import applicable, module_state, set_state
+from ..runtime.guard_probe import local_module
+from ..runtime.module_state import CallState, applicable, module_state, set_state
+from ..source import frame_location, user_frame
 from .aliasing import storage_of
 
 
@@ -70,6 +82,8 @@ class RecordingRun:
                 self.inputs.setdefault(storage_of(x), []).append(x)
         self.model = {storage_of(t): name for name, t in list(dit.named_parameters()) + list(dit.named_buffers())}
         self.saved: dict[Any, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        # recorded call -> (its input leaves the loss wrote into after the call, the op, the line)
+        self.written_after: dict[int, tuple[list[int], str, str]] = {}
         self.containers = _container_snapshot(list(arguments.values()))
         self.watch = _WriteWatch(self)
         self.dit = dit
@@ -83,7 +97,9 @@ class RecordingRun:
                 f"(before its DiT call {len(self.recorded)}); the intercept path runs its windows between two runs of "
                 f"the loss, so the DiT calls would not see the parameter as the loss left it at each call. Change "
                 f"parameters outside the loss", path="intercept")
-        self._protect_recorded(storage)
+        for k, leaves in self._protect_recorded(storage).items():
+            if k not in self.written_after:
+                self.written_after[k] = (leaves, str(func), frame_location(user_frame()))
         if storage in self.inputs and storage not in self.saved:
             self.saved[storage] = [(x, x.detach().clone()) for x in self.inputs[storage]]
 
@@ -102,15 +118,19 @@ class RecordingRun:
         finally:
             self.in_dit = False
 
-    def _protect_recorded(self, storage) -> None:
-        """Copy every recorded call input that lives in ``storage`` (before it is written)."""
+    def _protect_recorded(self, storage) -> dict[int, list[int]]:
+        """Copy every recorded call input that lives in ``storage`` (before it is written); for each
+        call copied, the positions of its copied leaves."""
+        copied = {}
         for k in sorted(self.by_storage.pop(storage, ())):
             call = self.recorded[k]
             leaves, spec = tree_flatten((call.args, call.kwargs))
-            leaves = [x.detach().clone() if isinstance(x, torch.Tensor) and storage_of(x) == storage else x
-                      for x in leaves]
+            hit = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and storage_of(x) == storage]
+            leaves = [x.detach().clone() if i in hit else x for i, x in enumerate(leaves)]
             args, kwargs = tree_unflatten(leaves, spec)
             self.recorded[k] = DitCall(tuple(args), dict(kwargs))
+            copied[k] = hit
+        return copied
 
     @property
     def wrote(self) -> bool:
@@ -136,6 +156,34 @@ class RecordingRun:
             # the loss leaves registered cannot be undone: the replay's state check refuses it)
             set_state(self.dit, self.entry_state)
         return False
+
+
+def refuse_writes_into_saved_inputs(dit: nn.Module, run: RecordingRun, states: list[CallState]) -> None:
+    """Refuse the loss if it wrote in place, after a DiT call, into an input the DiT saves for
+    backward (module docstring): eager raises at ``backward`` there. One probe forward per written
+    call, in the call's module and autocast state, until one saves the written input."""
+    for k in sorted(run.written_after):
+        positions, op, line = run.written_after[k]
+        call = run.recorded[k]
+        leaves = tree_flatten((call.args, call.kwargs))[0]
+        watched = {storage_of(leaves[i]) for i in positions}
+        saved = []
+
+        def pack(t: torch.Tensor):
+            if storage_of(t) in watched:
+                saved.append(True)
+            return t
+
+        # on DDP's wrapped module: a forward the reducer never sees a backward of is not its business
+        with torch.enable_grad(), states[k].applied(dit), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            call(local_module(dit))
+        if saved:
+            raise JaggGraphError(
+                f"step {k}{f' ({line})' if line else ''}: the loss writes in place ({op}) into the storage of the "
+                f"input of its DiT call at step {k} after that call, and the DiT saves that input for backward: "
+                f"eager PyTorch raises 'one of the variables needed for gradient computation has been modified "
+                f"by an inplace operation' at backward (every view of a tensor shares its version counter). "
+                f"Call the DiT on a copy (`z = latents[:, j].clone()`) or write out of place")
 
 
 class _Container:
