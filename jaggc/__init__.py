@@ -2,6 +2,7 @@
 
 from .errors import (JaggCaptureError, JaggError, JaggGraphError, JaggInputError, JaggInternalError, JaggTypeError,
                      JaggUnsupportedError)
+from .backward_modes import BackwardMode
 from .runtime.guard import Guard
 from .runtime import (Basis, DitCall, RolloutCache, WindowOptions, atomic_step, count_dit_passes, jagg_calls,
                       run_exact, run_window)
@@ -9,7 +10,7 @@ from .runtime import (Basis, DitCall, RolloutCache, WindowOptions, atomic_step, 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Basis", "Guard", "DitCall", "JaggCaptureError", "JaggError", "JaggGraphError", "JaggInputError", "JaggInternalError",
+    "BackwardMode", "Basis", "Guard", "DitCall", "JaggCaptureError", "JaggError", "JaggGraphError", "JaggInputError", "JaggInternalError",
     "JaggTypeError",
     "JaggUnsupportedError", "RolloutCache", "WindowOptions", "atomic_step", "count_dit_passes", "jagg_calls", "run_exact", "run_window",
 ]

@@ -15,6 +15,8 @@ from torch import nn
 
 from . import _compat
 from .backends import BACKENDS, compile_glue
+from .backward_modes import backward_mode
+from .config import CompileConfig
 from .errors import JaggCaptureError, JaggInputError, JaggUnsupportedError
 from .frontends.contract import Captured, Frontend, bind_loss
 from .frontends.dynamo_runner import DynamoFrontend
@@ -28,6 +30,7 @@ from .runtime.routing import Routing
 from .runtime.weights import DEFAULT_WEIGHTS, Basis
 from .runtime.window import check_window_size
 from .options import CAPTURES, KEYWORDS, DEPRECATED, Options, apply_deprecated
+from .passes import PassContext, run_passes    # passes/, installed as jaggc.passes
 
 
 # capture="auto" tries these in order. FX first: its first call on a 50-step Flow-GRPO loss is
@@ -42,12 +45,6 @@ _FALLBACK_COST = {
                  "(W+6)F per window instead of (W+4)F",
 }
 
-
-def _passes():
-    # jaggc.passes is a separate source folder (passes/); import lazily to keep import order simple
-    from jaggc import passes
-
-    return passes
 
 
 class JaggCompiled:
@@ -68,6 +65,7 @@ class JaggCompiled:
                 f"Options(backend={backend!r}) compiles the glue of a Dynamo-captured graph; capture={capture!r} "
                 f"has no such graph. Use capture='dynamo' (or 'auto'), or backend=None")
         check_window_size(window)
+        backward = backward_mode(backward)     # "joint" or BackwardMode.JOINT: the symbol from here on
         routing.check_backward(backward)
         functools.update_wrapper(self, fn)
         self.fn = fn
@@ -77,9 +75,9 @@ class JaggCompiled:
         self.on_unsupported = options.on_unsupported
         self.options = options
         self.guard = guard      # jaggc.Guard: probes some calls against the exact gradient (runtime/guard.py)
-        self.config = _passes().CompileConfig(window=window, options=options.window_options(weights, backward, guard),
-                                              routing=routing, split_batches=bool(options.split_batches),
-                                              check_passes=bool(options.check_passes))
+        self.config = CompileConfig(window=window, options=options.window_options(weights, backward, guard),
+                                    routing=routing, split_batches=bool(options.split_batches),
+                                    check_passes=bool(options.check_passes))
         self._report: Report | None = None
         self.traces = 0
         self._path: str | None = None if capture == "auto" else capture
@@ -87,10 +85,9 @@ class JaggCompiled:
         self._warned_no_dit = False
         self._one_step_calls = 0         # consecutive calls with one trained DiT call (-1: not per-step)
         self._per_step_warned = False
-        input_writes = _passes().input_writes
         self.frontends: dict[str, Frontend] = {
-            "fx": FxFrontend(self, self.__qualname__, input_writes),
-            "dynamo": DynamoFrontend(self, self.__qualname__, input_writes),
+            "fx": FxFrontend(self, self.__qualname__),
+            "dynamo": DynamoFrontend(self, self.__qualname__),
             "intercept": InterceptFrontend(self, self.__qualname__),
         }
 
@@ -235,11 +232,10 @@ class JaggCompiled:
     def rewrite(self, captured: Captured, frontend: str):
         """The passes over a capture, and its report; a Dynamo graph's glue compiled by
         ``Options(backend=...)``."""
-        passes = _passes()
-        ctx = passes.PassContext(config=self.config, dit=self.dit, frontend=frontend,
+        ctx = PassContext(config=self.config, dit=self.dit, frontend=frontend,
                                  watched=list(getattr(self, "_watched", [])), entry_grad=captured.entry_grad,
                                  entry_autocast=captured.entry_autocast)
-        gm, stages = passes.run_passes(captured.gm, ctx)
+        gm, stages = run_passes(captured.gm, ctx)
         self.traces += 1
         report = self._report = build_report(frontend, gm, stages, ctx, self.traces)
         report.capture_failures = list(self.capture_failures)

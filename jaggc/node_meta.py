@@ -12,7 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from torch import nn
+
+from .call_site import CallSite
 from .errors import JaggInternalError
+from .runtime.autocast import AutocastState
+from .runtime.module_state import ModuleState
 
 T = TypeVar("T")
 _MISSING = object()
@@ -44,8 +49,8 @@ class Fact(Generic[T]):
 class TracedCall:
     """A DiT call as the FX trace saw it: the module, its state then, whether grad was on."""
 
-    module: Any
-    state: Any          # runtime.module_state.ModuleState
+    module: nn.Module
+    state: ModuleState
     grad_enabled: bool
 
 
@@ -55,9 +60,9 @@ TRACED_CALL: Fact[TracedCall] = Fact("jagg_traced_call", "the FX frontend", "Tra
 REQUIRES_GRAD: Fact[bool] = Fact("jagg_requires_grad", "the FX frontend", "whether a placeholder's value requires grad")
 STORAGE: Fact[Any] = Fact("jagg_storage", "the FX frontend", "the storage an input placeholder's value lives in")
 # written by the passes
-CALL: Fact[Any] = Fact("jagg_call", "find_dit_calls", "passes.context.CallSite of a DiT call")
+CALL: Fact[CallSite] = Fact("jagg_call", "find_dit_calls", "the CallSite (jaggc/call_site.py) of a DiT call")
 GRAD: Fact[bool] = Fact("jagg_grad", "tag_modes", "the grad mode the node runs under")
-AUTOCAST: Fact[Any] = Fact("jagg_autocast", "tag_modes", "the runtime.autocast.AutocastState the node runs under")
+AUTOCAST: Fact[AutocastState] = Fact("jagg_autocast", "tag_modes", "the runtime.autocast.AutocastState the node runs under")
 WINDOW: Fact[int] = Fact("jagg_window", "rewrite_windows", "the window a runtime node (or its output) belongs to")
 
 FACTS = (TRACED_MODES, TRACED_CALL, REQUIRES_GRAD, STORAGE, CALL, GRAD, AUTOCAST, WINDOW)

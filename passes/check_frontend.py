@@ -12,7 +12,7 @@ from jaggc.errors import JaggGraphError
 from jaggc.graph_ops import dit_call
 
 from .context import PassContext
-from .infra import ensure, graph_pass
+from .infra import Fact, ensure, graph_pass
 
 
 def _ensure_canonical(gm: fx.GraphModule, ctx: PassContext) -> None:
@@ -22,8 +22,9 @@ def _ensure_canonical(gm: fx.GraphModule, ctx: PassContext) -> None:
                    f"{node.name} takes its module from get_attr")
 
 
-@graph_pass(provides={"canonical"}, analysis=True, ensures=_ensure_canonical)
+@graph_pass(provides={Fact.CANONICAL}, analysis=True, ensures=_ensure_canonical)
 def check_frontend(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Refuse a captured graph that is not in canonical form: every DiT call a ``dit_call`` node."""
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is dit_call:
             module_arg = node.args[0]

@@ -14,7 +14,7 @@ from torch import fx
 from jaggc.graph_ops import is_in_place
 
 from .context import PassContext
-from .infra import ensure, graph_pass
+from .infra import Fact, ensure, graph_pass
 
 
 def _is_impure(node: fx.Node) -> bool:
@@ -31,8 +31,9 @@ def _ensure_clean(gm: fx.GraphModule, ctx: PassContext) -> None:
                f"{node.name} is used or has an effect")
 
 
-@graph_pass(provides={"clean"}, ensures=_ensure_clean)
+@graph_pass(requires={Fact.REWRITTEN, Fact.LOWMEM_TERMS}, provides={Fact.CLEAN}, ensures=_ensure_clean)
 def cleanup(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Drop dead pure nodes (DiT calls, window nodes and in-place ops stay) and lint."""
     gm.graph.eliminate_dead_code(is_impure_node=_is_impure)
     gm.graph.lint()
     return gm

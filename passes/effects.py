@@ -19,12 +19,8 @@ Three users read the edges:
 * ``restore_topological_order`` (rewrite.py) keeps the edges when it re-sorts the rewritten graph,
   so every accepted write runs exactly where it ran in the traced loss.
 
-Alias roots: a node's value may share storage with a loss input (the inputs grouped by the storage
-their traced values share), a parameter or attribute (``get_attr``, ``live_tensor``), or a tensor
-the loss made (the node that made it). Views and ops that may return their input (``to``,
-``reshape``, indexing) pass their input's roots on; anything else makes a new root. The
-frontends recheck, per call, that the inputs share storage as they did when traced, whenever the
-graph writes into its inputs (``input_writes``).
+The storages a node's value may share (its alias roots) are ``jaggc/alias_roots.py``'s, which the
+frontends read too (``input_writes``).
 
 Invariant after ``check_window_inputs``: contracting each rewritten window (all routed windows as
 one, every window in the low-memory mode) to one node leaves the graph, with effect edges, acyclic.
@@ -32,77 +28,25 @@ one, every window in the low-memory mode) to one node leaves the graph, with eff
 
 from __future__ import annotations
 
-import operator
 from typing import Hashable
 
 import networkx as nx
 import torch
 from torch import fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from jaggc._compat import traced_input_value
 from jaggc.errors import JaggCaptureError
 from jaggc.graph_ops import dit_call, is_in_place, live_tensor, user_source
-from jaggc.node_meta import CALL, STORAGE
+from jaggc.alias_roots import METADATA_QUERIES, PURE_VIEWS, alias_roots, input_root, op_name
+from jaggc.node_meta import CALL
 
 from .context import PassContext
-from .infra import ensure, graph_pass
-
-# no data is read: the result is an alias of the input
-_PURE_VIEWS = frozenset({
-    "view", "view_as", "squeeze", "unsqueeze", "transpose", "t", "permute", "expand", "expand_as", "narrow",
-    "select", "slice", "chunk", "split", "split_with_sizes", "tensor_split", "hsplit", "vsplit", "dsplit",
-    "unbind", "unfold", "diagonal", "movedim", "moveaxis", "swapaxes", "swapdims", "as_strided", "detach",
-    "real", "imag", "view_as_real", "view_as_complex", "adjoint", "alias", "unflatten", "broadcast_to",
-    "flatten_output"})
-# may return an alias of the input, or read it into a copy: both a read and an alias
-_MAYBE_VIEWS = frozenset({
-    "reshape", "reshape_as", "flatten", "ravel", "contiguous", "to", "type", "type_as", "float", "double",
-    "half", "bfloat16", "int", "long", "bool", "cpu", "cuda", "getitem", "__getitem__", "getattr", "conj",
-    "resolve_conj", "resolve_neg", "atleast_1d", "atleast_2d", "atleast_3d", "requires_grad_"})
-_METADATA = frozenset({"size", "dim", "numel", "stride", "is_contiguous", "is_floating_point", "element_size",
-                       "nelement", "data_ptr", "storage_offset", "get_device"})
-
-
-def _name(node: fx.Node) -> str:
-    if node.op in ("call_method", "call_module", "get_attr"):
-        return str(node.target)
-    return getattr(node.target, "__name__", str(node.target))
-
-
-def _input_root(node: fx.Node) -> Hashable:
-    """The storage a loss input lives in (inputs sharing storage share a root)."""
-    storage = STORAGE.get(node)
-    value = node.meta.get("example_value", node.meta.get("val"))
-    if storage is None and isinstance(value, torch.Tensor):
-        storage = StorageWeakRef(value.untyped_storage())
-    return ("input", storage if storage is not None else node.name)
-
-
-def alias_roots(gm: fx.GraphModule) -> dict[fx.Node, frozenset]:
-    """For each node, the storages its value may share (module docstring)."""
-    roots: dict[fx.Node, frozenset] = {}
-    for node in gm.graph.nodes:
-        name = _name(node)
-        first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-        if node.op == "placeholder":
-            roots[node] = frozenset({_input_root(node)})
-        elif node.op == "get_attr":
-            roots[node] = frozenset({("attr", node.target)})
-        elif node.op == "call_function" and node.target is live_tensor:
-            roots[node] = frozenset({("attr", node.args[0].target, node.args[1])})
-        elif first is not None and (is_in_place(node) or name in _PURE_VIEWS or name in _MAYBE_VIEWS
-                                    or node.target is operator.getitem):
-            roots[node] = roots.get(first, frozenset({("node", first.name)}))
-        else:
-            roots[node] = frozenset({("node", node.name)})
-    return roots
-
+from .infra import Fact, ensure, graph_pass
 
 def _accesses(node: fx.Node, roots: dict, param_roots: frozenset) -> tuple[frozenset, frozenset]:
     """(roots read, roots written) by ``node``; a pure view or a metadata query touches no data."""
-    name = _name(node)
-    if node.op in ("placeholder", "get_attr") or name in _PURE_VIEWS or name in _METADATA:
+    name = op_name(node)
+    if node.op in ("placeholder", "get_attr") or name in PURE_VIEWS or name in METADATA_QUERIES:
         return frozenset(), frozenset()
     if node.op == "call_function" and node.target is live_tensor:
         return frozenset(), frozenset()
@@ -128,7 +72,7 @@ def effect_edges(gm: fx.GraphModule, ctx: PassContext) -> list[tuple[fx.Node, fx
     # what a DiT call reads without taking it as an argument: written parameters (FX reads them
     # with get_attr / live_tensor; Dynamo lifts a parameter the loss touches to an input)
     param_roots = frozenset(r for r in written_roots if r[0] == "attr") | frozenset(
-        _input_root(n) for n in gm.graph.nodes if n.op == "placeholder" and _input_root(n) in written_roots
+        input_root(n) for n in gm.graph.nodes if n.op == "placeholder" and input_root(n) in written_roots
         and isinstance(traced_input_value(n), torch.nn.Parameter))
     last_write: dict[Hashable, fx.Node] = {}
     reads_since: dict[Hashable, list[fx.Node]] = {}
@@ -172,21 +116,10 @@ def effect_order(ctx: PassContext) -> list[tuple[fx.Node, fx.Node]]:
     return out
 
 
-def input_writes(gm: fx.GraphModule) -> bool:
-    """Whether the graph writes in place into storage one of its inputs holds."""
-    roots = None
-    for node in gm.graph.nodes:
-        if is_in_place(node) and isinstance(node.args[0], fx.Node):
-            roots = roots if roots is not None else alias_roots(gm)
-            if any(r[0] == "input" for r in roots[node.args[0]]):
-                return True
-    return False
-
-
 def rewritten_groups(ctx: PassContext) -> list[list[fx.Node]]:
     """The DiT calls each rewritten node runs together: every JAGG window; all routed windows (one
     ``jagg_trajectory`` node); in the low-memory mode every window, exact ones too."""
-    lowmem = ctx.config.options.backward == "lowmem"
+    lowmem = ctx.config.options.backward.support.backward_in_forward
     groups = [list(w.nodes) for w in ctx.windows if w.mode == "jagg" or (lowmem and w.mode != "routed")]
     routed = [n for w in ctx.windows if w.mode == "routed" for n in w.nodes]
     return groups + ([routed] if routed else [])
@@ -207,8 +140,9 @@ def _ensure_acyclic_windows(gm: fx.GraphModule, ctx: PassContext) -> None:
     ensure(nx.is_directed_acyclic_graph(g), "check_window_inputs", "the contracted window graph is acyclic")
 
 
-@graph_pass(requires={"windows"}, provides={"effects"}, analysis=True, ensures=_ensure_acyclic_windows)
+@graph_pass(requires={Fact.WINDOWS}, provides={Fact.EFFECTS}, analysis=True, ensures=_ensure_acyclic_windows)
 def check_window_inputs(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Refuse a window whose calls wait for each other (a value or an in-place write between them)."""
     groups = rewritten_groups(ctx)
     if not groups:
         return gm

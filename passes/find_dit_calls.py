@@ -23,7 +23,7 @@ from jaggc.runtime.checks import check_placement
 from jaggc.runtime.module_state import unwrap
 
 from .context import CallSite, PassContext
-from .infra import ensure, graph_pass
+from .infra import Fact, ensure, graph_pass
 
 
 def _ensure_calls_found(gm: fx.GraphModule, ctx: PassContext) -> None:
@@ -39,8 +39,9 @@ def _ensure_calls_found(gm: fx.GraphModule, ctx: PassContext) -> None:
     ensure(not calls or ctx.dit is not None, "find_dit_calls", "ctx.dit names the trained DiT")
 
 
-@graph_pass(requires={"canonical", "modes"}, provides={"dit_calls"}, analysis=True, ensures=_ensure_calls_found)
+@graph_pass(requires={Fact.CANONICAL, Fact.MODES, Fact.SPLITS}, provides={Fact.DIT_CALLS}, analysis=True, ensures=_ensure_calls_found)
 def find_dit_calls(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Tag every DiT call with its CallSite (step, source line, autocast state)."""
     calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is dit_call]
     if not calls:
         _note_no_dit_call(gm, ctx)

@@ -19,7 +19,7 @@ from jaggc.graph_ops import is_in_place, user_source
 from jaggc.node_meta import CALL, GRAD
 
 from .context import PassContext
-from .infra import ensure, graph_pass
+from .infra import Fact, ensure, graph_pass
 from .effects import effect_edges
 
 _DETACH_TARGETS = {torch.detach, torch.Tensor.detach, "detach", "detach_", torch.ops.aten.detach.default}
@@ -85,8 +85,9 @@ def _ensure_independent(gm: fx.GraphModule, ctx: PassContext) -> None:
         ensure(not reached, "check_independence", f"no trained call's input depends on {node.name}: {sorted(reached)}")
 
 
-@graph_pass(requires={"dit_calls"}, provides={"independent"}, analysis=True, ensures=_ensure_independent)
+@graph_pass(requires={Fact.DIT_CALLS}, provides={Fact.INDEPENDENT}, analysis=True, ensures=_ensure_independent)
 def check_independence(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Refuse a gradient path from one trained DiT call's output into a later call's input."""
     trained = ctx.trained_calls(gm)
     written = written_inputs(gm, ctx)
     into_calls = reaching_calls(gm, trained, written)

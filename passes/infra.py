@@ -8,14 +8,19 @@ its docstring's "Invariant after" as code. The pipeline checks the order from th
 and, when asked (``check=True``: always in the tests, ``JAGGC_CHECK_PASSES=1`` or
 ``Options(check_passes=True)`` for users), runs each pass's ``ensures`` after it.
 
-Facts are names: ``canonical`` (DiT calls are ``dit_call`` nodes), ``modes`` (every node's grad
-mode and autocast state), ``dit_calls`` (CallSites, ``ctx.dit``), ``independent``, ``windows``,
-``effects``, ``weights``, ``rewritten``, ``lowmem_terms``, ``clean``, ``placed_modes``.
+Facts are the symbols of ``Fact`` (a ``str`` enum: ``Fact.MODES == "modes"``). Every fact a pass
+provides is required by a later pass or by ``RUNNABLE`` (what the graph that runs needs), so the
+whole order is checked, rewrite -> low-memory terms -> cleanup -> mode placement included. A pass
+that does not apply (``applies``: the CFG split with ``split_batches=False``, the low-memory pass
+outside its mode) still provides its facts: they hold vacuously (no CFG call split, no term to
+place). ``run_passes`` checks the order before it starts and each pass's ``requires`` against the
+facts that hold as it runs, for the default passes and for ``passes=...`` alike.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Callable
 
 from torch import fx
@@ -23,6 +28,35 @@ from torch import fx
 from jaggc.errors import JaggInternalError
 
 from .context import PassContext
+
+
+class Fact(str, Enum):
+    """What holds of the graph after the pass that provides it (module docstring)."""
+
+    CANONICAL = "canonical"         # every DiT call is a dit_call node (check_frontend)
+    MODES = "modes"                 # every node carries its grad mode and autocast state (tag_modes)
+    SPLITS = "splits"               # CFG batches split where a slice is detached (split_cfg_batches)
+    DIT_CALLS = "dit_calls"         # CallSites on the DiT calls, ctx.dit (find_dit_calls)
+    INDEPENDENT = "independent"     # the trained calls are gradient-independent (check_independence)
+    WINDOWS = "windows"             # ctx.windows (assign_windows)
+    EFFECTS = "effects"             # the windows' input writes and order constraints (check_window_inputs)
+    WEIGHTS = "weights"             # each window's knots and basis (compute_weights)
+    REWRITTEN = "rewritten"         # each window one runtime node (rewrite_windows)
+    LOWMEM_TERMS = "lowmem_terms"   # the per-step terms feed their windows (place_lowmem_terms)
+    CLEAN = "clean"                 # no dead node (cleanup)
+    PLACED_MODES = "placed_modes"   # the grad/autocast switches where the modes change (place_modes)
+
+    __hash__ = str.__hash__         # a fact and its name are one set member
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+#: the facts the graph that runs needs: the last pass's (every earlier one is required on the way)
+RUNNABLE: frozenset = frozenset({Fact.REWRITTEN, Fact.CLEAN, Fact.PLACED_MODES})
 
 
 def _always(ctx: PassContext) -> bool:
@@ -67,13 +101,15 @@ def graph_pass(*, requires=(), provides=(), invalidates=(), ensures=None, analys
                applies: Callable[[PassContext], bool] | None = None):
     """Declare a function a pass (module docstring)."""
     def wrap(fn):
-        return GraphPass(fn, frozenset(requires), frozenset(provides), frozenset(invalidates),
+        requires_, provides_, invalidates_ = (frozenset(Fact(f) for f in fs) for fs in (requires, provides, invalidates))
+        return GraphPass(fn, requires_, provides_, invalidates_,
                          ensures or _nothing, analysis, applies or _always)
     return wrap
 
 
-def check_order(passes, available: frozenset = frozenset()) -> None:
-    """Refuse an order in which a pass runs before the facts it requires exist."""
+def check_order(passes, available: frozenset = frozenset(), *, finish: frozenset | None = RUNNABLE) -> None:
+    """Refuse an order in which a pass runs before the facts it requires exist, or which ends
+    without the facts of ``finish`` (default: ``RUNNABLE``; None: a partial pipeline)."""
     have = set(available)
     for p in passes:
         missing = p.requires - have
@@ -82,6 +118,18 @@ def check_order(passes, available: frozenset = frozenset()) -> None:
                                     f"{[q.__name__ for q in passes]} provides (or a later one made stale)")
         have -= p.invalidates
         have |= p.provides
+    missing = (finish or frozenset()) - have
+    if missing:
+        raise JaggInternalError(f"the passes {[q.__name__ for q in passes]} end without {sorted(missing)}, which "
+                                f"the graph that runs needs (infra.RUNNABLE)")
+
+
+def check_requires(p: GraphPass, have) -> None:
+    """While the passes run: refuse a pass whose required facts do not hold of the graph now."""
+    missing = p.requires - set(have)
+    if missing:
+        raise JaggInternalError(f"pass {p.__name__} requires {sorted(missing)}, which do not hold of the graph "
+                                f"as it stands (not provided yet, or made stale by a transform)")
 
 
 def ensure(condition: bool, pass_name: str, what: str) -> None:
@@ -90,4 +138,4 @@ def ensure(condition: bool, pass_name: str, what: str) -> None:
         raise JaggInternalError(f"pass {pass_name} broke its invariant: {what}")
 
 
-__all__ = ["GraphPass", "check_order", "ensure", "graph_pass"]
+__all__ = ["Fact", "GraphPass", "RUNNABLE", "check_order", "check_requires", "ensure", "graph_pass"]

@@ -27,12 +27,13 @@ import operator
 import torch
 from torch import fx
 
+from jaggc.backward_modes import mode_names, modes_where
 from jaggc.errors import JaggGraphError
 from jaggc.graph_ops import jagg_lowmem_output, jagg_lowmem_term, jagg_lowmem_window, user_source
 from jaggc.node_meta import AUTOCAST, GRAD, REQUIRES_GRAD
 
 from .context import PassContext
-from .infra import ensure, graph_pass
+from .infra import Fact, ensure, graph_pass
 from .effects import effect_order
 from .rewrite import restore_topological_order
 
@@ -113,17 +114,27 @@ def additive_terms(root: fx.Node, masks: dict[fx.Node, int]) -> dict[fx.Node, fl
             raise JaggGraphError(
                 f"{_where(node)}: backward='lowmem' needs the loss to be a sum of per-step terms with Python-number "
                 f"coefficients; this {node.target if isinstance(node.target, str) else node.target.__name__} "
-                f"scales them by a tensor. Scale by a number, or use backward='joint' or 'per_window'")
+                f"scales them by a tensor. Scale by a number, or use {_any_loss_modes()}")
         else:
             if bin(masks[node]).count("1") > 1:
                 raise JaggGraphError(
                     f"{_where(node)}: backward='lowmem' needs the loss to be a sum of per-step terms, each "
                     f"depending on one step's DiT output; this node combines {bin(masks[node]).count('1')} steps' "
                     f"outputs otherwise than by +, - or a number factor (e.g. torch.stack(losses).mean()). "
-                    f"Accumulate the per-step losses with `total = total + loss`, or use backward='joint' or "
-                    f"'per_window'")
+                    f"Accumulate the per-step losses with `total = total + loss`, or use "
+                    f"{_any_loss_modes()}")
             terms[node] = terms.get(node, 0.0) + coef
     return terms
+
+
+def _parameter_modes() -> str:
+    """The modes a term with another trainable input can use (backward_modes.SUPPORT)."""
+    return mode_names(modes_where("parameter_terms"))
+
+
+def _any_loss_modes() -> str:
+    """The modes a loss that is not a sum of per-step terms can use (backward_modes.SUPPORT)."""
+    return mode_names(modes_where("any_loss"))
 
 
 def _check_other_gradients(node: fx.Node, gm: fx.GraphModule) -> None:
@@ -139,11 +150,11 @@ def _check_other_gradients(node: fx.Node, gm: fx.GraphModule) -> None:
         if n.op == "placeholder" and (REQUIRES_GRAD.get(n) or getattr(example, "requires_grad", False)):
             raise JaggGraphError(
                 f"{_where(node)}: this term of the loss also depends on the input {n.name}, which requires grad; "
-                f"backward='lowmem' only carries gradients through the DiT's outputs. Use backward='joint'")
+                f"backward='lowmem' only carries gradients through the DiT's outputs. Use {_parameter_modes()}")
         if n.op == "call_module" and any(p.requires_grad for p in gm.get_submodule(n.target).parameters()):
             raise JaggGraphError(
                 f"{_where(node)}: this term of the loss calls the trainable module {n.target!r}; backward='lowmem' "
-                f"only carries gradients through the DiT's outputs. Use backward='joint'")
+                f"only carries gradients through the DiT's outputs. Use {_parameter_modes()}")
         if n.op == "call_function" and n.target is jagg_lowmem_window:
             continue
         stack.extend(n.all_input_nodes)
@@ -173,9 +184,10 @@ def _ensure_terms(gm: fx.GraphModule, ctx: PassContext) -> None:
                f"{node.name} runs after {previous.name}'s term nodes")
 
 
-@graph_pass(requires={"rewritten"}, provides={"lowmem_terms"}, ensures=_ensure_terms,
-            applies=lambda ctx: ctx.config.options.backward == "lowmem")
+@graph_pass(requires={Fact.REWRITTEN}, provides={Fact.LOWMEM_TERMS}, ensures=_ensure_terms,
+            applies=lambda ctx: ctx.config.options.backward.support.backward_in_forward)
 def place_lowmem_terms(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Prove the loss a sum of per-step terms and route each term to its window (``backward='lowmem'``)."""
     if not ctx.windows:
         return gm           # no trained DiT call: nothing to run early
     graph = gm.graph
@@ -187,14 +199,15 @@ def place_lowmem_terms(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if not isinstance(loss, fx.Node):
         raise JaggGraphError(
             f"backward='lowmem' needs the loss function to return one tensor (the scalar loss), got "
-            f"{type(loss).__name__}; return the loss alone, or use backward='joint'")
+            f"{type(loss).__name__}; return the loss alone, or use {_any_loss_modes()}")
     masks, where = step_masks(gm)
     terms = additive_terms(loss, masks)
     plans = {w.index: w.plan for w in ctx.windows}
     by_window: dict[int, list[fx.Node]] = {i: [] for i in plans}
     with_term_nodes = {}
     for node, coef in terms.items():
-        _check_other_gradients(node, gm)
+        if not ctx.config.options.backward.support.parameter_terms:    # backward_modes.SUPPORT
+            _check_other_gradients(node, gm)
         window, position = where[masks[node].bit_length() - 1]
         with graph.inserting_after(node):
             term = graph.call_function(jagg_lowmem_term, (node, _plan_attr(graph, node), window, position, coef,

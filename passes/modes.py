@@ -34,7 +34,7 @@ from jaggc.node_meta import AUTOCAST, GRAD
 from jaggc.runtime.autocast import autocast_applied, current_autocast
 
 from .context import PassContext
-from .infra import ensure, graph_pass
+from .infra import Fact, ensure, graph_pass
 
 
 def is_grad_switch(node: fx.Node) -> bool:
@@ -50,7 +50,7 @@ def _ensure_tagged(gm: fx.GraphModule, ctx: PassContext) -> None:
         ensure(GRAD.on(node) and AUTOCAST.on(node), "tag_modes", f"{node.name} has its grad mode and autocast state")
 
 
-@graph_pass(requires={"canonical"}, provides={"modes"}, analysis=True, ensures=_ensure_tagged)
+@graph_pass(requires={Fact.CANONICAL}, provides={Fact.MODES}, analysis=True, ensures=_ensure_tagged)
 def tag_modes(gm: fx.GraphModule, ctx: PassContext) -> None:
     """``meta["jagg_grad"]`` and ``meta["jagg_autocast"]`` on every node, from the switches.
 
@@ -103,8 +103,9 @@ def _ensure_modes_placed(gm: fx.GraphModule, ctx: PassContext) -> None:
                    f"{node.name} runs under its recorded grad mode and autocast state")
 
 
-@graph_pass(requires={"modes"}, provides={"placed_modes"}, ensures=_ensure_modes_placed)
+@graph_pass(requires={Fact.MODES, Fact.CLEAN}, provides={Fact.PLACED_MODES}, ensures=_ensure_modes_placed)
 def place_modes(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Place grad-mode and autocast switches where the recorded modes change, after the rewrite."""
     graph = gm.graph
     # an _exit_autocast reads its _enter_autocast: erase users before what they read
     for node in reversed([n for n in graph.nodes if is_mode_switch(n)]):

@@ -23,7 +23,7 @@ from .context import PassContext
 from .effects import check_window_inputs
 from .find_dit_calls import find_dit_calls
 from .independence import check_independence
-from .infra import GraphPass, check_order
+from .infra import GraphPass, check_order, check_requires
 from .lowmem_terms import place_lowmem_terms
 from .modes import place_modes, tag_modes
 from .rewrite import rewrite_windows
@@ -33,7 +33,8 @@ from .windows import assign_windows
 
 # The order, with every analysis named where it runs: the CFG split adds DiT calls the first
 # tag_modes never saw, so the modes are tagged again after it; the low-memory pass applies only
-# with backward="lowmem". check_order (below) proves each pass's requires are met.
+# with backward="lowmem". check_order (below, and in every run_passes) proves each pass's requires are
+# met and that the order ends runnable (infra.RUNNABLE).
 DEFAULT_PASSES: tuple[GraphPass, ...] = (
     check_frontend, tag_modes, split_cfg_batches, tag_modes, find_dit_calls, check_independence, assign_windows,
     check_window_inputs, compute_weights, rewrite_windows, place_lowmem_terms, cleanup, place_modes,
@@ -79,10 +80,14 @@ def passes_for(ctx: PassContext) -> tuple[GraphPass, ...]:
 
 def run_passes(gm: fx.GraphModule, ctx: PassContext, passes=None, *,
                check: bool | None = None) -> tuple[fx.GraphModule, list[Stage]]:
-    """Run ``passes`` (default: ``passes_for(ctx)``), linting and snapshotting after each; with
-    ``check`` (default: ``checks_requested``) also each pass's ``ensures``."""
-    passes = passes_for(ctx) if passes is None else tuple(passes)
+    """Run ``passes`` (default: ``DEFAULT_PASSES``; those that do not apply to ``ctx`` are skipped,
+    their facts holding vacuously), linting and snapshotting after each; with ``check`` (default:
+    ``checks_requested``) also each pass's ``ensures``. The order is checked before the first pass
+    and each pass's ``requires`` against the facts that hold as it is reached, ``passes=...`` too."""
+    passes = DEFAULT_PASSES if passes is None else tuple(passes)
+    check_order(passes)
     check = checks_requested(ctx) if check is None else check
+    last_applying = max((i for i, p in enumerate(passes) if p.applies(ctx)), default=-1)
     # the frontends hand over a compiled GraphModule (fx.GraphModule() and canonicalize_dynamo_calls
     # compile it), so the capture snapshot is its code as it stands
     stages = [Stage(f"capture ({ctx.frontend})", gm.code.strip() + "\n")]
@@ -90,6 +95,10 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, passes=None, *,
     current: set = set()   # the facts that hold for the graph as it stands
     nodes = _node_list(gm)  # the node list as it stands (one snapshot per pass, reused as the next's "before")
     for i, p in enumerate(passes):
+        check_requires(p, current)
+        if not p.applies(ctx):
+            current |= p.provides        # vacuously true: nothing of the graph for it to do
+            continue
         if p.analysis and p.provides <= current:
             # its facts still hold (the transform that could make them stale changed nothing,
             # e.g. no CFG call to split): re-running it would store the same facts
@@ -115,7 +124,7 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, passes=None, *,
         except Exception as e:  # a pass bug must not look like a user error, nor pass silently
             raise JaggInternalError(f"pass {p.__name__} failed after {[s.name for s in stages]}: "
                                  f"{type(e).__name__}: {e}") from e
-        last = i == len(passes) - 1
+        last = i == last_applying
         stages.append(Stage(p.__name__, graph_code(gm, compile=last)))
         stale = not last
     if stale:

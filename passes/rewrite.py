@@ -27,12 +27,12 @@ from jaggc.node_meta import AUTOCAST, CALL, GRAD, WINDOW
 from jaggc.runtime.window import deferred_grad_forwards
 
 from .context import PassContext
-from .infra import ensure, graph_pass
+from .infra import Fact, ensure, graph_pass
 from .effects import effect_order, written_outputs
 
 
 def _ensure_rewritten(gm: fx.GraphModule, ctx: PassContext) -> None:
-    lowmem = ctx.config.options.backward == "lowmem"
+    lowmem = ctx.config.options.backward.support.backward_in_forward
     rewritten = {w.index for w in ctx.windows if lowmem or w.mode in ("jagg", "routed")}
     live = set(gm.graph.nodes)
     for node in gm.graph.nodes:
@@ -49,12 +49,13 @@ def _ensure_rewritten(gm: fx.GraphModule, ctx: PassContext) -> None:
            "rewrite_windows", "every runtime window node records its window")
 
 
-@graph_pass(requires={"weights", "effects"}, provides={"rewritten"}, ensures=_ensure_rewritten)
+@graph_pass(requires={Fact.WEIGHTS, Fact.EFFECTS}, provides={Fact.REWRITTEN}, ensures=_ensure_rewritten)
 def rewrite_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Replace each window's W ``dit_call`` nodes by one runtime node (``jagg_window`` and its kin)."""
     graph = gm.graph
     _rewrite_routed(gm, ctx)
     deferred = _deferred_group_plan(ctx)
-    lowmem = ctx.config.options.backward == "lowmem"
+    lowmem = ctx.config.options.backward.support.backward_in_forward
     if lowmem and ctx.windows:
         gm.jagg_lowmem_plan = LowMemPlan(num_windows=len(ctx.windows), first_window=ctx.windows[0].index)
     _cached_references(gm, ctx)
@@ -234,7 +235,7 @@ def _rewrite_routed(gm: fx.GraphModule, ctx: PassContext) -> None:
 def _deferred_group_plan(ctx: PassContext) -> DeferredGroupPlan | None:
     """In per-window backward mode, the group the JAGG windows of one loss evaluation share."""
     jagg = [w for w in ctx.windows if w.mode == "jagg"]
-    if ctx.config.options.backward != "per_window" or not jagg:
+    if not ctx.config.options.backward.support.knots_in_backward or not jagg:
         return None
     total = deferred_grad_forwards([w.steps for w in jagg], ctx.config.options)
     ctx.notes.append("backward='per_window': each window's knot forward re-runs inside loss.backward() and is "

@@ -35,7 +35,7 @@ from jaggc.node_meta import AUTOCAST, GRAD
 from jaggc.runtime.calls import argument_at, state_position
 
 from .context import PassContext
-from .infra import ensure, graph_pass
+from .infra import Fact, ensure, graph_pass
 
 
 @dataclass
@@ -128,9 +128,10 @@ def _ensure_split(gm: fx.GraphModule, ctx: PassContext) -> None:
                    f"{call.name}: no trained DiT call still computes a chunk without gradient")
 
 
-@graph_pass(requires={"canonical", "modes"}, provides={"splits"}, invalidates={"modes"}, ensures=_ensure_split,
+@graph_pass(requires={Fact.CANONICAL, Fact.MODES}, provides={Fact.SPLITS}, invalidates={Fact.MODES}, ensures=_ensure_split,
             applies=lambda ctx: ctx.config.split_batches)
 def split_cfg_batches(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Run the batch slices of a DiT call that carry no gradient (a detached CFG half) without grad."""
     graph = gm.graph
     for call in [n for n in graph.nodes if n.op == "call_function" and n.target is dit_call]:
         found = _split_of(call)

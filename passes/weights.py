@@ -19,7 +19,7 @@ from jaggc.runtime.calls import time_position
 from jaggc.runtime.weights import resolve_basis
 
 from .context import PassContext
-from .infra import ensure, graph_pass
+from .infra import Fact, ensure, graph_pass
 
 
 def time_arg_of(node: fx.Node, time_arg):
@@ -47,8 +47,9 @@ def _ensure_weights(gm: fx.GraphModule, ctx: PassContext) -> None:
                f"every call of window {w.index} passes the timestep argument")
 
 
-@graph_pass(requires={"windows"}, provides={"weights"}, analysis=True, ensures=_ensure_weights)
+@graph_pass(requires={Fact.WINDOWS}, provides={Fact.WEIGHTS}, analysis=True, ensures=_ensure_weights)
 def compute_weights(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Fix each JAGG window's knots, basis and timestep argument."""
     basis = resolve_basis(ctx.config.options.weights)
     for w in ctx.windows:
         if w.mode not in ("jagg", "routed"):

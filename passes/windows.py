@@ -32,7 +32,7 @@ from jaggc.runtime.grouping import cut_announcement, group_windows, leaf_differe
 from jaggc.runtime.window import check_window_size
 
 from .context import PassContext, Window
-from .infra import ensure, graph_pass
+from .infra import Fact, ensure, graph_pass
 
 
 def _expr_key(node, memo: dict):
@@ -103,8 +103,9 @@ def _ensure_windows(gm: fx.GraphModule, ctx: PassContext) -> None:
                f"the calls of window {w.index} run in one autocast state")
 
 
-@graph_pass(requires={"dit_calls", "independent"}, provides={"windows"}, analysis=True, ensures=_ensure_windows)
+@graph_pass(requires={Fact.DIT_CALLS, Fact.INDEPENDENT}, provides={Fact.WINDOWS}, analysis=True, ensures=_ensure_windows)
 def assign_windows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Group consecutive trained DiT calls into windows of ``config.window`` steps."""
     cfg = ctx.config
     check_window_size(cfg.window)
     trained = ctx.trained_calls(gm)

@@ -355,7 +355,7 @@ def test_fx_and_dynamo_frontends_agree():
         assert counts.backwards == 2
         results[capture] = (loss.detach(), grads(field).clone(), compiled.report.table())
     (l_fx, g_fx, t_fx), (l_dy, g_dy, t_dy) = results["fx"], results["dynamo"]
-    assert torch.equal(l_fx, l_dy)
+    assert torch.equal(l_fx, l_dy)     # the same runtime ops on the same batches: bit for bit on any CPU
     assert rel_err(g_fx, g_dy) < 1e-12
     assert t_fx == t_dy
     assert rel_err(g_fx, exact) > 1e-6       # a curved field: JAGG is an approximation here
@@ -389,7 +389,8 @@ def test_none_arguments_pass_through_dynamo_capture():
     eager = none_args_loss(model, zs, ts, gs)
     compiled = jagg_compile(none_args_loss, window=3, capture="dynamo")
     loss = compiled(model, zs, ts, gs)
-    assert torch.equal(loss, eager)
+    # W=3 batches its two knots (2B): eager's value to float64 roundoff, not bit for bit
+    torch.testing.assert_close(loss, eager, rtol=1e-14, atol=0)
     (node,) = [n for n in compiled.report.graph_module.graph.nodes if n.target is jagg_window]
     for args, kwargs in node.args[1]:
         assert args[2] is None and kwargs["joint_attention_kwargs"] is None

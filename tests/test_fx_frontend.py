@@ -69,6 +69,7 @@ def test_fx_captures_example_losses_like_dynamo(name):
         results[capture + "_table"] = compiled.report.table()
         # the default weights: the high-noise window interpolates, the one reaching σ < 0.5 runs exactly
         assert [w.mode for w in compiled.report.windows] == ["jagg", "jagg:σ-exact"]
+    # the same runtime ops on the same batches behind both frontends: bit for bit on any CPU
     assert torch.equal(results["fx"][0], results["dynamo"][0])
     assert rel_err(results["fx"][1], results["dynamo"][1]) < 1e-6
     assert results["fx_table"] == results["dynamo_table"]
@@ -331,8 +332,10 @@ def _value_and_grad(fn, field, *args):
 
 def test_no_grad_block_in_a_helper_is_recorded():
     """A no-grad block inside a helper (no `with` in the loss's own source) is recorded as grad-mode
-    switches: at W=2 (every step a knot) loss and gradient equal eager's; at W=3 FX's JAGG gradient
-    equals Dynamo's."""
+    switches: at W=2 (every step a knot, the per-step calls eager runs) the loss equals eager's bit
+    for bit; at W=3 the knots run as one batch of 2B, so the loss equals eager's to 1e-14 in float64
+    (batch-size roundoff differs between CPUs, e.g. with AVX-512) and FX's JAGG gradient equals
+    Dynamo's."""
     field = AffineJacobianField(3, seed=3)
     zs, ts, gs = _inputs(3)
     eager = _value_and_grad(helper_no_grad_loss, field, zs, ts, gs)
@@ -341,7 +344,7 @@ def test_no_grad_block_in_a_helper_is_recorded():
     assert rel_err(fx_w2[1], eager[1]) < 1e-12
     fx_w3 = _value_and_grad(jagg_compile(helper_no_grad_loss, window=3, capture="fx"), field, zs, ts, gs)
     dynamo_w3 = _value_and_grad(jagg_compile(helper_no_grad_loss, window=3, capture="dynamo"), field, zs, ts, gs)
-    torch.testing.assert_close(fx_w3[0], eager[0], rtol=0, atol=0)
+    torch.testing.assert_close(fx_w3[0], eager[0], rtol=1e-14, atol=0)   # batched knots: not bit for bit
     assert rel_err(fx_w3[1], dynamo_w3[1]) < 1e-12
 
 
@@ -365,6 +368,7 @@ def test_autocast_block_is_recorded():
     assert abs(float(fp32.detach()) - float(eager[0])) > 1e-6
     fx_w3 = _value_and_grad(jagg_compile(autocast_loss, window=3, capture="fx"), field, zs, ts, gs)
     dynamo_w3 = _value_and_grad(jagg_compile(autocast_loss, window=3, capture="dynamo"), field, zs, ts, gs)
+    # both frontends run the same runtime ops on the same batches: bit for bit on any CPU
     torch.testing.assert_close(fx_w3[0], dynamo_w3[0], rtol=0, atol=0)
     assert rel_err(fx_w3[1], dynamo_w3[1]) < 1e-12
 

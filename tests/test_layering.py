@@ -7,7 +7,9 @@ the layers (``MAY_IMPORT``; the compiler never imports the studies), and no impo
   attributes of torch objects that jaggc reads (``PRIVATE_TORCH_ATTRIBUTES``). The exceptions are
   listed in ``_compat``'s docstring (``DOCUMENTED_EXCEPTIONS`` must appear there).
 * Import cycles, statically: the graph of jaggc-internal module-level imports (imports inside
-  functions are lazy and allowed) must be acyclic. ``passes/`` and ``verify/`` are the packages
+  functions are lazy and allowed) must be acyclic; and no two modules may import each other at
+  all (imports inside functions and under ``TYPE_CHECKING`` counted, and a call of another module's
+  private method on an object: ``probe.guard._finished``). ``passes/`` and ``verify/`` are the packages
   ``jaggc.passes`` and ``jaggc.verify`` (pyproject's ``package-dir``).
 * Import cycles, for real: every module imports without error as the first jaggc module of a fresh
   interpreter (``first_import_failures``).
@@ -255,40 +257,105 @@ def test_no_import_cycles():
 
 
 # ---------------------------------------------------------------------------------------------
+# no two modules that reach each other: any import (module level, inside functions, under
+# TYPE_CHECKING) and any reach-back into another module's private method counts
+
+
+def private_methods() -> dict[str, str]:
+    """Private method name -> its module, for the names defined (as methods) in one module only."""
+    owners: dict[str, set[str]] = {}
+    for module, path in MODULES.items():
+        for cls in ast.walk(ast.parse(path.read_text())):
+            if isinstance(cls, ast.ClassDef):
+                for node in cls.body:
+                    if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("_")
+                            and not node.name.startswith("__")):
+                        owners.setdefault(node.name, set()).add(module)
+    return {name: next(iter(mods)) for name, mods in owners.items() if len(mods) == 1}
+
+
+def reach_backs(module: str, tree: ast.Module, methods: dict[str, str]) -> set[str]:
+    """The modules whose private methods ``module`` calls on an object not its own (``probe.guard._finished``):
+    a dependency no import statement shows."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and (owner := methods.get(node.attr)) not in (None, module):
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                found.add(owner)
+    return found
+
+
+def every_dependency(module: str, methods: dict[str, str]) -> set[str]:
+    tree = ast.parse(MODULES[module].read_text())
+    return import_edges(module, lazy=True) | reach_backs(module, tree, methods)   # lazy: every import statement
+
+
+def mutual_pairs(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    return sorted({tuple(sorted((a, b))) for a, targets in graph.items() for b in targets if a in graph.get(b, ())})
+
+
+def test_no_two_modules_import_each_other():
+    methods = private_methods()
+    graph = {module: every_dependency(module, methods) for module in MODULES}
+    pairs = mutual_pairs(graph)
+    assert not pairs, ("modules that import (or reach into) each other; pass what one needs as arguments, or move "
+                       "what both need below them:\n" + "\n".join(f"{a} <-> {b}" for a, b in pairs))
+
+
+def test_the_pair_check_sees_type_checking_imports_and_reach_backs(tmp_path, monkeypatch):
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from jaggc.b import Owner\n")
+    b.write_text("import jaggc.a\nclass Owner:\n    def _finished(self):\n        pass\n")
+    monkeypatch.setitem(MODULES, "jaggc.a", a)
+    monkeypatch.setitem(MODULES, "jaggc.b", b)
+    assert mutual_pairs({m: every_dependency(m, {}) for m in ("jaggc.a", "jaggc.b")}) == [("jaggc.a", "jaggc.b")]
+    a.write_text("def done(probe):\n    probe.owner._finished()\n")         # no import, a reach-back
+    methods = {"_finished": "jaggc.b"}
+    assert mutual_pairs({m: every_dependency(m, methods) for m in ("jaggc.a", "jaggc.b")}) == [("jaggc.a", "jaggc.b")]
+    assert mutual_pairs({"jaggc.a": set(), "jaggc.b": {"jaggc.a"}}) == []
+
+
+# ---------------------------------------------------------------------------------------------
 # the direction of imports: each layer imports only the layers below it
 
 # Layer of a module: the first entry of LAYER_PREFIXES that names it or a package above it.
 LAYER_PREFIXES = {
-    "jaggc.errors": "errors", "jaggc.source": "source", "jaggc._compat": "compat", "jaggc.runtime": "runtime",
-    "jaggc.graph_ops": "graph_ops", "jaggc.node_meta": "graph_ops", "jaggc.frontends": "frontends", "jaggc.passes": "passes",
+    "jaggc.errors": "errors", "jaggc.source": "source", "jaggc.backward_modes": "modes", "jaggc._compat": "compat",
+    "jaggc.runtime": "runtime", "jaggc.config": "vocabulary", "jaggc.call_site": "vocabulary",
+    "jaggc.graph_ops": "graph_ops", "jaggc.node_meta": "graph_ops", "jaggc.alias_roots": "graph_ops",
+    "jaggc.frontends": "frontends", "jaggc.passes": "passes",
     "jaggc.backends": "backends", "jaggc.report_view": "report", "jaggc.report_build": "report",
     "jaggc.report": "report", "jaggc.fidelity": "fidelity", "jaggc.grpo": "helpers",
     "jaggc.models": "helpers", "jaggc.testing": "helpers", "jaggc.api": "api", "jaggc.verify": "verify",
     "jaggc.cli": "cli", "jaggc.steps": "steps", "jaggc_studies": "studies", "jaggc": "package",
 }
-_BASE = {"errors", "compat", "source"}
+_BASE = {"errors", "compat", "source", "modes"}
 # layer -> the layers it may import (lazily too). Nothing of the compiler may import the studies;
 # the runtime, which runs inside autograd, knows nothing of graphs, frontends or passes.
 MAY_IMPORT = {
     "errors": set(),
     "source": set(),
     "compat": {"errors"},
+    "modes": {"errors"},      # backward_modes.py: the mode symbols and their one table
     "helpers": _BASE,
     "runtime": _BASE,
-    "graph_ops": _BASE | {"runtime"},
-    "frontends": _BASE | {"runtime", "graph_ops"},
-    "passes": _BASE | {"runtime", "graph_ops"},
-    "backends": _BASE | {"runtime", "graph_ops"},
-    "report": _BASE | {"runtime", "graph_ops", "frontends"},
-    "fidelity": _BASE | {"runtime", "frontends"},
-    "api": _BASE | {"runtime", "graph_ops", "frontends", "passes", "backends", "report", "package"},
+    # config.py, call_site.py: what the frontends, passes and report name (CompileConfig, CallSite, Window)
+    "vocabulary": _BASE | {"runtime"},
+    "graph_ops": _BASE | {"runtime", "vocabulary"},
+    "frontends": _BASE | {"runtime", "graph_ops", "vocabulary"},
+    "passes": _BASE | {"runtime", "graph_ops", "vocabulary"},
+    "backends": _BASE | {"runtime", "graph_ops", "vocabulary"},
+    "report": _BASE | {"runtime", "graph_ops", "frontends", "vocabulary"},
+    "fidelity": _BASE | {"runtime", "frontends", "vocabulary"},
+    "api": _BASE | {"runtime", "vocabulary", "graph_ops", "frontends", "passes", "backends", "report", "package"},
     # the per-step path (jaggc.steps): the window runtime's pieces and the options, no graph
     "steps": _BASE | {"runtime", "package"},
     "package": _BASE | {"runtime", "api", "report", "fidelity", "steps"},
-    "verify": _BASE | {"runtime", "api", "report", "helpers", "package", "passes", "frontends", "graph_ops"},
+    "verify": _BASE | {"runtime", "vocabulary", "api", "report", "helpers", "package", "passes", "frontends",
+                       "graph_ops"},
     "cli": {"verify"},
-    "studies": {"errors", "compat", "source", "runtime", "graph_ops", "frontends", "api", "report", "fidelity", "helpers",
-                "package", "verify", "studies", "passes", "backends", "steps"},
+    "studies": {"errors", "compat", "source", "modes", "runtime", "vocabulary", "graph_ops", "frontends", "api",
+                "report", "fidelity", "helpers", "package", "verify", "studies", "passes", "backends", "steps"},
 }
 COMPILER_LAYERS = set(MAY_IMPORT) - {"studies"}
 

@@ -15,6 +15,7 @@ from jaggc.graph_ops import set_autocast
 from jaggc.node_meta import CALL, FACTS
 from jaggc.passes import DEFAULT_PASSES, GraphPass, check_order, passes_for
 from jaggc.passes import infra, pipeline
+from jaggc.passes.infra import RUNNABLE, Fact
 from jaggc.verify.fields import AffineJacobianField
 
 
@@ -34,7 +35,9 @@ def test_every_pass_declares_its_contract_and_has_an_ensures():
         assert isinstance(p, GraphPass)
         assert p.provides, p.__name__
         assert p.ensures is not infra._nothing, f"{p.__name__} has no ensures"
-        assert p.__doc__ is None or isinstance(p.__doc__, str)
+        # a docstring that says what the pass does: a sentence of its own, not the module's name
+        doc = (p.__doc__ or "").strip()
+        assert len(doc.split()) >= 5 and doc.split()[0] != p.__name__, f"{p.__name__}: no docstring saying what it does"
 
 
 def test_the_suite_runs_every_ensures():
@@ -53,6 +56,47 @@ def test_the_default_order_meets_every_requirement_and_a_wrong_order_is_refused(
     second = [i for i, p in enumerate(order) if p is jaggc.passes.tag_modes][1]
     with pytest.raises(JaggInternalError, match=r"pass find_dit_calls requires \['modes'\]"):
         check_order(order[:second] + order[second + 1:])
+
+
+def _moved(order, mover, before):
+    order = [p for p in order if p is not mover]
+    order.insert(order.index(before), mover)
+    return order
+
+
+def test_cleanup_before_the_rewrite_is_refused_by_check_order_and_by_run_passes():
+    moved = _moved(DEFAULT_PASSES, jaggc.passes.cleanup, jaggc.passes.rewrite_windows)
+    with pytest.raises(JaggInternalError, match=r"pass cleanup requires \['lowmem_terms', 'rewritten'\]"):
+        check_order(moved)
+    model = AffineJacobianField(3, seed=1)
+    compiled = jaggc.jagg_compile(_loss, window=3)
+    compiled(model, *_inputs())
+    ctx = jaggc.passes.PassContext(config=compiled.config, dit=model, frontend="fx")
+    gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    code = gm.code
+    with pytest.raises(JaggInternalError, match=r"pass cleanup requires"):
+        pipeline.run_passes(gm, ctx, passes=moved)
+    assert gm.code == code                      # refused before any pass ran
+    # mode placement before the cleanup, and an order that stops before the graph is runnable
+    with pytest.raises(JaggInternalError, match=r"pass place_modes requires \['clean'\]"):
+        check_order(_moved(DEFAULT_PASSES, jaggc.passes.place_modes, jaggc.passes.cleanup))
+    with pytest.raises(JaggInternalError, match=r"end without \['clean', 'placed_modes'\]"):
+        pipeline.run_passes(gm, ctx, passes=DEFAULT_PASSES[:-3])
+
+
+def test_every_provided_fact_is_required_later_or_by_the_runnable_graph():
+    for i, p in enumerate(DEFAULT_PASSES):
+        later = set(RUNNABLE).union(*(q.requires for q in DEFAULT_PASSES[i + 1:]))
+        assert p.provides <= later, f"{p.__name__} provides {sorted(p.provides - later)}, which nothing requires"
+    assert all(isinstance(f, Fact) for p in DEFAULT_PASSES for f in p.requires | p.provides | p.invalidates)
+    with pytest.raises(ValueError):
+        infra.graph_pass(provides={"not_a_fact"})(lambda gm, ctx: gm)      # a misspelt fact fails at import
+
+
+def test_requires_are_checked_while_the_passes_run():
+    infra.check_requires(jaggc.passes.cleanup, {Fact.REWRITTEN, Fact.LOWMEM_TERMS})
+    with pytest.raises(JaggInternalError, match=r"pass cleanup requires \['lowmem_terms'\], which do not hold"):
+        infra.check_requires(jaggc.passes.cleanup, {Fact.REWRITTEN})
 
 
 def test_the_low_memory_pass_applies_only_in_its_mode():

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 from torch import fx, nn
 
+from ..config import CompileConfig
 from ..errors import JaggGraphError
 from ..runtime.autocast import AUTOCAST_OFF, AutocastState
 
@@ -46,7 +47,7 @@ class Session(Protocol):
 
     fn: Callable
     dit: nn.Module | None          # jagg_compile(dit=...), or None: the loss's module arguments
-    config: Any                    # passes.CompileConfig: window, the windows' options, routing
+    config: CompileConfig          # window, the windows' options, routing
     traces: int                    # rewrites made so far (a frontend that rewrites adds one)
     capture_failures: list[str]    # why earlier capture paths were left (for refusals)
 

@@ -15,6 +15,7 @@ import torch
 from torch import fx
 
 from .. import _compat
+from ..alias_roots import input_writes
 from ..errors import JaggCaptureError, JaggInputError
 from ..runtime.autocast import current_autocast, reset_graph_autocast
 from ..source import stack_location
@@ -34,10 +35,9 @@ RECOMPILE_FIX = (
 class DynamoFrontend:
     name = "dynamo"
 
-    def __init__(self, session: Session, qualname: str, input_writes):
+    def __init__(self, session: Session, qualname: str):
         self.session = session
         self.qualname = qualname
-        self.input_writes = input_writes   # passes.input_writes
         self._compiled = None
         self._modules: tuple[int, ...] = ()
         self._graphs: dict[int, tuple] = {}   # id(pristine capture) -> (pristine, runner of our rewrite)
@@ -171,7 +171,7 @@ class DynamoFrontend:
     def _input_aliasing(self, gm: fx.GraphModule) -> tuple | None:
         """Which of a Dynamo graph's inputs share storage, if the graph writes into its inputs (the
         effects analysis assumed that sharing; aliasing.py), else None."""
-        if not self.input_writes(gm):
+        if not input_writes(gm):
             return None
         return storage_groups([n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"])
 

@@ -349,7 +349,7 @@ def capture_fx(fn: Callable, args: tuple, kwargs: dict, dits: list[nn.Module]) -
     concrete = concrete_args_for(fn, args, kwargs)
     inputs = [leaf for value in bind_loss(fn, args, kwargs, defaults=True).arguments.values() for leaf in tree_flatten(value)[0]]
     tracer = DiTLeafTracer(dits, inputs)
-    tracer.live = LiveTensors(tracer, dits, _where)
+    tracer.live = LiveTensors(tracer, dits, _where, tracer._attr_name)
     entry = {id(m): module_state(m) for m in dits}
     try:
         return _traced(fn, concrete, tracer, dits, entry)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .. import _compat
+from ..alias_roots import input_writes
 from ..runtime.autocast import current_autocast, reset_graph_autocast
 from ..runtime.module_state import module_state
 from .aliasing import storage_groups
@@ -28,10 +29,9 @@ from .fx_guards import constant_reads, is_constant, object_fingerprint
 class FxFrontend:
     name = "fx"
 
-    def __init__(self, session: Session, qualname: str, input_writes):
+    def __init__(self, session: Session, qualname: str):
         self.session = session
         self.qualname = qualname
-        self.input_writes = input_writes   # passes.input_writes: whether a graph writes into its inputs
         self.cache = FxGraphCache(qualname)
         self.reads = None     # the loss's constant reads (globals, closure cells): part of the key
 
@@ -59,7 +59,7 @@ class FxFrontend:
             gm, report = self.session.rewrite(captured, self.name)
             report.guarded_reads = len(captured.guard) if captured.guard is not None else 0
             entry = FxEntry(gm, report, captured.guard,
-                            aliasing=storage_groups(values) if self.input_writes(gm) else None)
+                            aliasing=storage_groups(values) if input_writes(gm) else None)
             changed = self.cache.add(key, entry, values)
             if changed:
                 report.notes.append("re-traced: values read as Python numbers changed: " + "; ".join(changed[:3]))

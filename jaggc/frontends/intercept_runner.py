@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..backward_modes import BACKWARD_MODES, mode_names
 from ..errors import JaggCaptureError, JaggUnsupportedError
 from .contract import Session, bind_loss
 from .intercept import InterceptedLoss
@@ -24,11 +25,11 @@ class InterceptFrontend:
 
     def run(self, args: tuple, kwargs: dict) -> Any:
         cfg = self.session.config
-        if cfg.options.backward == "lowmem":
+        if self.name not in cfg.options.backward.support.captures:     # backward_modes.SUPPORT
             raise JaggUnsupportedError(
-                f"backward='lowmem' needs a captured graph (it proves the loss is a sum of per-step terms), "
+                f"backward='{cfg.options.backward}' needs a captured graph (it proves the loss is a sum of per-step terms), "
                 f"but no capture path took {self.qualname}: {'; '.join(self.session.capture_failures) or 'see above'}. "
-                f"Use backward='joint' or 'per_window'")
+                f"Use {mode_names(m for m in BACKWARD_MODES if self.name in m.support.captures)}")
         bound = bind_loss(self.session.fn, args, kwargs)
         candidates = self.session.candidates(args, kwargs)
         dit = self.session.dit if self.session.dit is not None else candidates[0] if len(candidates) == 1 else None

@@ -55,10 +55,11 @@ def _writes(name: str) -> bool:
 class LiveTensors(TorchFunctionMode):
     """Records ops on live tensors as graph nodes while ``tracer`` traces (module docstring)."""
 
-    def __init__(self, tracer: fx.Tracer, modules: list[nn.Module], where):
+    def __init__(self, tracer: fx.Tracer, modules: list[nn.Module], where, attr_name):
         super().__init__()
         self.tracer = tracer
         self.where = where                   # () -> "file:line: " of the user's frame
+        self.attr_name = attr_name           # module -> its get_attr target in the trace (the tracer's rule)
         self.owned: dict[int, tuple[nn.Module, str]] = {}
         for m in modules:
             for path, t in list(m.named_parameters()) + list(m.named_buffers()):
@@ -101,7 +102,7 @@ class LiveTensors(TorchFunctionMode):
             owner = self.owned.get(id(x))
             if owner is not None:
                 module, path = owner
-                module_proxy = tracer.create_proxy("get_attr", tracer._attr_name(module), (), {})
+                module_proxy = tracer.create_proxy("get_attr", self.attr_name(module), (), {})
                 proxy = tracer.create_proxy("call_function", live_tensor, (module_proxy, path), {})
             else:
                 name = f"jagg_live_{sum(n.startswith('jagg_live_') for n in tracer.installed)}"

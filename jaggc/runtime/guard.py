@@ -101,7 +101,8 @@ class Guard:
             self._unfinished += 1
             warnings.warn(f"jaggc guard: the probe of call {self._pending.index} never saw its backward finish "
                           f"(the loss was not backpropagated, or not on its own); it is dropped", stacklevel=3)
-        probe = CallProbe(self, index)
+        probe = CallProbe(index, sigma_edges=self.sigma_edges, num_ranges=len(self.ranges),
+                          on_finished=self._finished)
         self.active = probe
         try:
             out = run(*args, **kwargs)

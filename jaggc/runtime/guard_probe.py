@@ -27,7 +27,7 @@ window, as the low-memory mode does).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -42,9 +42,6 @@ from .guard_stats import ProbeResult, range_of
 from .module_state import CallState, module_state
 from .param_grads import parameter_grads
 from .weights import noise_levels
-
-if TYPE_CHECKING:
-    from .guard import Guard
 
 
 def local_module(dit: nn.Module) -> nn.Module:
@@ -139,8 +136,11 @@ class WindowProbe:
 class CallProbe:
     """One probed call of the guarded loss (module docstring)."""
 
-    def __init__(self, guard: Guard, index: int):
-        self.guard, self.index = guard, index
+    def __init__(self, index: int, *, sigma_edges: tuple[float, ...], num_ranges: int,
+                 on_finished: Callable[[CallProbe], None]):
+        # what the guard's settings say (its σ ranges), and whom to hand the finished probe to:
+        # given, so that this module never reaches back into guard.py
+        self.index, self.sigma_edges, self.num_ranges, self.on_finished = index, sigma_edges, num_ranges, on_finished
         self.dit: nn.Module | None = None
         self.local: nn.Module | None = None
         self.params: list[torch.Tensor] = []
@@ -183,7 +183,7 @@ class CallProbe:
                            knots=knots, phi=phi, unbatched=unbatched, chunk=chunk, autocast=autocast)
 
     def add_window(self, window: WindowProbe, error: torch.Tensor) -> None:
-        r = range_of(window.sigma_min, self.guard.sigma_edges)
+        r = range_of(window.sigma_min, self.sigma_edges)
         self.range_errors[r] = error if r not in self.range_errors else self.range_errors[r].add_(error)
         known = {w[0]: k for k, w in enumerate(self.windows)}
         if window.position in known:      # another output leaf of the same window
@@ -223,7 +223,7 @@ class CallProbe:
             return
         if not getattr(self.dit, "require_backward_grad_sync", True):
             return        # the user's no_sync() step: DDP reduced nothing, nor do we
-        ranges = range(len(self.guard.ranges))
+        ranges = range(self.num_ranges)
         numel = self.snapshot.numel()
         flat = torch.cat([self.range_errors.get(r, torch.zeros(numel, dtype=self.dtype, device=self.snapshot.device))
                           for r in ranges])
@@ -247,5 +247,5 @@ class _FinishProbe(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         probe = ctx.probe
-        run_after_backward(lambda: probe.guard._finished(probe))
+        run_after_backward(lambda: probe.on_finished(probe))
         return grad, None

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from .._compat import tree_flatten
+from ..backward_modes import backward_mode, mode_names, modes_where
 from ..errors import JaggInputError, JaggUnsupportedError
 from .calls import DitCall, split_output
 from .forwards import forward_batched
@@ -56,11 +57,12 @@ class Routing:
             raise JaggInputError(f"Routing(threshold={self.threshold!r}) is a cosine score: use a value in [-1, 1]")
 
     def check_backward(self, backward: str) -> None:
-        """The one check that routing runs in the joint mode (jagg_compile and the runtime)."""
-        if self.active and backward != "joint":
+        """The one check that routing runs in a mode that supports it (jagg_compile and the runtime;
+        the table is backward_modes.SUPPORT)."""
+        if self.active and not backward_mode(backward).support.routing:
             raise JaggUnsupportedError(
                 f"routing (Routing(jagg_frac={self.jagg_frac}, threshold={self.threshold}, "
-                f"exact_below={self.exact_below})) needs backward='joint': it scores every window before "
+                f"exact_below={self.exact_below})) needs {mode_names(modes_where('routing'))}: it scores every window before "
                 f"choosing, which the per-window and low-memory modes' deferred knot work cannot do")
 
     @property

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .._compat import tree_flatten, tree_unflatten
+from ..backward_modes import BACKWARD_MODES, BackwardMode, backward_mode
 from ..errors import JaggInputError
 from .aggregate import aggregate_knots
 from .calls import (DitCall, batch_size, check_compatible, check_token_times, per_sample_time,
@@ -33,9 +34,6 @@ from .weights import Basis, resolve_basis
 if TYPE_CHECKING:
     from .guard import Guard
     from .rollout_cache import RolloutCache
-
-BACKWARD_MODES = ("joint", "per_window", "lowmem")
-
 
 @dataclass(frozen=True)
 class WindowOptions:
@@ -60,13 +58,12 @@ class WindowOptions:
     batch_knots: bool = True
     unbatched: tuple[str, ...] = ("img_ids", "txt_ids")
     check_inputs: bool = True
-    backward: str = "joint"
+    backward: BackwardMode = BackwardMode.JOINT   # or its string ("joint"); __post_init__ makes it the symbol
     rollout_cache: RolloutCache | None = field(default=None, compare=False)
     guard: Guard | None = field(default=None, compare=False)   # jaggc.Guard: probes and adapts (guard.py)
 
     def __post_init__(self):
-        if self.backward not in BACKWARD_MODES:
-            raise JaggInputError(f"backward={self.backward!r}: use one of {BACKWARD_MODES}")
+        object.__setattr__(self, "backward", backward_mode(self.backward))
         from .guard import Guard
 
         if self.guard is not None and not isinstance(self.guard, Guard):
@@ -215,7 +212,7 @@ def run_window(dit: nn.Module, calls: Sequence[DitCall], *, steps: Sequence[int]
     if len(calls) <= 2 or not torch.is_grad_enabled():
         # a window of <= 2 steps is all knots: per-step autograd is the same gradient, simpler
         return run_exact(dit, calls, steps=steps, options=options)
-    if options.backward == "per_window":
+    if options.backward.support.knots_in_backward:
         time_arg, batch, times = _checked_times(dit, calls, steps, options)
         knots, phi = sample_knots(options, times)
         call_probe = active_probe(options) if len(knots) < len(calls) else None
@@ -268,7 +265,7 @@ def partition(num_steps: int, window: int) -> list[list[int]]:
 def deferred_grad_forwards(windows: Sequence[Sequence[int]], options: WindowOptions,
                            exact_windows: Sequence[int] = ()) -> int:
     """How many knot forwards the per-window backwards of these windows run (for BackwardGroup)."""
-    if options.backward != "per_window":
+    if not options.backward.support.knots_in_backward:
         return 0
     total = 0
     for w, idx in enumerate(windows):

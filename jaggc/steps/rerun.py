@@ -13,7 +13,7 @@ each call then re-runs on its own with its own RNG state.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -23,11 +23,10 @@ from ..errors import JaggInputError
 from ..runtime.autocast import autocast_applied
 from ..runtime.calls import batch_size, concat_calls, resolve_time_arg, split_output
 
-if TYPE_CHECKING:
-    from .run import StepVisit, TrajectoryRun
+from .roles import RunOfSteps, StepVisit
 
 
-def rerun_calls(run: "TrajectoryRun", visits: Sequence["StepVisit"]) -> dict[int, Any]:
+def rerun_calls(run: RunOfSteps, visits: Sequence[StepVisit]) -> dict[int, Any]:
     """The outputs, with grad, of ``visits``' calls run again (module docstring), by ``id(visit)``."""
     owner = run.owner
     for visit in visits:
@@ -62,7 +61,7 @@ def rerun_calls(run: "TrajectoryRun", visits: Sequence["StepVisit"]) -> dict[int
     return outs
 
 
-def _batched(run: "TrajectoryRun", visits: Sequence["StepVisit"]):
+def _batched(run: RunOfSteps, visits: Sequence[StepVisit]):
     """(one batched call, the batch of one) for ``visits``, or None when they must run one by one."""
     owner = run.owner
     if len(visits) < 2 or not owner.options.batch_knots or any(v.state != visits[0].state for v in visits):
@@ -80,7 +79,7 @@ def _batched(run: "TrajectoryRun", visits: Sequence["StepVisit"]):
 
 
 @contextlib.contextmanager
-def _state_applied(run: "TrajectoryRun", state):
+def _state_applied(run: RunOfSteps, state):
     """``state.applied(module)`` with the module's flags read by the trajectory's cheap reader first:
     a re-run in the state the module is in already (the common case) switches nothing."""
     if run.states.read() == state.module:

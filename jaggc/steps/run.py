@@ -23,12 +23,12 @@ decides which, with the ledger's help).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from .._compat import rng_states, tree_flatten, version_counter
+from ..backward_modes import BackwardMode
 from ..errors import JaggInputError
 from ..runtime.aggregate import knot_composites
 from ..runtime.calls import DitCall, check_output_requires_grad, per_sample_time, resolve_time_arg
@@ -37,27 +37,8 @@ from ..runtime.checks import check_calls, check_step_values
 from ..runtime.module_state import CallState, StateReader
 from .plan import PlannedWindow, TrajectoryPlan
 from .rerun import live_dropouts, rerun_calls
+from .roles import StepVisit, StepwiseOwner
 from .tap import float_leaves, tap_output
-
-if TYPE_CHECKING:
-    from .stepwise import Stepwise
-
-
-@dataclass
-class StepVisit:
-    """One step's call as jaggc ran it, and what its window's backward needs of it."""
-
-    step: int
-    call: DitCall
-    state: CallState
-    rng: Any                               # the RNG state the call ran with (a re-run draws the same)
-    inputs: list                           # (tensor, version) of its tensor inputs: a re-run needs them unchanged
-    where: str                             # the user's file:line of the call
-    index: list[int] = field(default_factory=list)     # the tapped (floating) output leaves
-    held: Any = None                       # the DiT's output with its graph (a held knot)
-    grads: list | None = None              # g_k per tapped leaf, once the step's backward ran
-    exact: bool = False                    # ran as written (its own DiT backward)
-
 
 class WindowRun:
     def __init__(self, planned: PlannedWindow):
@@ -77,7 +58,7 @@ class WindowRun:
 
 
 class TrajectoryRun:
-    def __init__(self, owner: "Stepwise", plan: TrajectoryPlan):
+    def __init__(self, owner: StepwiseOwner, plan: TrajectoryPlan):
         self.owner = owner
         self.plan = plan
         self.windows = [WindowRun(w) for w in plan.windows]
@@ -239,7 +220,7 @@ class TrajectoryRun:
         graphs go in ONE backward (under FSDP1 a graph whose forward was not the latest is
         backpropagated only along with a fresh one, whose hooks unshard the parameters); re-run
         calls one window (an exact window: one step) at a time, at one window's memory."""
-        if self.owner.backward == "joint":
+        if self.owner.backward is BackwardMode.JOINT:
             self.run_backward([e for w in self.windows if not w.done for e in self.window_entries(w)])
         else:
             for w in self.windows:

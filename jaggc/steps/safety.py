@@ -26,17 +26,17 @@ import warnings
 from typing import TYPE_CHECKING
 
 from ..errors import JaggUnsupportedError
+from .roles import StepwiseOwner
 
 if TYPE_CHECKING:
     from .run import StepVisit, TrajectoryRun, WindowRun
-    from .stepwise import Stepwise
 
 FIX_STEP = ("step the optimizer (and clip, zero_grad) only after a trajectory's last step: with accelerate, "
             "gradient_accumulation_steps = (your accumulation) x (steps per trajectory)")
 
 
 class Safety:
-    def __init__(self, owner: "Stepwise"):
+    def __init__(self, owner: StepwiseOwner):
         self.owner = owner
 
     def _warn(self, message: str) -> None:

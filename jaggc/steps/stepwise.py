@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from .._compat import fsdp_version, in_backward
+from ..backward_modes import BackwardMode, backward_mode, modes_where
 from ..errors import JaggError, JaggInputError, JaggUnsupportedError
 from ..options import Options
 from ..runtime.calls import DitCall
@@ -49,7 +50,8 @@ from .ranks import agree_on_plan, distributed
 from .run import TrajectoryRun
 from .safety import Safety
 
-STEPWISE_MODES = ("joint", "lowmem", "per_window")
+#: the backward= forms of a stepwise loop (backward_modes.SUPPORT, its ``stepwise`` column)
+STEPWISE_MODES: tuple[BackwardMode, ...] = modes_where("stepwise")
 _UNSET = object()
 
 
@@ -97,7 +99,8 @@ class Stepwise:
                  options: Options | None = None):
         check_window_size(window)
         if backward not in STEPWISE_MODES:
-            raise JaggInputError(f"stepwise(backward={backward!r}): use one of {STEPWISE_MODES}")
+            raise JaggInputError(f"stepwise(backward={backward!r}): use one of {tuple(m.value for m in STEPWISE_MODES)}")
+        backward = backward_mode(backward)
         self.basis = resolve_basis(weights)
         if self.basis.kind in ("randomized", "control"):
             raise JaggUnsupportedError(
@@ -222,15 +225,15 @@ class Stepwise:
             # a DDP forward with grad is collective (its first rebuilds the buckets, later ones may
             # broadcast buffers): on the deferred schedule every rank's steps run without grad alike
             return False
-        if self.backward == "lowmem" and self.distributed:
+        if self.backward is BackwardMode.LOWMEM and self.distributed:
             # every rank must make the same forwards (FSDP gathers in each): by the agreed plan
             return not run.deferred
-        return self.backward == "joint" or (self.backward == "lowmem" and run.in_order)
+        return self.backward is BackwardMode.JOINT or (self.backward is BackwardMode.LOWMEM and run.in_order)
 
     def left_order(self, run: TrajectoryRun) -> None:
         """The steps came out of σ order: ``lowmem`` frees the knot graphs it holds (their knots
         re-run in their windows' backward) so that one window's activations at a time stay alive."""
-        if self.backward != "lowmem" or self.distributed:
+        if self.backward is not BackwardMode.LOWMEM or self.distributed:
             return
         for win in run.open_windows():
             for v in win.pending():

@@ -41,7 +41,7 @@ def digits_batches(num_batches: int = 2, *, seed: int = 0, warmup: int = 1, num_
     from jaggc_studies.digits.model import load_base
     from jaggc_studies.digits.trainer import GRPOTrainer, TrainerConfig
 
-    from .study import FrozenStart
+    from .frozen_start import FrozenStart
 
     config = TrainerConfig(strategy="exact", seed=seed, num_steps=num_steps)
     dit = load_base()

@@ -1,0 +1,72 @@
+"""The roles the pieces of ``jaggc.stepwise`` play for each other, as the types they share.
+
+``stepwise.py``'s ``Stepwise`` owns each trajectory's ``TrajectoryRun`` (run.py), its ``Safety`` rules
+(safety.py) and its re-runs (rerun.py); those read back what the owner holds. They name it by the
+protocol ``StepwiseOwner`` (and a re-run names its trajectory by ``RunOfSteps``) instead of importing
+the owner's module, so no two modules of the package import each other. ``StepVisit``, one step's
+call as jaggc ran it, lives here because the run records it and the re-run replays it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ContextManager, Protocol
+
+from torch import nn
+
+from ..backward_modes import BackwardMode
+from ..runtime.calls import DitCall
+from ..runtime.module_state import CallState, StateReader
+
+
+@dataclass
+class StepVisit:
+    """One step's call as jaggc ran it, and what its window's backward needs of it."""
+
+    step: int
+    call: DitCall
+    state: CallState
+    rng: Any                               # the RNG state the call ran with (a re-run draws the same)
+    inputs: list                           # (tensor, version) of its tensor inputs: a re-run needs them unchanged
+    where: str                             # the user's file:line of the call
+    index: list[int] = field(default_factory=list)     # the tapped (floating) output leaves
+    held: Any = None                       # the DiT's output with its graph (a held knot)
+    grads: list | None = None              # g_k per tapped leaf, once the step's backward ran
+    exact: bool = False                    # ran as written (its own DiT backward)
+
+
+class StepwiseOwner(Protocol):
+    """What a trajectory's run, its re-runs and its safety rules read of the ``Stepwise`` that owns
+    them (stepwise.py)."""
+
+    module: nn.Module
+    options: Any            # jaggc.Options
+    backward: BackwardMode
+    basis: Any              # runtime.weights.Basis
+    counts: Any             # stepwise.StepwiseCounts
+    ledger: Any             # ledger.Ledger
+    safety: Any             # safety.Safety
+    ddp: nn.Module | None
+    fsdp: int
+    distributed: bool
+    notes: list[str]
+
+    def holds_graphs(self, run: Any) -> bool: ...
+
+    def left_order(self, run: Any) -> None: ...
+
+    def passing_through(self) -> ContextManager: ...
+
+    def drop(self, run: Any) -> None: ...
+
+
+class RunOfSteps(Protocol):
+    """What a re-run reads of the trajectory it re-runs calls of (run.py's ``TrajectoryRun``)."""
+
+    owner: StepwiseOwner
+    latest: StepVisit | None
+    dropouts: list[nn.Module]
+    states: StateReader
+
+
+__all__ = ["RunOfSteps", "StepVisit", "StepwiseOwner"]
