@@ -227,6 +227,7 @@ class JaggCompiled:
         return Report(path=path, traces=self.traces, notes=[note])
 
     def intercept_report(self, loss: InterceptedLoss) -> Report:
+        self.traces += 1
         return intercept_report(loss, self.config, self.traces)
 
     def rewrite(self, captured: Captured, frontend: str):

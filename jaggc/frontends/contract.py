@@ -48,7 +48,7 @@ class Session(Protocol):
     fn: Callable
     dit: nn.Module | None          # jagg_compile(dit=...), or None: the loss's module arguments
     config: CompileConfig          # window, the windows' options, routing
-    traces: int                    # rewrites made so far (a frontend that rewrites adds one)
+    traces: int                    # captures made so far (read-only: rewrite and intercept_report count them)
     capture_failures: list[str]    # why earlier capture paths were left (for refusals)
 
     def candidates(self, args: tuple, kwargs: dict) -> list[nn.Module]:
@@ -64,7 +64,7 @@ class Session(Protocol):
         """A report for a call that made no graph (nothing to rewrite)."""
 
     def intercept_report(self, loss: Any) -> Any:
-        """The report of a call the intercept fallback ran (``intercept.InterceptedLoss``)."""
+        """The report of a call the intercept fallback ran (``intercept.InterceptedLoss``); counts a trace."""
 
 
 class Frontend(Protocol):
