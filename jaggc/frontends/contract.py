@@ -95,9 +95,9 @@ def direct_forward_error(where: str = "", module: nn.Module | None = None, node:
     ``step k``; ``node``: the graph node of the call, where there is one."""
     what = f"the DiT ({type(module).__name__})" if module is not None else "the DiT"
     return JaggGraphError(
-        f"{where + ': ' if where else ''}{what} is called through `.forward(...)`"
+        f"{what} is called through `.forward(...)`"
         f"{f' (graph node {node})' if node else ''}; call the module itself, `dit(...)`, so that its hooks "
-        f"(DDP/FSDP gradient sync, peft) run and jaggc can see the call")
+        f"(DDP/FSDP gradient sync, peft) run and jaggc can see the call", where=where)
 
 
 _MISSING = object()

@@ -338,9 +338,10 @@ def check_no_dit_in_subgraphs(gm: fx.GraphModule) -> None:
         op_name = getattr(op.target, "__name__", str(op.target)) if op is not None else sub_name
         where = (user_source(op) if op is not None else "") or user_source(hidden[0][0])
         raise JaggGraphError(
-            f"{where or 'unknown source line'}: the DiT ({type(hidden[0][1]).__name__}) is called inside "
+            f"the DiT ({type(hidden[0][1]).__name__}) is called inside "
             f"{op_name} (graph node {op.name if op is not None else sub_name}), e.g. "
             f"torch.utils.checkpoint.checkpoint(dit, ...) or a torch.autograd.Function around the DiT call. "
             f"jaggc cannot rewrite a call hidden in such a region, and use_reentrant=True checkpointing with "
             f"stored (no-grad) states gives the DiT no gradient at all. Call the DiT directly in the loss "
-            f"and checkpoint inside it: dit.enable_gradient_checkpointing() (non-reentrant)")
+            f"and checkpoint inside it: dit.enable_gradient_checkpointing() (non-reentrant)",
+            where=where or "unknown source line")

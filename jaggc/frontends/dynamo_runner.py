@@ -92,12 +92,12 @@ class DynamoFrontend:
         where = stack_location(_compat.dynamo_real_stack(e))
         if STATE_CHANGE_MARK in str(e):
             return JaggCaptureError(
-                f"{where + ': ' if where else ''}{self.qualname} changes the DiT's state (train/eval, "
+                f"{self.qualname} changes the DiT's state (train/eval, "
                 f"adapters, requires_grad or hooks); Dynamo would replay the change after its graph, so every "
                 f"DiT call in the graph would run in the state the loss was entered in. The FX capture "
                 f"replays such changes (capture='fx')", path="dynamo", where=where)
         return JaggCaptureError(
-            f"{where + ': ' if where else ''}Dynamo could not capture {self.qualname} in one graph "
+            f"Dynamo could not capture {self.qualname} in one graph "
             f"(a graph break would hide DiT calls from the rewrite). Move data-dependent Python "
             f"(`.item()`, `if` on a tensor, print) out of the loss or compute it with tensor ops "
             f"(torch.where), or pass options=jaggc.Options(on_unsupported='exact') to run it uncompiled. "
