@@ -1,9 +1,10 @@
 """The frontend contract: what a capture path hands the passes, and what it needs of the loss.
 
-A compiled loss (``api.JaggCompiled``) tries its frontends in order (``capture="auto"``: FX,
-Dynamo, then the intercept fallback). Each frontend implements ``Frontend``: ``run`` captures the
-loss (or reuses a capture whose cache key and guards still hold), has the ``Session`` rewrite it,
-and runs the rewritten graph. A frontend that cannot record the loss raises ``JaggCaptureError``
+A compiled loss (``api.JaggCompiled``) tries its frontends in order (``capture="auto"``: the
+order of ``registry.py``, FX, Dynamo, then the intercept fallback). Each frontend implements
+``Frontend``: ``run`` captures the loss (or reuses a capture whose cache key and guards still hold),
+has the ``Session`` (``session.CompileSession``, never the user's object) rewrite it, and runs the
+rewritten graph. A frontend that cannot record the loss raises ``JaggCaptureError``
 (the next path is tried); ``JaggGraphError``/``JaggInputError`` are final.
 
 The graph frontends (FX, Dynamo) produce a ``Captured``: a GraphModule in the canonical
@@ -43,7 +44,7 @@ class Captured:
 
 
 class Session(Protocol):
-    """What a frontend needs of the compiled loss it runs for (``api.JaggCompiled``)."""
+    """What a frontend needs of the compiled loss it runs for (``session.CompileSession``)."""
 
     fn: Callable
     dit: nn.Module | None          # jagg_compile(dit=...), or None: the loss's module arguments
