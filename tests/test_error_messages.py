@@ -95,21 +95,13 @@ def test_an_error_formats_its_own_location():
 
 def test_a_traced_refusal_is_located_once():
     """A capture refusal raised while FX traces names the user's line once (no doubled prefix)."""
-    import torch.nn as nn
-
-    class Tiny(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(2, 2)
-
-        def forward(self, x, t):
-            return self.lin(x) * t
+    from helpers import LinearDiT
 
     def loss(dit, x):
         return dit.forward(x, 1.0).sum()      # through .forward: refused, located at this line
 
     with pytest.raises(jaggc.JaggGraphError) as info:
-        jaggc.jagg_compile(loss, capture="fx")(Tiny(), torch.ones(1, 2))
+        jaggc.jagg_compile(loss, capture="fx")(LinearDiT(), torch.ones(1, 2))
     message = str(info.value)
-    assert re.match(r"\S+test_error_messages\.py:\d+: the DiT \(Tiny\) is called through `\.forward", message), message
+    assert re.match(r"\S+test_error_messages\.py:\d+: the DiT \(LinearDiT\) is called through `\.forward", message), message
     assert message.count("test_error_messages.py:") == 1

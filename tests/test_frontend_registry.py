@@ -7,21 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 import jaggc
 from jaggc import options
 from jaggc.errors import JaggCaptureError, JaggInputError
 from jaggc.frontends import registry
-
-
-class Tiny(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(2, 2)
-
-    def forward(self, x, t):
-        return self.lin(x) * t
+from helpers import LinearDiT as Tiny
 
 
 def loss(dit, x):
