@@ -14,48 +14,35 @@ import torch
 from torch import nn
 
 from . import _compat
-from .backends import BACKENDS, compile_glue
+from .backends import BACKENDS
 from .backward_modes import backward_mode
 from .config import CompileConfig
 from .errors import JaggCaptureError, JaggInputError, JaggUnsupportedError
-from .frontends.contract import Captured, Frontend, bind_loss
-from .frontends.dynamo_runner import DynamoFrontend
-from .frontends.fx_runner import FxFrontend
-from .frontends.intercept import InterceptedLoss
-from .frontends.intercept_runner import InterceptFrontend
+from .frontends import registry
+from .options import KEYWORDS, DEPRECATED, Options, apply_deprecated
 from .report import Report
-from .report_build import build_report, intercept_report, refresh_times
+from .report_build import refresh_times
 from .runtime.guard import Guard
 from .runtime.routing import Routing
 from .runtime.weights import DEFAULT_WEIGHTS, Basis
 from .runtime.window import check_window_size
-from .options import CAPTURES, KEYWORDS, DEPRECATED, Options, apply_deprecated
-from .passes import PassContext, run_passes    # passes/, installed as jaggc.passes
-
-
-# capture="auto" tries these in order. FX first: its first call on a 50-step Flow-GRPO loss is
-# about 5x cheaper than Dynamo's, and it takes the trainers' schedule reads, no_grad reference
-# blocks, autocast blocks, train()/eval() and adapter toggles, several of which Dynamo breaks the
-# graph on; Dynamo takes Function.apply; intercept runs anything the DiT is an argument of, at one
-# more forward per step.
-AUTO_ORDER = ("fx", "dynamo", "intercept")
-_FALLBACK_COST = {
-    "dynamo": "a first call about 5x slower than FX's (Dynamo tracing); later calls as fast",
-    "intercept": "one more DiT forward per trained step and the loss's Python run twice per call, "
-                 "(W+6)F per window instead of (W+4)F",
-}
-
+from .session import CompileSession
 
 
 class JaggCompiled:
-    """A GRPO loss whose DiT calls run in JAGG windows. Call it like the original function."""
+    """A GRPO loss whose DiT calls run in JAGG windows. Call it like the original function.
+
+    ``.report``: the inspection report of the graph that ran last (a ``jaggc.Report``);
+    ``__wrapped__``: the undecorated loss. Read-only: ``traces`` (captures made so far),
+    ``capture_failures`` (why ``capture="auto"`` left earlier paths) and ``config`` (the resolved
+    settings: window, the windows' options, routing)."""
 
     def __init__(self, fn: Callable, *, dit: nn.Module | None = None, window: int = 4, weights=DEFAULT_WEIGHTS,
                  backward: str = "joint", capture: str = "auto", guard: Guard | None = None,
                  options: Options | None = None, routing: Routing | None = None, **deprecated):
         options, routing = apply_deprecated(options, routing, deprecated)
-        if capture not in CAPTURES:
-            raise JaggInputError(f"capture={capture!r}: use one of {CAPTURES}")
+        if capture not in registry.capture_choices():
+            raise JaggInputError(f"capture={capture!r}: use one of {registry.capture_choices()}")
         backend = options.backend
         if backend is not None and backend not in BACKENDS:
             raise JaggInputError(f"Options(backend={backend!r}): use None (run the rewritten graph eagerly) or one "
@@ -68,54 +55,61 @@ class JaggCompiled:
         backward = backward_mode(backward)     # "joint" or BackwardMode.JOINT: the symbol from here on
         routing.check_backward(backward)
         functools.update_wrapper(self, fn)
-        self.fn = fn
-        self.dit = dit
-        self.capture = capture
-        self.backend = backend
-        self.on_unsupported = options.on_unsupported
-        self.options = options
-        self.guard = guard      # jaggc.Guard: probes some calls against the exact gradient (runtime/guard.py)
-        self.config = CompileConfig(window=window, options=options.window_options(weights, backward, guard),
-                                    routing=routing, split_batches=bool(options.split_batches),
-                                    check_passes=bool(options.check_passes))
-        self._report: Report | None = None
-        self.traces = 0
+        config = CompileConfig(window=window, options=options.window_options(weights, backward, guard),
+                               routing=routing, split_batches=bool(options.split_batches),
+                               check_passes=bool(options.check_passes))
+        # what the frontends share lives in the session, not on the user's object (session.py)
+        self._session = CompileSession(fn, dit=dit, config=config, backend=backend, qualname=self.__qualname__)
+        self._capture = capture
+        self._on_unsupported = options.on_unsupported
+        self._guard = guard      # jaggc.Guard: probes some calls against the exact gradient (runtime/guard.py)
         self._path: str | None = None if capture == "auto" else capture
-        self.capture_failures: list[str] = []   # why earlier paths of capture="auto" were left
         self._warned_no_dit = False
         self._one_step_calls = 0         # consecutive calls with one trained DiT call (-1: not per-step)
         self._per_step_warned = False
-        self.frontends: dict[str, Frontend] = {
-            "fx": FxFrontend(self, self.__qualname__),
-            "dynamo": DynamoFrontend(self, self.__qualname__),
-            "intercept": InterceptFrontend(self, self.__qualname__),
-        }
+
+    @property
+    def traces(self) -> int:
+        """Captures made so far (FX traces, Dynamo graphs rewritten, intercept recordings)."""
+        return self._session.traces
+
+    @property
+    def capture_failures(self) -> list[str]:
+        """Why ``capture="auto"`` left earlier paths (also in ``report.capture_failures``)."""
+        return list(self._session.capture_failures)
+
+    @property
+    def config(self) -> CompileConfig:
+        """The resolved settings: window, the windows' options (weights, backward, ...), routing."""
+        return self._session.config
 
     @property
     def report(self) -> Report | None:
         """The inspection report of the current compiled graph (timesteps from the latest run)."""
-        refresh_times(self._report)
-        if self.guard is not None and self._report is not None:
-            self._report.guard = self.guard.summary()
-        return self._report
+        report = self._session.report
+        refresh_times(report)
+        if self._guard is not None and report is not None:
+            report.guard = self._guard.summary()
+        return report
 
     # --- entry --------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        if self.guard is not None:
-            return self.guard.call(self._call, self.fn, args, kwargs)
+        if self._guard is not None:
+            return self._guard.call(self._call, self.__wrapped__, args, kwargs)
         return self._call(*args, **kwargs)
 
     def _call(self, *args, **kwargs):
         if self._path == "uncompiled" or not torch.is_grad_enabled():
             # under torch.no_grad() / inference_mode() (a validation loss, a logged value) there is
             # no backward to make cheaper: the undecorated loss is the value, at its own cost
-            return self.fn(*args, **kwargs)
-        if self.capture != "auto":
-            order = [self.capture]
-        elif self.backend is not None:
+            return self.__wrapped__(*args, **kwargs)
+        if self._capture != "auto":
+            order = [self._capture]
+        elif self._session.backend is not None:
             order = ["dynamo"]
         else:
-            order = list(AUTO_ORDER[AUTO_ORDER.index(self._path) if self._path else 0:])
+            auto = registry.auto_order()
+            order = list(auto[auto.index(self._path) if self._path else 0:])
         failed = []
         for path in order:
             try:
@@ -124,7 +118,7 @@ class JaggCompiled:
                 if len(order) == 1:
                     return self._unsupported(e, args, kwargs)
                 failed.append(f"{path}: {e}")
-                self.frontends[path].reset()
+                self._session.frontends[path].reset()
                 continue
             except JaggUnsupportedError as e:
                 return self._unsupported(e, args, kwargs)
@@ -139,11 +133,13 @@ class JaggCompiled:
 
     def _announce_fallback(self, path: str, failed: list[str]) -> None:
         """``capture="auto"`` took a slower path: say which, why, and what it costs."""
-        self.capture_failures.extend(failed)
-        if self._report is not None:
-            self._report.capture_failures = list(self.capture_failures)
+        session = self._session
+        session.capture_failures.extend(failed)
+        if session.report is not None:
+            session.report.capture_failures = list(session.capture_failures)
+        cost = registry.FRONTENDS[path].fallback_cost
         warnings.warn(
-            f"jaggc: {self.__qualname__} runs through capture path {path!r} ({_FALLBACK_COST.get(path, '')}) "
+            f"jaggc: {self.__qualname__} runs through capture path {path!r}{f' ({cost})' if cost else ''} "
             f"because earlier paths could not capture it:\n  " + "\n  ".join(failed)
             + "\n(report.capture_failures lists these; pass capture=... to choose a path)", stacklevel=3)
 
@@ -151,11 +147,12 @@ class JaggCompiled:
         """A loss without a DiT call is fine when it has nothing to train (an empty trajectory); one
         whose value still requires grad trains something jaggc did not see, so it runs without JAGG:
         never silently, the DiT may be called where jaggc does not watch (a closed-over module)."""
-        if self._report is None or self._report.trained_calls or self._warned_no_dit:
+        report = self._session.report
+        if report is None or report.trained_calls or self._warned_no_dit:
             return
         if any(isinstance(x, torch.Tensor) and x.requires_grad for x in _compat.tree_flatten(out)[0]):
             self._warned_no_dit = True
-            watched = ", ".join(getattr(self, "_watched", [])) or "none"
+            watched = ", ".join(self._session.watched) or "none"
             warnings.warn(
                 f"jaggc: {self.__qualname__} makes no grad-enabled call of the module(s) jaggc watched ({watched}), "
                 f"but its value requires grad: it trains something else and runs as written, without JAGG. If the "
@@ -167,9 +164,10 @@ class JaggCompiled:
         per-step function (its loop calls backward after each step): no window can form, so each
         call runs exactly, at the undecorated cost. Said once, from the second such call on (a
         trajectory's one-step tail, as MixGRPO's window ends, is a single call among longer ones)."""
-        if self._per_step_warned or self._report is None:
+        report = self._session.report
+        if self._per_step_warned or report is None:
             return
-        if self._report.trained_calls != 1:
+        if report.trained_calls != 1:
             self._one_step_calls = -1            # a call with several trained steps: not per-step
             return
         if self._one_step_calls < 0:
@@ -178,7 +176,7 @@ class JaggCompiled:
         if self._one_step_calls < 2:
             return
         self._per_step_warned = True
-        code = getattr(self.fn, "__code__", None)
+        code = getattr(self.__wrapped__, "__code__", None)
         where = f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
         warnings.warn(
             f"jaggc: {self.__qualname__}{where} makes one trained DiT call per call, so no JAGG window can form and "
@@ -188,62 +186,16 @@ class JaggCompiled:
             f".steps(train_timesteps, timesteps_of_those_steps):` (docs/trainers.md)", stacklevel=4)
 
     def _unsupported(self, err: JaggUnsupportedError, args, kwargs):
-        if self.on_unsupported == "raise":
+        if self._on_unsupported == "raise":
             raise err
         warnings.warn(f"jaggc: running {self.__qualname__} uncompiled (exact per-step gradient): {err}",
                       stacklevel=3)
         self._path = "uncompiled"
-        self._report = Report(path="uncompiled", notes=[str(err)])
-        return self.fn(*args, **kwargs)
+        self._session.report = Report(path="uncompiled", notes=[str(err)])
+        return self.__wrapped__(*args, **kwargs)
 
     def _run(self, path, args, kwargs):
-        return self.frontends[path].run(args, kwargs)
-
-    def candidates(self, args, kwargs) -> list[nn.Module]:
-        """The modules the frontends keep opaque: ``dit=``, else every module argument."""
-        if self.dit is not None:
-            self._watched = [f"{type(self.dit).__name__} (jagg_compile(dit=...))"]
-            return [self.dit]
-        found = []
-        for v in list(args) + list(kwargs.values()):
-            if isinstance(v, nn.Module):
-                found.append(v)
-        try:
-            names = {id(v): k for k, v in bind_loss(self.fn, args, kwargs).arguments.items()}
-        except TypeError:
-            names = {}
-        self._watched = [f"{type(m).__name__} (argument {names.get(id(m), '?')!r})" for m in found]
-        if not found:
-            raise JaggUnsupportedError(
-                f"{self.__qualname__} takes no nn.Module argument, so jaggc cannot tell which module is "
-                f"the DiT; pass it: jagg_compile(fn, dit=model)")
-        return found
-
-    # --- what the frontends need (frontends/contract.Session) -----------------------------------
-    def show(self, report: Report) -> None:
-        self._report = report
-
-    def empty_report(self, path: str, note: str) -> Report:
-        return Report(path=path, traces=self.traces, notes=[note])
-
-    def intercept_report(self, loss: InterceptedLoss) -> Report:
-        return intercept_report(loss, self.config, self.traces)
-
-    def rewrite(self, captured: Captured, frontend: str):
-        """The passes over a capture, and its report; a Dynamo graph's glue compiled by
-        ``Options(backend=...)``."""
-        ctx = PassContext(config=self.config, dit=self.dit, frontend=frontend,
-                                 watched=list(getattr(self, "_watched", [])), entry_grad=captured.entry_grad,
-                                 entry_autocast=captured.entry_autocast)
-        gm, stages = run_passes(captured.gm, ctx)
-        self.traces += 1
-        report = self._report = build_report(frontend, gm, stages, ctx, self.traces)
-        report.capture_failures = list(self.capture_failures)
-        if frontend == "dynamo" and self.backend is not None:
-            gm = self._dynamo_split = compile_glue(gm, self.backend)
-            report.notes.append(f"backend={self.backend!r}: {gm.jaggc_segments['glue']} glue segment(s) compiled, "
-                                f"{gm.jaggc_segments['runtime']} runtime segment(s) eager")
-        return gm, self.report
+        return self._session.frontends[path].run(args, kwargs)
 
 
 def jagg_compile(fn: Callable | None = None, *, dit: nn.Module | None = None, window: int = 4,

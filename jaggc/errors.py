@@ -19,8 +19,19 @@ user's code; it is not a ``JaggUnsupportedError`` so no fallback hides it.
 from __future__ import annotations
 
 
+def located(message: str, where: str = "") -> str:
+    """``message`` prefixed by its location (``file:line: message``, ``step 3: message``); the
+    message alone if the location is unknown. The one place that formats a refusal's location."""
+    return f"{where}: {message}" if where else message
+
+
 class JaggError(Exception):
-    """Base class of every error jaggc raises on purpose."""
+    """Base class of every error jaggc raises on purpose. ``where``: the location the message is
+    about (the user's ``file:line``, ``step 3``, a graph node); the message is prefixed with it."""
+
+    def __init__(self, message: str = "", *args, where: str = ""):
+        super().__init__(located(message, where), *args)
+        self.where = where
 
 
 class JaggInputError(JaggError, ValueError):
@@ -44,9 +55,8 @@ class JaggCaptureError(JaggUnsupportedError):
     tries it). ``path`` names the path that failed, ``where`` the user's ``file:line`` if known."""
 
     def __init__(self, message: str, *, path: str = "", where: str = ""):
-        super().__init__(message)
+        super().__init__(message, where=where)
         self.path = path
-        self.where = where
 
 
 class JaggInternalError(JaggError, RuntimeError):

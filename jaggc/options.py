@@ -17,11 +17,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import JaggInputError
+from .frontends.registry import capture_choices
 from .runtime.rollout_cache import RolloutCache
 from .runtime.routing import Routing
 from .runtime.window import WindowOptions
 
-CAPTURES = ("auto", "dynamo", "fx", "intercept")
+def __getattr__(name: str):
+    # CAPTURES: the values of jagg_compile(capture=...), read from the frontend registry when asked
+    # (a path registered later is one of them)
+    if name == "CAPTURES":
+        return capture_choices()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 
 @dataclass(frozen=True)

@@ -207,9 +207,11 @@ def _window_cycle_error(cycle, g: nx.DiGraph, via, frontend: str) -> JaggCapture
     else:
         through = f"the in-place write at {line(writes[0])} ({writes[0].name})" if writes else "a detached value"
         why = f"step {b.step}'s input is computed from the output of step {a.step} through {through}"
-    return JaggCaptureError(
+    err = JaggCaptureError(
         f"step {b.step} ({b.source or 'node ' + consumer.name}) and step {a.step} ({a.source or 'node ' + producer.name}) "
         f"are in the same JAGG window, but {why}. A window runs its calls together at its last call, so that order "
         f"cannot be kept. Read the stored states (not states recomputed from this pass's DiT outputs or written in "
         f"place around them), use window=2, or let the intercept path take the loss (capture='auto' or 'intercept': "
-        f"it records the calls one by one)", path=frontend, where=b.source or a.source)
+        f"it records the calls one by one)", path=frontend)
+    err.where = b.source or a.source      # the message names both steps' lines itself: no prefix
+    return err

@@ -112,17 +112,17 @@ def additive_terms(root: fx.Node, masks: dict[fx.Node, int]) -> dict[fx.Node, fl
             stack.append((operands[0], coef / operands[1]))
         elif kind in (_MUL, _DIV) and any(isinstance(x, fx.Node) and masks.get(x, 0) == 0 for x in operands):
             raise JaggGraphError(
-                f"{_where(node)}: backward='lowmem' needs the loss to be a sum of per-step terms with Python-number "
+                f"backward='lowmem' needs the loss to be a sum of per-step terms with Python-number "
                 f"coefficients; this {node.target if isinstance(node.target, str) else node.target.__name__} "
-                f"scales them by a tensor. Scale by a number, or use {_any_loss_modes()}")
+                f"scales them by a tensor. Scale by a number, or use {_any_loss_modes()}", where=_where(node))
         else:
             if bin(masks[node]).count("1") > 1:
                 raise JaggGraphError(
-                    f"{_where(node)}: backward='lowmem' needs the loss to be a sum of per-step terms, each "
+                    f"backward='lowmem' needs the loss to be a sum of per-step terms, each "
                     f"depending on one step's DiT output; this node combines {bin(masks[node]).count('1')} steps' "
                     f"outputs otherwise than by +, - or a number factor (e.g. torch.stack(losses).mean()). "
                     f"Accumulate the per-step losses with `total = total + loss`, or use "
-                    f"{_any_loss_modes()}")
+                    f"{_any_loss_modes()}", where=_where(node))
             terms[node] = terms.get(node, 0.0) + coef
     return terms
 
@@ -149,12 +149,13 @@ def _check_other_gradients(node: fx.Node, gm: fx.GraphModule) -> None:
         example = n.meta.get("example_value", n.meta.get("val"))
         if n.op == "placeholder" and (REQUIRES_GRAD.get(n) or getattr(example, "requires_grad", False)):
             raise JaggGraphError(
-                f"{_where(node)}: this term of the loss also depends on the input {n.name}, which requires grad; "
-                f"backward='lowmem' only carries gradients through the DiT's outputs. Use {_parameter_modes()}")
+                f"this term of the loss also depends on the input {n.name}, which requires grad; "
+                f"backward='lowmem' only carries gradients through the DiT's outputs. Use {_parameter_modes()}",
+                where=_where(node))
         if n.op == "call_module" and any(p.requires_grad for p in gm.get_submodule(n.target).parameters()):
             raise JaggGraphError(
-                f"{_where(node)}: this term of the loss calls the trainable module {n.target!r}; backward='lowmem' "
-                f"only carries gradients through the DiT's outputs. Use {_parameter_modes()}")
+                f"this term of the loss calls the trainable module {n.target!r}; backward='lowmem' "
+                f"only carries gradients through the DiT's outputs. Use {_parameter_modes()}", where=_where(node))
         if n.op == "call_function" and n.target is jagg_lowmem_window:
             continue
         stack.extend(n.all_input_nodes)

@@ -76,3 +76,14 @@ def loss_and_grad(fn: Callable, args: tuple, model: nn.Module) -> tuple[torch.Te
     out = grads(model).clone()
     zero_grads(model)
     return loss.detach(), out
+
+
+class LinearDiT(nn.Module):
+    """The smallest DiT stand-in a compiled loss can call: ``lin(x) * t``."""
+
+    def __init__(self, width: int = 2):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, t) -> torch.Tensor:
+        return self.lin(x) * t

@@ -69,7 +69,7 @@ def test_no_runtime_node_is_handed_to_the_backend():
     model = AffineJacobianField(3, seed=1)
     compiled = jagg_compile(grpo_like_loss, window=3, options=jaggc.Options(backend="aot_eager"))
     run(model, compiled, inputs())
-    split = compiled._dynamo_split  # the split graph the backend saw
+    split = compiled._session.dynamo_split  # the split graph the backend saw
     glue = [m for m in split.children() if isinstance(m, LazyCompiledGlue)]
     runtime = [m for m in split.children() if not isinstance(m, LazyCompiledGlue)]
     assert glue and runtime

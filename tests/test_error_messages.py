@@ -76,3 +76,32 @@ def test_the_check_can_fail():
         assert_actionable("something went wrong")
     with pytest.raises(AssertionError):
         assert_actionable("step 3 is bad")
+
+
+def test_an_error_formats_its_own_location():
+    """``where=`` prefixes the message once, in errors.py; an unknown location leaves it alone, and
+    the capture error keeps its path and location as attributes."""
+    from jaggc.errors import JaggCaptureError, JaggInputError, located
+
+    located_error = JaggInputError("the state is float16", where="step 3, input x")
+    assert str(located_error) == "step 3, input x: the state is float16" and located_error.where == "step 3, input x"
+    assert str(JaggInputError("the state is float16")) == "the state is float16"
+    err = JaggCaptureError("the loss calls F.apply", path="fx", where="loss.py:12")
+    assert (str(err), err.path, err.where) == ("loss.py:12: the loss calls F.apply", "fx", "loss.py:12")
+    assert str(JaggCaptureError("no path", path="dynamo")) == "no path"
+    assert located("a value changed", "") == "a value changed"
+    assert isinstance(JaggInputError("x", where="y"), ValueError)
+
+
+def test_a_traced_refusal_is_located_once():
+    """A capture refusal raised while FX traces names the user's line once (no doubled prefix)."""
+    from helpers import LinearDiT
+
+    def loss(dit, x):
+        return dit.forward(x, 1.0).sum()      # through .forward: refused, located at this line
+
+    with pytest.raises(jaggc.JaggGraphError) as info:
+        jaggc.jagg_compile(loss, capture="fx")(LinearDiT(), torch.ones(1, 2))
+    message = str(info.value)
+    assert re.match(r"\S+test_error_messages\.py:\d+: the DiT \(LinearDiT\) is called through `\.forward", message), message
+    assert message.count("test_error_messages.py:") == 1

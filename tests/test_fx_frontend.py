@@ -287,7 +287,7 @@ def test_changed_global_or_closure_constant_retraces(monkeypatch):
     loss = make_closure_loss(2)
     compiled = jagg_compile(loss, window=3, capture="fx")
     compiled(field, zs, ts, gs)
-    assert {r.where for r in compiled.frontends["fx"].reads} >= {f"{__name__}.SCALE", "make_closure_loss.<locals>.closure_loss.<closure power>"}
+    assert {r.where for r in compiled._session.frontends["fx"].reads} >= {f"{__name__}.SCALE", "make_closure_loss.<locals>.closure_loss.<closure power>"}
     monkeypatch.setattr(sys.modules[__name__], "SCALE", 3.0)
     out = compiled(field, zs, ts, gs)
     assert compiled.traces == 2

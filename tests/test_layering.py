@@ -342,7 +342,7 @@ LAYER_PREFIXES = {
     "jaggc.frontends": "frontends", "jaggc.passes": "passes",
     "jaggc.backends": "backends", "jaggc.report_view": "report", "jaggc.report_drawing": "report", "jaggc.report_build": "report",
     "jaggc.report": "report", "jaggc.fidelity": "fidelity", "jaggc.grpo": "helpers",
-    "jaggc.models": "helpers", "jaggc.testing": "helpers", "jaggc.api": "api", "jaggc.verify": "verify",
+    "jaggc.models": "helpers", "jaggc.testing": "helpers", "jaggc.api": "api", "jaggc.session": "api", "jaggc.verify": "verify",
     "jaggc.cli": "cli", "jaggc.steps": "steps", "jaggc_studies": "studies", "jaggc": "package",
 }
 _BASE = {"errors", "compat", "source", "modes"}
@@ -366,7 +366,8 @@ MAY_IMPORT = {
     "api": _BASE | {"runtime", "vocabulary", "graph_ops", "frontends", "passes", "backends", "report", "package"},
     # the per-step path (jaggc.steps): the window runtime's pieces and the options, no graph
     "steps": _BASE | {"runtime", "package"},
-    "package": _BASE | {"runtime", "api", "report", "fidelity", "steps"},
+    # options.py reads the capture paths from the frontend registry (frontends/registry.py)
+    "package": _BASE | {"runtime", "api", "report", "fidelity", "steps", "frontends"},
     "verify": _BASE | {"runtime", "vocabulary", "api", "report", "helpers", "package", "passes", "frontends",
                        "graph_ops"},
     "cli": {"verify"},

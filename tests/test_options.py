@@ -67,7 +67,7 @@ def test_a_deprecated_keyword_warns_naming_its_place_and_compiles_the_same(old, 
         warnings.simplefilter("error")
         compiled_new = jaggc.jagg_compile(_loss, window=4, weights="t", **new)
     assert compiled_old.config == compiled_new.config
-    assert compiled_old.on_unsupported == compiled_new.on_unsupported
+    assert compiled_old._on_unsupported == compiled_new._on_unsupported
 
 
 def test_the_warning_points_at_the_callers_line():

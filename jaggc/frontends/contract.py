@@ -1,9 +1,10 @@
 """The frontend contract: what a capture path hands the passes, and what it needs of the loss.
 
-A compiled loss (``api.JaggCompiled``) tries its frontends in order (``capture="auto"``: FX,
-Dynamo, then the intercept fallback). Each frontend implements ``Frontend``: ``run`` captures the
-loss (or reuses a capture whose cache key and guards still hold), has the ``Session`` rewrite it,
-and runs the rewritten graph. A frontend that cannot record the loss raises ``JaggCaptureError``
+A compiled loss (``api.JaggCompiled``) tries its frontends in order (``capture="auto"``: the
+order of ``registry.py``, FX, Dynamo, then the intercept fallback). Each frontend implements
+``Frontend``: ``run`` captures the loss (or reuses a capture whose cache key and guards still hold),
+has the ``Session`` (``session.CompileSession``, never the user's object) rewrite it, and runs the
+rewritten graph. A frontend that cannot record the loss raises ``JaggCaptureError``
 (the next path is tried); ``JaggGraphError``/``JaggInputError`` are final.
 
 The graph frontends (FX, Dynamo) produce a ``Captured``: a GraphModule in the canonical
@@ -46,12 +47,12 @@ class Captured:
 
 
 class Session(Protocol):
-    """What a frontend needs of the compiled loss it runs for (``api.JaggCompiled``)."""
+    """What a frontend needs of the compiled loss it runs for (``session.CompileSession``)."""
 
     fn: Callable
     dit: nn.Module | None          # jagg_compile(dit=...), or None: the loss's module arguments
     config: CompileConfig          # window, the windows' options, routing
-    traces: int                    # rewrites made so far (a frontend that rewrites adds one)
+    traces: int                    # captures made so far (read-only: rewrite and intercept_report count them)
     capture_failures: list[str]    # why earlier capture paths were left (for refusals)
 
     def candidates(self, args: tuple, kwargs: dict) -> list[nn.Module]:
@@ -67,7 +68,7 @@ class Session(Protocol):
         """A report for a call that made no graph (nothing to rewrite)."""
 
     def intercept_report(self, loss: Any) -> Any:
-        """The report of a call the intercept fallback ran (``intercept.InterceptedLoss``)."""
+        """The report of a call the intercept fallback ran (``intercept.InterceptedLoss``); counts a trace."""
 
 
 class Frontend(Protocol):
@@ -98,9 +99,9 @@ def direct_forward_error(where: str = "", module: nn.Module | None = None, node:
     ``step k``; ``node``: the graph node of the call, where there is one."""
     what = f"the DiT ({type(module).__name__})" if module is not None else "the DiT"
     return JaggGraphError(
-        f"{where + ': ' if where else ''}{what} is called through `.forward(...)`"
+        f"{what} is called through `.forward(...)`"
         f"{f' (graph node {node})' if node else ''}; call the module itself, `dit(...)`, so that its hooks "
-        f"(DDP/FSDP gradient sync, peft) run and jaggc can see the call")
+        f"(DDP/FSDP gradient sync, peft) run and jaggc can see the call", where=where)
 
 
 def checkpoint_region_error(where: str = "", module: nn.Module | None = None, region: str = "") -> JaggGraphError:
@@ -113,12 +114,12 @@ def checkpoint_region_error(where: str = "", module: nn.Module | None = None, re
     ``where``: ``file:line``; ``region``: the graph node of the region, where there is one."""
     what = f"the DiT ({type(module).__name__})" if module is not None else "the DiT"
     return JaggGraphError(
-        f"{where or 'unknown source line'}: {what} is called inside {region or 'torch.utils.checkpoint.checkpoint'}, "
+        f"{what} is called inside {region or 'torch.utils.checkpoint.checkpoint'}, "
         f"e.g. torch.utils.checkpoint.checkpoint(dit, ...) or a torch.autograd.Function around the DiT call. "
         f"jaggc cannot rewrite a call hidden in such a region (its window forwards would run outside the "
         f"checkpoint and keep every activation), and use_reentrant=True checkpointing with stored (no-grad) "
         f"states gives the DiT no gradient at all. Call the DiT directly in the loss and checkpoint inside "
-        f"it: dit.enable_gradient_checkpointing() (non-reentrant)")
+        f"it: dit.enable_gradient_checkpointing() (non-reentrant)", where=where or "unknown source line")
 
 
 def checkpoint_region_caller(frame=None):

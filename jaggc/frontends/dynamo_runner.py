@@ -15,15 +15,13 @@ import torch
 from torch import fx
 
 from .. import _compat
-from ..alias_roots import input_writes
 from ..errors import JaggCaptureError, JaggInputError
-from ..runtime.autocast import current_autocast, reset_graph_autocast
+from ..runtime.autocast import current_autocast
 from ..source import stack_location
-from .aliasing import storage_groups
 from .contract import Captured, Session
 from .dynamo import STATE_CHANGE_MARK, opaque_modules
 from .dynamo_backend import copy_graph_module, running_loss, shared_backend
-from .fake_boundary import check_real_grads_after_backward, check_real_output
+from .epilogue import aliasing_holds, check_ran, modes_restored, traced_aliasing
 
 RECOMPILE_FIX = (
     "If that value changes on purpose (a new subset of trained steps per sample, as in DanceGRPO), use "
@@ -73,10 +71,7 @@ class DynamoFrontend:
                 self.session.show(self.session.empty_report(self.name, (
                     "no graph: the loss made no tensor op on these inputs (no DiT call); it ran as written")))
                 return out
-            check_real_output(out, self.qualname)
-            if self.session.traces != traces:
-                check_real_grads_after_backward(out, [p for m in candidates for p in m.parameters()], self.qualname)
-            return out
+            return check_ran(out, candidates, self.qualname, new_graph=self.session.traces != traces)
         except _compat.backend_failed_type() as e:
             raise _compat.unwrap_backend_error(e) from None
         except _compat.dynamo_unsupported_types() as e:
@@ -97,12 +92,12 @@ class DynamoFrontend:
         where = stack_location(_compat.dynamo_real_stack(e))
         if STATE_CHANGE_MARK in str(e):
             return JaggCaptureError(
-                f"{where + ': ' if where else ''}{self.qualname} changes the DiT's state (train/eval, "
+                f"{self.qualname} changes the DiT's state (train/eval, "
                 f"adapters, requires_grad or hooks); Dynamo would replay the change after its graph, so every "
                 f"DiT call in the graph would run in the state the loss was entered in. The FX capture "
                 f"replays such changes (capture='fx')", path="dynamo", where=where)
         return JaggCaptureError(
-            f"{where + ': ' if where else ''}Dynamo could not capture {self.qualname} in one graph "
+            f"Dynamo could not capture {self.qualname} in one graph "
             f"(a graph break would hide DiT calls from the rewrite). Move data-dependent Python "
             f"(`.item()`, `if` on a tensor, print) out of the loss or compute it with tensor ops "
             f"(torch.where), or pass options=jaggc.Options(on_unsupported='exact') to run it uncompiled. "
@@ -146,13 +141,14 @@ class DynamoFrontend:
         return known[1]
 
     def _graph_runner(self, gm: fx.GraphModule):
-        traced_aliasing = self._input_aliasing(gm)
+        # the effects analysis assumed the example inputs' storage sharing (aliasing.py)
+        traced = traced_aliasing(gm, [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"])
         # Dynamo guards the autocast state: a cached graph only runs in the state it was captured in
         gm, report = self.session.rewrite(Captured(gm, entry_autocast=self._entry_autocast), self.name)
         forward = gm.forward
 
         def run_graph(*args):
-            if traced_aliasing is not None and storage_groups(args) != traced_aliasing:
+            if not aliasing_holds(traced, args):
                 raise JaggCaptureError(
                     f"{self.qualname} writes in place into its inputs, and this call's inputs share storage "
                     f"differently from the call Dynamo traced; the graph's order of those writes would not hold. "
@@ -161,19 +157,10 @@ class DynamoFrontend:
             # Dynamo keeps one compiled graph per guard set; .report follows the one that runs
             self.session.show(report)
             self._graph_ran = True
-            try:
+            with modes_restored():
                 return forward(*args)
-            finally:
-                reset_graph_autocast()   # a refusal raised inside an autocast switch of the graph
 
         return run_graph
-
-    def _input_aliasing(self, gm: fx.GraphModule) -> tuple | None:
-        """Which of a Dynamo graph's inputs share storage, if the graph writes into its inputs (the
-        effects analysis assumed that sharing; aliasing.py), else None."""
-        if not input_writes(gm):
-            return None
-        return storage_groups([n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"])
 
 
 def first_lines(e: BaseException, n: int = 12) -> str:

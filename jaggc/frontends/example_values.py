@@ -68,7 +68,7 @@ class ExampleValues:
         self.values: dict[fx.Node, Any] = {}
         self.order: dict[fx.Node, int] = {}
         self.root_value = root_value      # get_attr target -> the real object
-        self.describe = describe          # node -> "file:line: " of the user code that made it
+        self.describe = describe          # node -> "file:line" of the user code that made it (or "")
         # node -> its real value, for an op fake tensors cannot run: one whose output shape
         # depends on values (``nonzero``: the caller guards the shape, value_reads.py), or a
         # Python number made from a tensor (``math.sqrt(delta_t)``, which fx records as a node)
@@ -204,10 +204,10 @@ class ExampleValues:
                 self.standins.add(node)
                 return real
             raise JaggCaptureError(
-                f"{self.describe(node)}the loss asks for a shape, dtype or device that depends on "
+                f"the loss asks for a shape, dtype or device that depends on "
                 f"{node.format_node()}, which cannot be computed from the inputs' shapes "
                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", path="fx",
-                where=self.describe(node).rstrip(": ")) from e
+                where=self.describe(node)) from e
 
 
 # ops whose output shape does not depend on the value of a Python-number argument

@@ -120,8 +120,8 @@ def _answered_from_example(name: str, method: bool):
         except AttributeError as e:
             # raised inside a property, an AttributeError would make Python fall back to
             # __getattr__ and silently hand the loss a Proxy instead of the answer
-            raise JaggCaptureError(f"{_source_prefix(self.node)}computing the {name} of {self.node.name} failed: "
-                                   f"AttributeError: {e}", path="fx") from e
+            raise JaggCaptureError(f"computing the {name} of {self.node.name} failed: AttributeError: {e}",
+                                   path="fx", where=user_source(self.node)) from e
 
     if method:
         return lambda self, *args, **kwargs: getattr(example(self), name)(*args, **kwargs)
@@ -138,11 +138,6 @@ class ShapedAttribute(ShapedProxy, fx.proxy.Attribute):
     """``out.sample`` of a DiT output: a lazily created getattr node that also has a shape."""
 
 
-def _source_prefix(node: fx.Node) -> str:
-    where = user_source(node)
-    return f"{where}: " if where else ""
-
-
 class DiTLeafTracer(fx.Tracer):
     """Keeps the DiT (and any wrapper around it) opaque: each call becomes a ``dit_call`` node.
 
@@ -155,9 +150,9 @@ class DiTLeafTracer(fx.Tracer):
         self.dits = {id(m): m for m in dits}
         self.installed: dict[str, nn.Module] = {}
         self.reads: ValueReads | None = None
-        self.examples = ExampleValues(self._root_value, _source_prefix, self._concrete,
+        self.examples = ExampleValues(self._root_value, user_source, self._concrete,
                                       lambda node: self.reads.read(node, "value"))
-        self.reads = ValueReads(self._root_value, _source_prefix, self.examples.order)
+        self.reads = ValueReads(self._root_value, user_source, self.examples.order)
         self._inputs = list(reversed(inputs))
         # the modes the recorded nodes run under, and those the loss was entered in
         self.grad_mode = self.entry_grad = torch.is_grad_enabled()
@@ -220,10 +215,10 @@ class DiTLeafTracer(fx.Tracer):
                 # `total = torch.zeros(()); total.add_(v)`: the tensor is a real constant of the
                 # trace, so its later uses read the unchanged constant (a loss of 0, silently)
                 raise JaggCaptureError(
-                    f"{_source_prefix(node)}the loss writes in place ({node.target if isinstance(node.target, str) else node.target.__name__}) "
+                    f"the loss writes in place ({node.target if isinstance(node.target, str) else node.target.__name__}) "
                     f"into a tensor it created from constants; torch.fx records the write but every later use "
                     f"reads the unwritten constant. Accumulate out of place (`total = total + x`)",
-                    path="fx", where=_source_prefix(node).rstrip(": "))
+                    path="fx", where=user_source(node))
             self.examples.run_in_place_op(node)
         return node
 
@@ -289,8 +284,8 @@ def _user_line() -> str:
 
 
 def _where() -> str:
-    location = frame_location(_user_frame())
-    return f"{location}: " if location else ""
+    """``file:line`` of the user's frame now running (empty if none is)."""
+    return frame_location(_user_frame()) or ""
 
 
 def _refuse_direct_forward(dits: list[nn.Module]):
@@ -301,7 +296,7 @@ def _refuse_direct_forward(dits: list[nn.Module]):
         def refuse(*args, **kwargs):
             if example_values.running():   # the DiT's own call, run for its output's shape
                 return original(*args, **kwargs)
-            raise direct_forward_error(_where().rstrip(": "), m)
+            raise direct_forward_error(_where(), m)
         return refuse
 
     return instance_slots((m, "forward", refusing(m)) for m in dits)
@@ -318,10 +313,10 @@ class _RefuseFunctionApply:
             if example_values.running():   # inside the DiT or an op run for an example value
                 return original.__get__(None, cls)(*args, **kwargs)
             raise JaggCaptureError(
-                f"{_where()}the loss calls {cls.__name__}.apply; torch.fx would inline its forward and silently drop "
+                f"the loss calls {cls.__name__}.apply; torch.fx would inline its forward and silently drop "
                 f"its custom backward. Wrap the call in a module-level function decorated with "
                 f"@torch.fx.wrap, or use capture='dynamo' (Dynamo keeps the custom backward)",
-                path="fx", where=_where().rstrip(": "))
+                path="fx", where=_where())
 
         torch.autograd.Function.apply = classmethod(refuse)
         return self
@@ -338,10 +333,10 @@ class _RandomDrawsRefused(_compat.dispatch_mode_base()):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if torch.Tag.nondeterministic_seeded in func.tags and not example_values.running():
             raise JaggCaptureError(
-                f"{_where()}the loss draws random numbers ({func.name()}) from values torch.fx does not trace; "
+                f"the loss draws random numbers ({func.name()}) from values torch.fx does not trace; "
                 f"the draw would be baked into the graph and repeat on every call. Draw the noise outside "
                 f"the loss and pass it in, or let Dynamo capture the loss (capture='dynamo')",
-                path="fx", where=_where().rstrip(": "))
+                path="fx", where=_where())
         return func(*args, **(kwargs or {}))
 
 
@@ -379,8 +374,8 @@ def _traced(fn: Callable, concrete: dict, tracer: DiTLeafTracer, dits: list[nn.M
         # on a traced stand-in: another path, running the loss on real tensors, decides (a real
         # error raised by the loss surfaces there)
         raise JaggCaptureError(
-            f"{_where_in_traceback(e)}the FX frontend cannot trace {getattr(fn, '__qualname__', fn)}: "
-            f"{type(e).__name__}: {e}", path="fx", where=_where_in_traceback(e).rstrip(": ")) from e
+            f"the FX frontend cannot trace {getattr(fn, '__qualname__', fn)}: {type(e).__name__}: {e}",
+            path="fx", where=_where_in_traceback(e)) from e
     exits = {id(m): module_state(m) for m in dits}
     for node in graph.nodes:
         if node.op == "placeholder":
@@ -397,6 +392,5 @@ def _traced(fn: Callable, concrete: dict, tracer: DiTLeafTracer, dits: list[nn.M
 
 
 def _where_in_traceback(e: BaseException) -> str:
-    """``file:line: `` of the innermost user frame of an exception raised while tracing."""
-    location = traceback_location(e)
-    return f"{location}: " if location else ""
+    """``file:line`` of the innermost user frame of an exception raised while tracing (or empty)."""
+    return traceback_location(e) or ""

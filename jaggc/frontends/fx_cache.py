@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import fx
 
-from .aliasing import storage_groups
+from .epilogue import aliasing_holds
 from .value_reads import Guard
 
 MAX_ENTRIES = 64
@@ -58,7 +58,7 @@ class FxGraphCache:
             return None
         self._keys.move_to_end(key)
         for i, entry in enumerate(slot.entries):
-            if entry.aliasing is not None and storage_groups(args) != entry.aliasing:
+            if not aliasing_holds(entry.aliasing, args):
                 continue    # the inputs share storage otherwise than traced (aliasing.py): trace again
             if entry.guard is None or entry.guard.check(*args):
                 if i:

@@ -60,7 +60,7 @@ def place_module_states(graph: fx.Graph, root: dict, entry: dict[int, ModuleStat
         if len(states) > 1:
             a, b = trained[0], next(n for n in trained if TRACED_CALL.of(n).state != TRACED_CALL.of(trained[0]).state)
             raise JaggCaptureError(
-                f"{user_source(b)}: this grad-enabled DiT call runs in another module state than the one at "
+                f"this grad-enabled DiT call runs in another module state than the one at "
                 f"{user_source(a)} ({difference(TRACED_CALL.of(a).state, TRACED_CALL.of(b).state)}); "
                 f"a JAGG window pairs the Jacobians of its calls, which is only meaningful for one module state. "
                 f"Keep the trained calls in one state (reference calls may differ if run under torch.no_grad())",
@@ -70,10 +70,10 @@ def place_module_states(graph: fx.Graph, root: dict, entry: dict[int, ModuleStat
             frm = entry[id(module)] if node is first else base
             if state != frm and not applicable(frm, state):
                 raise JaggCaptureError(
-                    f"{user_source(node) or 'the loss'}: the DiT is called in another state than the loss was "
+                    f"the DiT is called in another state than the loss was "
                     f"entered in ({difference(frm, state)}); a compiled graph can replay train/eval, requires_grad "
                     f"and peft adapter switches, not changed hooks or merged adapters",
-                    path="fx", where=user_source(node))
+                    path="fx", where=user_source(node) or "the loss")
         dit_name = calls[0].args[0].target
         if base != entry[id(module)]:
             attr = state_attr(base, first)

@@ -15,12 +15,10 @@ import torch
 from torch import nn
 
 from .. import _compat
-from ..alias_roots import input_writes
-from ..runtime.autocast import current_autocast, reset_graph_autocast
+from ..runtime.autocast import current_autocast
 from ..runtime.module_state import module_state
-from .aliasing import storage_groups
 from .contract import Session, bind_loss
-from .fake_boundary import check_real_grads_after_backward, check_real_output
+from .epilogue import check_ran, modes_restored, traced_aliasing
 from .fx import capture_fx
 from .fx_cache import FxEntry, FxGraphCache
 from .fx_guards import constant_reads, is_constant, object_fingerprint
@@ -58,24 +56,14 @@ class FxFrontend:
             captured = capture_fx(self.session.fn, args, kwargs, candidates)
             gm, report = self.session.rewrite(captured, self.name)
             report.guarded_reads = len(captured.guard) if captured.guard is not None else 0
-            entry = FxEntry(gm, report, captured.guard,
-                            aliasing=storage_groups(values) if input_writes(gm) else None)
+            entry = FxEntry(gm, report, captured.guard, aliasing=traced_aliasing(gm, values))
             changed = self.cache.add(key, entry, values)
             if changed:
                 report.notes.append("re-traced: values read as Python numbers changed: " + "; ".join(changed[:3]))
         self.session.show(entry.report)
-        grad = torch.is_grad_enabled()
-        try:
+        with modes_restored():
             out = entry.gm(*values)
-        finally:
-            # the graph switches grad mode and autocast around no-grad and autocast blocks; a refusal
-            # raised inside one must not leave the caller in it
-            torch.set_grad_enabled(grad)
-            reset_graph_autocast()
-        check_real_output(out, self.qualname)
-        if new:
-            check_real_grads_after_backward(out, [p for m in candidates for p in m.parameters()], self.qualname)
-        return out
+        return check_ran(out, candidates, self.qualname, new_graph=new)
 
 
 def structure_key(arguments: dict) -> tuple:

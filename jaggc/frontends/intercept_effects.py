@@ -179,11 +179,12 @@ def refuse_writes_into_saved_inputs(dit: nn.Module, run: RecordingRun, states: l
             call(local_module(dit))
         if saved:
             raise JaggGraphError(
-                f"step {k}{f' ({line})' if line else ''}: the loss writes in place ({op}) into the storage of the "
+                f"the loss writes in place ({op}) into the storage of the "
                 f"input of its DiT call at step {k} after that call, and the DiT saves that input for backward: "
                 f"eager PyTorch raises 'one of the variables needed for gradient computation has been modified "
                 f"by an inplace operation' at backward (every view of a tensor shares its version counter). "
-                f"Call the DiT on a copy (`z = latents[:, j].clone()`) or write out of place")
+                f"Call the DiT on a copy (`z = latents[:, j].clone()`) or write out of place",
+                where=f"step {k}{f' ({line})' if line else ''}")
 
 
 class _Container:

@@ -10,6 +10,7 @@ from typing import Any
 from ..backward_modes import BACKWARD_MODES, mode_names
 from ..errors import JaggCaptureError, JaggUnsupportedError
 from .contract import Session, bind_loss
+from .epilogue import check_ran
 from .intercept import InterceptedLoss
 
 
@@ -43,9 +44,9 @@ class InterceptFrontend:
         loss = InterceptedLoss(self.session.fn, names[0], cfg.window, cfg.options,
                                exact=cfg.routing.jagg_frac == 0.0 and not cfg.routing.active, routing=cfg.routing)
         out = loss(dit, bound)
-        self.session.traces += 1
-        self.session.show(self.session.intercept_report(loss))
-        return out
+        self.session.show(self.session.intercept_report(loss))     # a recording counts as a trace
+        # no graph ran: nothing switched modes, and no new graph's gradients to check
+        return check_ran(out, candidates, self.qualname, new_graph=False)
 
 
 __all__ = ["InterceptFrontend"]

@@ -58,7 +58,7 @@ class LiveTensors(TorchFunctionMode):
     def __init__(self, tracer: fx.Tracer, modules: list[nn.Module], where, attr_name):
         super().__init__()
         self.tracer = tracer
-        self.where = where                   # () -> "file:line: " of the user's frame
+        self.where = where                   # () -> "file:line" of the user's frame (or "")
         self.attr_name = attr_name           # module -> its get_attr target in the trace (the tracer's rule)
         self.owned: dict[int, tuple[nn.Module, str]] = {}
         for m in modules:
@@ -128,12 +128,11 @@ class LiveTensors(TorchFunctionMode):
         written = args[0] if args else None
         out = kwargs.get("out")
         if (_writes(name) and self.is_live(written)) or self.is_live(out):
-            where = self.where()
             raise JaggCaptureError(
-                f"{where}the loss writes in place ({name}) into a parameter or buffer of the model (or a tensor "
+                f"the loss writes in place ({name}) into a parameter or buffer of the model (or a tensor "
                 f"that requires grad); the compiled graph could not order that write against the DiT calls that "
                 f"read it. Write outside the loss (after the optimizer step), or let Dynamo capture the loss "
-                f"(capture='dynamo')", path="fx", where=where.rstrip(": "))
+                f"(capture='dynamo')", path="fx", where=self.where())
         proxied_args, proxied_kwargs = tree_map(lambda x: self.proxy_of(x) if self.is_live(x) else x, (args, kwargs))
         if args and self.is_live(args[0]) and hasattr(torch.Tensor, name) and getattr(torch, name, None) is not func:
             # a Tensor method (p.pow(2), p ** 2, p[0]): call it on the proxy, which records it

@@ -30,7 +30,7 @@ import torch
 from torch import fx
 
 from .. import _compat
-from ..errors import JaggCaptureError
+from ..errors import JaggCaptureError, located
 from ..graph_ops import dit_call, is_autocast_switch, is_in_place
 from ..runtime.autocast import autocast_applied, reset_graph_autocast
 from .example_values import running_real_code
@@ -124,12 +124,12 @@ class ValueReads:
                 what = (f"asks for the shape of a tensor whose shape depends on the values of {why}"
                         if kind in ("shape", "len") else
                         f"reads a tensor as a Python value ({_question(kind)}) that depends on {why}")
-                origin = self.describe(n).rstrip(": ") or f"node {n.name}"
+                origin = self.describe(n) or f"node {n.name}"
                 raise JaggCaptureError(
-                    f"{self.describe(node)}the loss {what} (made at {origin}). A compiled graph cannot branch on "
+                    f"the loss {what} (made at {origin}). A compiled graph cannot branch on "
                     f"or bake in such a value, and Dynamo breaks the graph at the same line. Compute it with "
                     f"tensor ops (torch.where, a mask multiplied in) or pass it in as a Python number",
-                    path="fx", where=self.describe(node).rstrip(": "))
+                    path="fx", where=self.describe(node))
             stack.extend(n.all_input_nodes)
             if n is node:
                 written = self._written_in_place(n, seen | set(_ancestors(n)))
@@ -213,7 +213,7 @@ class Guard:
         for v, (kind, want, source) in zip(values, self.expected):
             now = _CONVERT[kind](v)
             if not _same(now, want):
-                out.append(f"{source}{_question(kind)} was {want!r}, now {now!r}")
+                out.append(located(f"{_question(kind)} was {want!r}, now {now!r}", source))
         return out
 
     def __len__(self) -> int:

@@ -157,8 +157,7 @@ def per_sample_time(call: DitCall, time_arg: str | int, step: int | None = None)
         return torch.full((b,), float(t), dtype=torch.float64, device=x.device)
     if not isinstance(t, torch.Tensor):
         raise JaggTypeError(
-            f"{where(step, 'timestep')}: the timestep is a {type(t).__name__}; pass a number or a tensor"
-        )
+            f"the timestep is a {type(t).__name__}; pass a number or a tensor", where=where(step, "timestep"))
     if t.ndim == 0 or t.numel() == 1:
         return t.reshape(()).expand(b)
     if t.ndim == 1 and t.shape[0] == b:
@@ -166,9 +165,8 @@ def per_sample_time(call: DitCall, time_arg: str | int, step: int | None = None)
     if t.ndim == 2 and t.shape[0] == b:
         return t.amax(1)
     raise JaggInputError(
-        f"{where(step, 'timestep')}: the timestep has shape {tuple(t.shape)}; jaggc needs a scalar, one value "
-        f"per sample (shape ({b},)) or one per token (shape ({b}, tokens))"
-    )
+        f"the timestep has shape {tuple(t.shape)}; jaggc needs a scalar, one value "
+        f"per sample (shape ({b},)) or one per token (shape ({b}, tokens))", where=where(step, "timestep"))
 
 
 def check_token_times(call: DitCall, time_arg: str | int, step: int | None = None) -> None:
@@ -183,10 +181,10 @@ def check_token_times(call: DitCall, time_arg: str | int, step: int | None = Non
         sample = int(torch.nonzero(bad)[0])
         values = sorted({float(v) for v in t[sample].unique()})
         raise JaggInputError(
-            f"{where(step, 'timestep')}: the per-token timestep of sample {sample} takes the values {values[:6]}; "
+            f"the per-token timestep of sample {sample} takes the values {values[:6]}; "
             f"JAGG interpolates each sample's Jacobian in one time, so per-token timesteps must be one value "
             f"per sample, with 0 only on conditioning tokens (Wan 2.2 TI2V). Train such steps exactly "
-            f"(routing=jaggc.Routing(jagg_frac=0)) or pass one timestep per sample")
+            f"(routing=jaggc.Routing(jagg_frac=0)) or pass one timestep per sample", where=where(step, "timestep"))
 
 
 def batched_time(call: DitCall, time_arg: str | int, step: int | None = None) -> DitCall:

@@ -47,9 +47,9 @@ def check_placement(dit: nn.Module, call: DitCall, where: str, *, dtypes: bool =
     for name, t in _tensor_inputs(call):
         if t.device != param.device and param.device.type != "meta":
             raise JaggInputError(
-                f"{where}, input {name}: tensor is on {t.device} but the DiT's parameters are on "
-                f"{param.device}; move the stored trajectory to the DiT's device"
-            )
+                f"tensor is on {t.device} but the DiT's parameters are on "
+                f"{param.device}; move the stored trajectory to the DiT's device",
+                where=f"{where}, input {name}")
         if not dtypes or not (t.is_floating_point() and param.is_floating_point()) or t.dtype == param.dtype:
             continue
         if torch.is_autocast_enabled(t.device.type) or fsdp_version(dit) is not None:
@@ -59,14 +59,14 @@ def check_placement(dit: nn.Module, call: DitCall, where: str, *, dtypes: bool =
             continue
         if t is state:
             raise JaggInputError(
-                f"{where}, input {name}: the state is {t.dtype} but the DiT's parameters are {param.dtype}; "
-                f"cast the stored states to {param.dtype} or run the loss under torch.autocast"
-            )
+                f"the state is {t.dtype} but the DiT's parameters are {param.dtype}; "
+                f"cast the stored states to {param.dtype} or run the loss under torch.autocast",
+                where=f"{where}, input {name}")
         if t.ndim >= 2 and t.shape[0] == batch and not any(u in name for u in SHARED_INPUTS):
             raise JaggInputError(
-                f"{where}, input {name}: the conditioning is {t.dtype} but the DiT's parameters are "
-                f"{param.dtype}; cast it to {param.dtype} or run the loss under torch.autocast"
-            )
+                f"the conditioning is {t.dtype} but the DiT's parameters are "
+                f"{param.dtype}; cast it to {param.dtype} or run the loss under torch.autocast",
+                where=f"{where}, input {name}")
 
 
 def check_calls(dit: nn.Module, calls: Sequence[DitCall], steps: Sequence[int]) -> None:
@@ -83,19 +83,19 @@ def check_step_values(calls: Sequence[DitCall], steps: Sequence[int]) -> None:
         for name, t in _tensor_inputs(call):
             if t.requires_grad:
                 raise JaggInputError(
-                    f"step {step}, input {name}: the tensor requires grad (it depends on a trainable "
+                    f"the tensor requires grad (it depends on a trainable "
                     f"value, e.g. an earlier DiT output). JAGG needs stored trajectory data: pass "
-                    f"`.detach()`ed states and conditioning"
-                )
+                    f"`.detach()`ed states and conditioning",
+                    where=f"step {step}, input {name}")
             if t.is_floating_point() and t.device.type != "meta":
                 finite_flags.append(torch.isfinite(t).all())
                 finite_where.append((step, name))
     if finite_flags and not bool(torch.stack(finite_flags).all()):
         step, name = next(w for f, w in zip(finite_flags, finite_where) if not bool(f))
         raise JaggInputError(
-            f"step {step}, input {name}: contains NaN or Inf; check the stored trajectory "
-            f"(rollouts in bf16 can overflow: keep latents and the SDE math in fp32)"
-        )
+            f"contains NaN or Inf; check the stored trajectory "
+            f"(rollouts in bf16 can overflow: keep latents and the SDE math in fp32)",
+            where=f"step {step}, input {name}")
 
 
 def check_times(times: torch.Tensor, steps: Sequence[int]) -> None:

@@ -33,9 +33,9 @@ def rerun_calls(run: RunOfSteps, visits: Sequence[StepVisit]) -> dict[int, Any]:
         for x, version in visit.inputs:
             if version_counter(x) != version:
                 raise owner.safety.refuse(run, (
-                    f"{visit.where}: an input of step {visit.step}'s DiT call was written in place after the call; "
+                    f"an input of step {visit.step}'s DiT call was written in place after the call; "
                     f"jaggc re-runs the call with grad in its window's backward and would see other values. Pass "
-                    f"the stored states unchanged (write into a copy)"))
+                    f"the stored states unchanged (write into a copy)"), where=visit.where)
         owner.safety.before_rerun(run, visit)
     outs: dict[int, Any] = {}
     if not visits:

@@ -79,10 +79,10 @@ class TrajectoryRun:
         step = self.plan.match(call)
         if step is None:
             raise JaggInputError(
-                f"{where}: a grad-enabled call of the DiT at {self.plan.describe_call(call)} is none of this "
+                f"a grad-enabled call of the DiT at {self.plan.describe_call(call)} is none of this "
                 f"trajectory's declared steps (timesteps {self.plan.describe_steps()}). Declare the timesteps the "
                 f"DiT is called with, one per trained step (sample['timesteps'][:, steps]), or make calls that are "
-                f"not trained steps under torch.no_grad()")
+                f"not trained steps under torch.no_grad()", where=where)
         self.owner.safety.before_step(self, step, where)
         win = self.window(step)
         if step in win.visits or step in win.dropped:
@@ -159,9 +159,9 @@ class TrajectoryRun:
         win = self.window(visit.step)
         if win.done or visit.exact:
             raise self.owner.safety.refuse(self, (
-                f"{visit.where}: step {visit.step}'s output got a second gradient after its window's joint backward "
+                f"step {visit.step}'s output got a second gradient after its window's joint backward "
                 f"ran (a second backward() through the same step, retain_graph=True). jaggc's stepwise JAGG takes "
-                f"one backward per step: sum the step's losses and call backward() once"))
+                f"one backward per step: sum the step's losses and call backward() once"), where=visit.where)
         if visit.grads is None:
             visit.grads = list(grads)
         else:
@@ -188,8 +188,8 @@ class TrajectoryRun:
             return [(v, v.grads) for v in visits]
         if len({tuple(v.index) for v in visits}) != 1:
             raise self.owner.safety.refuse(self, (
-                f"{visits[0].where}: the steps of window {win.planned.index} returned DiT outputs of different "
-                f"structure; a window's steps must call the DiT alike"))
+                f"the steps of window {win.planned.index} returned DiT outputs of different "
+                f"structure; a window's steps must call the DiT alike"), where=visits[0].where)
         time_arg = resolve_time_arg(visits[0].call, self.owner.options.time_arg)
         times = torch.stack([per_sample_time(v.call, time_arg, v.step) for v in visits])
         knots, phi = self.owner.basis.sample(times)

@@ -44,10 +44,11 @@ class Safety:
         self.owner.notes.append(message)
         warnings.warn(f"jaggc: {message}", stacklevel=4)
 
-    def refuse(self, run: "TrajectoryRun", message: str) -> JaggUnsupportedError:
+    def refuse(self, run: "TrajectoryRun", message: str, *, where: str = "") -> JaggUnsupportedError:
         """The error to raise for ``run``, which is dropped (its graphs freed, the next trajectory clean)."""
         self.owner.drop(run)
-        return JaggUnsupportedError(message + " (jaggc dropped this trajectory; the next one starts clean)")
+        return JaggUnsupportedError(message + " (jaggc dropped this trajectory; the next one starts clean)",
+                                    where=where)
 
     # --- before a step runs ------------------------------------------------------------------
     def before_step(self, run: "TrajectoryRun", step: int, where: str) -> None:
@@ -60,9 +61,9 @@ class Safety:
         if name is not None:
             steps = sorted(v.step for w in open_windows for v in w.pending())
             raise self.refuse(run, (
-                f"{where}: parameter {name!r} was written between the steps of an open JAGG window (steps {steps} "
+                f"parameter {name!r} was written between the steps of an open JAGG window (steps {steps} "
                 f"ran before step {step}: an optimizer step or an in-place write). The window's gradient needs the "
-                f"parameters its steps ran with; {FIX_STEP}"))
+                f"parameters its steps ran with; {FIX_STEP}"), where=where)
         change = ledger.grad_change()
         if change is None:
             ledger.snapshot_grads()
@@ -71,9 +72,9 @@ class Safety:
             self._zero_grad(run, open_windows, step)
             return
         raise self.refuse(run, (
-            f"{where}: the .grad of {change.name!r} was written between the steps of an open JAGG window (before "
+            f"the .grad of {change.name!r} was written between the steps of an open JAGG window (before "
             f"step {step}: clip_grad_norm_, a GradScaler's unscale_ or another write read a gradient that still "
-            f"lacks the window's steps). {FIX_STEP}"))
+            f"lacks the window's steps). {FIX_STEP}"), where=where)
 
     def _zero_grad(self, run: "TrajectoryRun", open_windows: list["WindowRun"], step: int) -> None:
         """A zero_grad before ``step``: the loop would have dropped what the earlier steps contributed."""
@@ -111,8 +112,8 @@ class Safety:
         if name is not None:
             visit = entries[0][0]
             raise self.refuse(run, (
-                f"{visit.where}: parameter {name!r} was written after step {visit.step} ran and before its window's "
-                f"backward; {FIX_STEP}"))
+                f"parameter {name!r} was written after step {visit.step} ran and before its window's "
+                f"backward; {FIX_STEP}"), where=visit.where)
 
     def before_rerun(self, run: "TrajectoryRun", visit: "StepVisit") -> None:
         self.before_backward(run, [(visit, None)])
@@ -126,10 +127,11 @@ class Safety:
         waiting = [s for w in open_windows for s in w.planned.steps
                    if s not in w.visits or w.visits[s].grads is None]
         raise self.refuse(run, (
-            f"{visits[-1].where}: optimizer.step() ran while JAGG window(s) {[w.planned.index for w in open_windows]} "
+            f"optimizer.step() ran while JAGG window(s) {[w.planned.index for w in open_windows]} "
             f"were open (steps {sorted(v.step for v in visits)} ran, steps {waiting} not yet, or without their backward()): .grad lacks those "
             f"steps' gradient, so the step was not taken. {FIX_STEP}; a loop that ends early must leave the "
-            f"trajectory first (iterate it with Stepwise.steps(...) so that break and exceptions are seen)"))
+            f"trajectory first (iterate it with Stepwise.steps(...) so that break and exceptions are seen)"),
+            where=visits[-1].where)
 
     # --- the end of a trajectory --------------------------------------------------------------------
     def close(self, run: "TrajectoryRun", reason: str, *, raised: bool = False) -> None:
@@ -154,10 +156,11 @@ class Safety:
         unexplained = [v for v in no_grad if not (raised and run.visited and v.step == run.visited[-1])]
         if unexplained:
             raise self.refuse(run, (
-                f"{unexplained[0].where}: step(s) {sorted(v.step for v in unexplained)} of this trajectory never got a "
+                f"step(s) {sorted(v.step for v in unexplained)} of this trajectory never got a "
                 f"gradient: no backward() went through their DiT output, or it went through backward(inputs=...) "
                 f"or torch.autograd.grad, which jaggc's stepwise JAGG cannot serve (each step's gradient reaches "
-                f".grad only through its window's joint backward). Call loss.backward() once per step"))
+                f".grad only through its window's joint backward). Call loss.backward() once per step"),
+                where=unexplained[0].where)
         for win in open_windows:
             self.demote(run, win)
         missing = run.missing()
