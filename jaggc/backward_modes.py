@@ -9,7 +9,7 @@ users keep writing ``backward="joint"``; ``backward_mode`` turns either into the
 
 ``SUPPORT`` is the only place that says what a mode can do; every refusal of a mode (the intercept
 fallback, routing, the low-memory pass's parameter terms, the stepwise forms) reads it, and
-tests/test_backward_modes.py checks each entry against what the runtime does. A new mode is one
+tests/compiler/test_backward_modes.py checks each entry against what the runtime does. A new mode is one
 ``BackwardMode`` member and one ``SUPPORT`` row (docs/layout.md, "a new backward mode").
 
 This module sits below the runtime (it imports only ``errors``), so the runtime, the passes and the

@@ -3,7 +3,7 @@
 
     python -m jaggc_studies.api_reference --out docs/api.md
 
-tests/test_docs.py regenerates it and fails when the committed page differs, so a changed
+tests/repository/test_docs.py regenerates it and fails when the committed page differs, so a changed
 signature or docstring cannot leave the reference stale.
 """
 
@@ -66,7 +66,7 @@ def entry(qualified: str, obj) -> str:
 def render() -> str:
     parts = ["# API reference\n",
              "Generated from the docstrings by `python -m jaggc_studies.api_reference --out docs/api.md`; "
-             "`tests/test_docs.py` keeps it in sync. How to use these: [usage.md](usage.md).\n"]
+             "`tests/repository/test_docs.py` keeps it in sync. How to use these: [usage.md](usage.md).\n"]
     for name in MODULES:
         module = importlib.import_module(name)
         parts.append(f"## `{name}`\n\n{INTRO[name]}\n")

@@ -7,20 +7,32 @@ Hypothesis profiles
 * ``thorough``: 300 random examples per property, no deadline. Select it with the environment
   variable ``JAGGC_HYPOTHESIS_PROFILE=thorough``, e.g.
 
-      JAGGC_HYPOTHESIS_PROFILE=thorough pytest -q tests/test_runtime_exact.py
+      JAGGC_HYPOTHESIS_PROFILE=thorough pytest -q tests/runtime/test_runtime_exact.py
 
 Every compile in the suite runs each graph pass's ``ensures`` (``JAGGC_CHECK_PASSES=1``).
 
-Reusable numeric helpers (flattened gradients, relative error, cosine) live in ``tests/helpers.py``.
+Reusable numeric helpers (flattened gradients, relative error, cosine) live in ``tests/helpers.py``;
+the tests themselves in one folder per part of the source tree.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+
+# tests/ holds one folder per part of the source tree (compiler, runtime, passes, steps, fidelity,
+# verify, studies, repository); the shared test modules sit in tests/ itself (helpers, ranks, the
+# fuzzer), and a few test modules share inputs with a neighbour in another folder (test_sharded's
+# gathered gradients, test_backward_modes' scan of the mode table): every folder is importable
+# whichever file pytest is given
+for _folder in sorted(Path(__file__).resolve().parent.iterdir()):
+    if _folder.is_dir() and not _folder.name.startswith(("_", ".")) and str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 
 settings.register_profile(
     "ci", max_examples=15, deadline=None, derandomize=True,

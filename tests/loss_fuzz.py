@@ -1,4 +1,4 @@
-"""A differential fuzzer of GRPO-like loss programs (issues 28, 36), shared by tests/test_fuzz.py.
+"""A differential fuzzer of GRPO-like loss programs (issues 28, 36), shared by tests/compiler/test_fuzz.py.
 
 The grammar is tests/fuzz_grammar.py (``Program``, ``source``, ``programs``), the DiTs and inputs
 tests/fuzz_inputs.py. ``run_case`` runs one program through one capture path and backward mode, in
@@ -29,7 +29,7 @@ path is a decline (the other paths are tried under ``capture="auto"``), and so i
 
 ``KNOWN_OPEN``: issue 36's classes A-E, fixed on another branch (issue-36-state). A failure of a
 program that has a class's feature (``OPEN_CLASSES``) is counted as ``known-open <class>`` (and
-reported by tests/test_fuzz.py, never silently skipped) only if the same program without the
+reported by tests/compiler/test_fuzz.py, never silently skipped) only if the same program without the
 features passes; any other failure fails the case. After that branch merges, empty the set: the
 fuzzer then fails on every one of them.
 """

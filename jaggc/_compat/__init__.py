@@ -7,11 +7,11 @@ nested arguments), ``dynamo`` (the DiT opaque while Dynamo traces, its errors an
 ``tensors`` (version counters, an op's written arguments, dispatch modes), ``autograd`` (work after
 a backward, RNG states) and ``fsdp_slots`` (where FSDP keeps its gradients). Callers import the
 names from ``jaggc._compat`` itself. Each name says what jaggc needs and
-its comment says why no public API does it. tests/test_layering.py fails on any private torch name
+its comment says why no public API does it. tests/repository/test_layering.py fails on any private torch name
 (``torch._x``, ``torch.a._b``, ``from torch.a import _b``, and the private attributes listed there)
 used in jaggc/, passes/ or verify/ outside this module.
 
-Documented exceptions (tests/test_layering.py checks that each is listed here):
+Documented exceptions (tests/repository/test_layering.py checks that each is listed here):
 
 * Python's dunders, public by definition although ``grep "torch\\._"`` finds them:
   ``torch.__version__`` (JSON reports), ``torch.__file__`` (the torch install directory, which the

@@ -18,7 +18,7 @@ import torch
 # synced gradient on the sharded DTensor parameter and, with ``set_requires_gradient_sync(False)``,
 # the unsharded one on its private unsharded parameter. A ``GradSlot`` is one such storage with
 # the three operations the low-memory mode needs, each leaving FSDP's own invariants as FSDP
-# would (tests/test_sharded.py runs them under both FSDPs, both ``use_orig_params``, and the
+# would (tests/runtime/test_sharded.py runs them under both FSDPs, both ``use_orig_params``, and the
 # user's no-sync micro-steps).
 
 class GradSlot:

@@ -133,7 +133,7 @@ def runtime_gradient(loss_fn: Callable, dit: nn.Module, batch: Any, *, window: i
                      weights: str | Basis = "t", exact_windows: Sequence[int] = ()) -> torch.Tensor:
     """The flat gradient of ``loss_fn`` with its DiT calls run through ``jaggc.runtime.jagg_calls``
     (the JAGG runtime itself), by recording the calls and replaying the runtime's outputs into the
-    loss. The estimators below must agree with it (tests/test_fidelity.py)."""
+    loss. The estimators below must agree with it (tests/fidelity/test_fidelity.py)."""
     rec = record(loss_fn, dit, batch)
     params = trainable(dit)
     outs = jagg_calls(dit, rec.calls, window=window, options=WindowOptions(weights=weights),

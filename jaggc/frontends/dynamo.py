@@ -146,7 +146,7 @@ def real_run_as_fake(call, args: tuple, kwargs: dict):
     fake tensors, FSDP2's hooks record an unshard that never really happened: after an earlier
     backward, the next real forward skips the all-gather of the root's parameters (left
     "unsharded" by the fake run, their storage never written) and the compiled loss computed with
-    garbage, NaN gradients included (tests/test_fsdp.py, compiled cases). So the traced call runs
+    garbage, NaN gradients included (tests/runtime/test_fsdp.py, compiled cases). So the traced call runs
     the wrapper for real, without grad, on zeros of the fake inputs' shapes (every rank traces
     the same calls, so the collectives pair up), and hands Dynamo fake copies of the real
     outputs. DDP is treated the same way (its forward hooks also talk to the other ranks).

@@ -1,7 +1,7 @@
 """The guard's running statistics: cosine, relative error and bias against its noise floor.
 
 The definitions are ``jaggc.calibrate``'s (``jaggc.fidelity.calibrate.ErrorStats``), so that a guard
-and an offline calibration of the same batches report the same figures (tests/test_guard_stats.py):
+and an offline calibration of the same batches report the same figures (tests/runtime/test_guard.py):
 
   * per probe p: J_p the compiled loss's gradient (what its backward put into ``.grad``), X_p the
     exact gradient of the same batch, e_p = J_p − X_p; cosine cos(J_p, X_p), relative error

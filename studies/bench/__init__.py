@@ -35,7 +35,7 @@ The package, in import order (each module imports only those before it, never th
                  imported by nobody
   sharded.py     the DDP / FSDP1 / FSDP2 table of every backward mode on torchrun ranks
                  (``torchrun --nproc-per-node 2 -m jaggc_studies.bench.sharded``, docs/distributed.md);
-                 not re-exported here (``-m`` would run it twice), tests/test_sharded.py imports it
+                 not re-exported here (``-m`` would run it twice), tests/runtime/test_sharded.py imports it
 
 This module only re-exports the names the CLI, the tests and the README use.
 """

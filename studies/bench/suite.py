@@ -10,7 +10,7 @@ model family. The result is one JSON (every row: device, dtype, peak memory) and
 SD3.5-Medium at 512 px (64x64 latents) with CFG off and on, and FLUX.1-dev at 512 px cut to 4 double
 + 8 single blocks (2.6B parameters; FLUX.1-dev is guidance-distilled and trained without CFG);
 8 trained steps (two W=4 windows), batch 2. ``--size small``: the same suite on the tiny SD3 and
-Flux configs, which runs on a CPU in well under 3 minutes (tests/test_bench_suite.py).
+Flux configs, which runs on a CPU in well under 3 minutes (tests/studies/test_bench_suite.py).
 """
 
 from __future__ import annotations

@@ -17,10 +17,10 @@ for ``JAGGC_FUZZ_MINUTES`` minutes, cycling through the combinations; a failing 
 (``FAILED``) and kept, the campaign goes on (no shrinking) and fails at the end; it prints the outcome
 counts, and ``JAGGC_FUZZ_REPORT=file.json`` writes them with the failures' texts:
 
-    JAGGC_FUZZ_MINUTES=20 JAGGC_FUZZ_REPORT=/tmp/fuzz.json .venv/bin/python -m pytest -q -s tests/test_fuzz.py -k campaign
+    JAGGC_FUZZ_MINUTES=20 JAGGC_FUZZ_REPORT=/tmp/fuzz.json .venv/bin/python -m pytest -q -s tests/compiler/test_fuzz.py -k campaign
 
-Every bug a campaign found is a regression test (tests/test_fuzz_regressions.py,
-tests/test_checkpoint_and_inplace.py).
+Every bug a campaign found is a regression test (tests/compiler/test_fuzz_regressions.py,
+tests/compiler/test_checkpoint_and_inplace.py).
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def _features() -> dict:
 
 
 # issue 36's classes, one minimal program each (E, autocast-region numerics at 2.5e-3, is below
-# the fuzzer's bf16 tolerance: tests/test_autocast_regions.py states and measures it)
+# the fuzzer's bf16 tolerance: tests/compiler/test_autocast_regions.py states and measures it)
 _OPEN_EXAMPLES = {
     "A": (fuzz.Program(dit="affine", steps=2, window=2, term="linear", state_op="end_eval"), "fx", "joint"),
     "B": (fuzz.Program(dit="affine", steps=4, window=2, term="linear", state_op="between_eval"), "intercept", "joint"),

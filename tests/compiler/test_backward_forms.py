@@ -131,7 +131,7 @@ def test_C_per_window_refuses_a_second_backward_naming_the_mode():
 
 class DistributedDataParallel(torch.nn.Module):
     """Named like torch's DDP (how jaggc recognises the wrapper): a single-process stand-in, enough
-    to reach the per-window mode's DDP refusal without starting ranks (tests/test_ddp.py runs the
+    to reach the per-window mode's DDP refusal without starting ranks (tests/runtime/test_ddp.py runs the
     plain backward under real DDP)."""
 
     def __init__(self, module):

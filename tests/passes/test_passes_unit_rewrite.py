@@ -1,4 +1,4 @@
-"""The transform passes on small hand-built fx graphs (builders in tests/test_passes_unit.py), for
+"""The transform passes on small hand-built fx graphs (builders in tests/passes/test_passes_unit.py), for
 the invariant each module docstring states, and the rewritten graphs run against the originals.
 
 Covered here:

@@ -263,7 +263,7 @@ def test_on_unsupported_exact_falls_back_with_warning():
     eager.backward()
     exact = grads(model).clone()
 
-    # capture="dynamo": under "auto" the intercept fallback would run it (tests/test_intercept.py)
+    # capture="dynamo": under "auto" the intercept fallback would run it (tests/compiler/test_intercept.py)
     compiled = jagg_compile(tensor_control_flow, window=3, capture="dynamo", options=jaggc.Options(on_unsupported="exact"))
     zero_grads(model)
     with pytest.warns(UserWarning, match=r"running tensor_control_flow uncompiled \(exact per-step gradient\)"):

@@ -21,7 +21,7 @@ from jaggc.runtime.window import WindowOptions
 from jaggc.steps import STEPWISE_MODES
 from jaggc.verify.fields import AffineJacobianField
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 T = 8          # two windows of 4: a window's backward can run before the loss's
 
 

@@ -233,6 +233,6 @@ def test_docs_show_each_loop_s_diff_as_measured():
     import re
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "trainers.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "trainers.md").read_text()
     shown = re.findall(r"^```diff\n(.*?)^```", text, re.M | re.S)
     assert [block.rstrip("\n") for block in shown[:3]] == ["\n".join(loops.user_diff(n)) for n in loops.LOOPS]

@@ -1,5 +1,5 @@
 """Errors a newcomer can act on (issue 30): every refusal the suite's refusal catalogue provokes
-(tests/test_compile_refusals.py's CASES, the runtime's input refusals) names *where* (a step, a
+(tests/compiler/test_compile_refusals.py's CASES, the runtime's input refusals) names *where* (a step, a
 graph node, a file:line, an input or an option) and *what to do* (a fix, in the imperative)."""
 
 from __future__ import annotations

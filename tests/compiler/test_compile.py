@@ -185,7 +185,7 @@ def test_build_example_rejects_unknown_name():
 
 
 # Bit-identity with the eager loss and the 2B-batch counts hold for the rewrite itself; the CFG
-# split (tests/test_cfg.py) changes the calls' batch and so the values by batch-size roundoff.
+# split (tests/passes/test_cfg.py) changes the calls' batch and so the values by batch-size roundoff.
 UNSPLIT = dict(options=jaggc.Options(split_batches=False))
 
 

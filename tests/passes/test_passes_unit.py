@@ -21,7 +21,7 @@ Covered here:
     refusals for a window larger than the calls or fewer than 2 trained calls; the report notes every
     cut, also one that keeps the window count.
 
-tests/test_passes_unit_rewrite.py covers compute_weights, rewrite_windows, cleanup, place_modes
+tests/passes/test_passes_unit_rewrite.py covers compute_weights, rewrite_windows, cleanup, place_modes
 and place_lowmem_terms, with numerics.
 """
 

@@ -30,7 +30,7 @@ import pytest
 
 import jaggc._compat
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COMPAT = ROOT / "jaggc" / "_compat"          # a package, one module per concern
 COMPAT_FILES = sorted(COMPAT.glob("*.py"))
 

@@ -20,7 +20,7 @@ from jaggc.passes import infra, pipeline
 from jaggc.passes.infra import Fact, graph_pass
 from jaggc.verify.fields import AffineJacobianField
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LAYOUT = (ROOT / "docs" / "layout.md").read_text()
 
 from test_backward_modes import compiler_files, mode_string_uses   # noqa: E402  (the scan of the mode check)
@@ -41,7 +41,7 @@ def test_each_recipe_names_its_test():
     for name in ("test_a_new_pass_goes_in_the_pipeline_with_its_requires_checked",
                  "test_every_frontend_is_a_contract_frontend_in_the_table",
                  "test_the_mode_table_is_the_only_list_of_modes_and_every_column_is_read"):
-        assert f"tests/test_layout_recipes.py::{name}" in LAYOUT and name in globals(), name
+        assert f"tests/repository/test_layout_recipes.py::{name}" in LAYOUT and name in globals(), name
 
 
 # --------------------------------------------------------------------------------------------- a new pass
@@ -96,12 +96,12 @@ def test_the_mode_table_is_the_only_list_of_modes_and_every_column_is_read():
     assert not found, found
     columns = [f.name for f in ModeSupport.__dataclass_fields__.values()]
     source = "\n".join(p.read_text() for p in compiler_files())
-    behaviour = (ROOT / "tests" / "test_backward_modes.py").read_text()
+    behaviour = (ROOT / "tests" / "compiler" / "test_backward_modes.py").read_text()
     # every column is read by the code that refuses or branches (the stepwise column: by STEPWISE_MODES)
     unread = [c for c in columns if not re.search(rf"support\.{c}\b|modes_where\(\"{c}\"\)|'{c}'", source)
               and c not in backward_modes.DOCUMENTED_ONLY]
     assert not unread, f"SUPPORT columns no refusal or branch reads: {unread}"
     unchecked = [c for c in columns if f"support.{c}" not in behaviour]
-    assert not unchecked, f"SUPPORT columns tests/test_backward_modes.py does not check: {unchecked}"
+    assert not unchecked, f"SUPPORT columns tests/compiler/test_backward_modes.py does not check: {unchecked}"
     assert set(backward_modes.SUPPORT) == set(backward_modes.BackwardMode)
     assert set(backward_modes.DOCUMENTED_ONLY) <= set(columns)

@@ -3,7 +3,7 @@
 The graphs are compared as generated code (``report.stages[-1].code``), normalised by
 ``normalise``: object addresses and file paths are masked, trailing spaces dropped, and the long
 ``jagg_window(...)`` call is broken at each step's (args, kwargs) so that a reviewer can read one
-step per line. Regenerate with ``EXPECTTEST_ACCEPT=1 pytest tests/test_compile_golden.py`` and
+step per line. Regenerate with ``EXPECTTEST_ACCEPT=1 pytest tests/compiler/test_compile_golden.py`` and
 read the diff: every JAGG window must be one ``jagg_window`` node taking the window's W calls,
 one ``getitem`` per step must feed that step's loss, and no trained ``dit_call`` may remain.
 Besides the text, each test asserts that structure on the graph itself, so a re-accepted golden

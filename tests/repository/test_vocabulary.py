@@ -24,7 +24,7 @@ from jaggc.frontends.intercept_runner import InterceptFrontend
 from jaggc.runtime.autocast import AutocastState
 from jaggc.runtime.window import WindowOptions
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_contract_and_the_node_facts_carry_real_types():

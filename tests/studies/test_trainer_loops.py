@@ -12,7 +12,7 @@ with ``backward="lowmem"`` (jaggc's speed at about a per-step loop's activation 
 
 The windows live inside one loss, so an optimizer step or ``zero_grad`` can only fall between
 losses (where the trainer's loop also has them); DDP's one all-reduce per optimizer step under
-``accumulate`` is checked in tests/test_accelerate.py (``acc_jagg_lowmem``).
+``accumulate`` is checked in tests/runtime/test_accelerate.py (``acc_jagg_lowmem``).
 """
 
 from __future__ import annotations
