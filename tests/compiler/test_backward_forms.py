@@ -69,16 +69,22 @@ def autograd_grad_some(loss, dit):
 FORMS = (plain, inputs_all, inputs_some, autograd_grad, autograd_grad_some)
 
 
+def eager_gradients(form, dit, args) -> dict:
+    """What ``form`` gives for the undecorated loss, by parameter name; ``.grad`` cleared after."""
+    _clear(dit)
+    want = form(steps_loss(dit, *args), dit)
+    want = {n: (g.clone() if g is not None else None) for n, g in want.items()}
+    _clear(dit)
+    return want
+
+
 @pytest.mark.parametrize("form", FORMS, ids=lambda f: f.__name__)
 @pytest.mark.parametrize("backward", MODES)
 @pytest.mark.parametrize("capture", PATHS)
 def test_C_backward_forms(capture, backward, form):
     dit = AffineJacobianField(D, seed=5)
     args = chord_inputs(4, window=4)
-    _clear(dit)
-    want = form(steps_loss(dit, *args), dit)
-    want = {n: (g.clone() if g is not None else None) for n, g in want.items()}
-    _clear(dit)
+    want = eager_gradients(form, dit, args)
     compiled = jagg_compile(steps_loss, window=4, weights="t", backward=backward, capture=capture)
     for call in range(2):
         with warnings.catch_warnings():
@@ -107,10 +113,7 @@ def test_C_per_window_with_one_forward_per_knot(capture, form):
 
     dit = AffineJacobianField(D, seed=6)
     args = chord_inputs(5, window=4)
-    _clear(dit)
-    want = form(steps_loss(dit, *args), dit)
-    want = {n: (g.clone() if g is not None else None) for n, g in want.items()}
-    _clear(dit)
+    want = eager_gradients(form, dit, args)
     compiled = jagg_compile(steps_loss, window=4, weights="t", backward="per_window", capture=capture,
                             options=jaggc.Options(batch_knots=False))
     got = form(compiled(dit, *args), dit)

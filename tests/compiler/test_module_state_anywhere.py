@@ -95,16 +95,12 @@ def set_training(dit, training: bool) -> None:
 
 def eager(loss, dit, args, entry: bool):
     """(value, gradient, the state the loss leaves) of the undecorated loss entered in ``entry``."""
-    set_training(dit, entry)
-    zero_grads(dit)
-    value = loss(dit, *args)
-    value.backward()
-    out = grads(dit).clone()
-    zero_grads(dit)
-    return value.detach(), out, module_state(dit)
+    return compiled_run(loss, dit, args, entry)
 
 
 def compiled_run(compiled, dit, args, entry: bool | None):
+    """(value, gradient, the state it leaves) of ``compiled`` (or the undecorated loss), entered in
+    ``entry`` (None: in whatever state the module is in)."""
     if entry is not None:
         set_training(dit, entry)
     zero_grads(dit)
