@@ -245,3 +245,16 @@ def test_fuzz_nan_state_with_two_call_cfg_is_refused_naming_steps():
                            clip=10.0, cfg="two_calls", extra="decay", in_place="scale_states", mutation="nan",
                            weights="default", state_op="give_back", backward_form="sum2", seed=1786)
     assert fuzz.run_case(program, "intercept", "joint") == "refused"
+
+
+def test_fuzz_oracle_a_gradient_zero_up_to_rounding():
+    """The 20-minute campaign's one failure on main after every merge was the oracle's: a PPO term
+    clipped at 1e-4 on every sample (after the round's parameter step) has no gradient, eager's is
+    2.5e-17 from rounding, jaggc's exactly 0, and the relative error over that noise read 1.0."""
+    program = fuzz.Program(dit="curved", steps=4, window=2, container="args", time="tensor", schedule="item",
+                           term="logprob", clip=0.0001, cfg="batched", kl=True, accumulate="stack", chord=True,
+                           weights="t", seed=511)
+    assert fuzz.run_case(program, "fx", "joint") == "right (fx)"
+    assert fuzz._rel(torch.zeros(3), torch.full((3,), 1e-17)) < 1e-8
+    assert fuzz._rel(torch.zeros(3), torch.ones(3)) == 1.0      # a real zero gradient still fails
+
