@@ -113,10 +113,11 @@ def _glue_trace_time(problem) -> dict[str, float]:
 
 
 def _time_passes(compiled) -> dict[str, float]:
-    """Accumulate the time spent in the compiled object's graph passes (its ``rewrite``, which every
-    graph frontend calls)."""
+    """Accumulate the time spent in the compiled loss's graph passes (its session's ``rewrite``,
+    which every graph frontend calls; the session is private to the user, this probe is jaggc's own)."""
     spent = dict.fromkeys(_TIME_CLOCKS, 0.0)
-    rewrite = compiled.rewrite
+    session = compiled._session
+    rewrite = session.rewrite
 
     def timed_rewrite(*args, **kwargs):
         start = {c: clock() for c, clock in _TIME_CLOCKS.items()}
@@ -126,7 +127,7 @@ def _time_passes(compiled) -> dict[str, float]:
             for c, clock in _TIME_CLOCKS.items():
                 spent[c] += clock() - start[c]
 
-    compiled.rewrite = timed_rewrite   # the frontends call session.rewrite
+    session.rewrite = timed_rewrite   # the frontends call session.rewrite
     return spent
 
 
