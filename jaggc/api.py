@@ -110,7 +110,7 @@ class JaggCompiled:
         else:
             auto = registry.auto_order()
             order = list(auto[auto.index(self._path) if self._path else 0:])
-        failed = []
+        failed = self._session.failed_now = []     # a later path's refusal may name why these were left
         for path in order:
             try:
                 out = self._run(path, args, kwargs)

@@ -36,6 +36,7 @@ class CompileSession:
         self.qualname = qualname
         self.traces = 0                 # captures made (rewrites and intercept recordings)
         self.capture_failures: list[str] = []   # why earlier paths of capture="auto" were left
+        self.failed_now: list[str] = []         # why this call's earlier paths were left, so far
         self.report: Report | None = None       # the report of the graph that runs now
         self.watched: list[str] = []    # the modules kept opaque, described (for warnings)
         self.dynamo_split: fx.GraphModule | None = None   # the glue-compiled graph (Options(backend=...))

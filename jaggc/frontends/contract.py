@@ -54,6 +54,7 @@ class Session(Protocol):
     config: CompileConfig          # window, the windows' options, routing
     traces: int                    # captures made so far (read-only: rewrite and intercept_report count them)
     capture_failures: list[str]    # why earlier capture paths were left (for refusals)
+    failed_now: list[str]          # why this call's earlier paths were left, so far (for refusals)
 
     def candidates(self, args: tuple, kwargs: dict) -> list[nn.Module]:
         """The modules to keep opaque (the DiT, or every module argument)."""

@@ -27,11 +27,12 @@ class InterceptFrontend:
     def run(self, args: tuple, kwargs: dict) -> Any:
         cfg = self.session.config
         if self.name not in cfg.options.backward.support.captures:     # backward_modes.SUPPORT
+            reasons = "; ".join(self.session.failed_now or self.session.capture_failures)
+            why = (f"no capture path took {self.qualname}: {reasons}" if reasons else
+                   f"{self.qualname} runs on the intercept path (capture='intercept'), which makes no graph")
             raise JaggUnsupportedError(
                 f"backward='{cfg.options.backward}' needs a captured graph (it proves the loss is a sum of per-step "
-                f"terms), "
-                f"but no capture path took {self.qualname}: {'; '.join(self.session.capture_failures) or 'see above'}. "
-                f"Use {mode_names(m for m in BACKWARD_MODES if self.name in m.support.captures)}")
+                f"terms), but {why}. Use {mode_names(m for m in BACKWARD_MODES if self.name in m.support.captures)}")
         bound = bind_loss(self.session.fn, args, kwargs)
         candidates = self.session.candidates(args, kwargs)
         dit = self.session.dit if self.session.dit is not None else candidates[0] if len(candidates) == 1 else None

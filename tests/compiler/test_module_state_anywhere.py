@@ -217,6 +217,20 @@ def test_B_a_state_change_inside_the_loop(capture, backward, window):
     torch.testing.assert_close(third[1], got[1], rtol=0, atol=0)
 
 
+def test_B_lowmem_refusal_on_the_intercept_path_says_why_the_graph_paths_were_left():
+    """lowmem needs a graph; when FX and Dynamo both decline the mid-loop ``dit.eval()``, the
+    refusal on the intercept path names their reasons (it said "see above" with nothing above)."""
+    dit = TrainingField(D, seed=2)
+    args = chord_inputs(1, window=2)
+    for capture, says in (("auto", "fx: "), ("intercept", "capture='intercept'")):
+        compiled = _compile(eval_from_step_3, capture, "lowmem", 2)
+        with pytest.raises(JaggUnsupportedError) as raised:
+            _run_or_refused(compiled, dit, args, True)
+        text = str(raised.value)
+        assert says in text and "see above" not in text and "backward='joint'" in text, text
+        assert dit.training
+
+
 # ----------------------------------------------------------------------------- D
 
 
