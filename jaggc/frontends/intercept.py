@@ -188,7 +188,8 @@ class InterceptedLoss:
         self.values = []
         recorded: list[DitCall] = []
         states: list[CallState] = []
-        cache = RolloutCache(dit, time_arg=self.options.time_arg, unbatched=self.options.unbatched)
+        # strict: the recording is replayed within this one call, in each call's own module state
+        cache = RolloutCache(dit, time_arg=self.options.time_arg, unbatched=self.options.unbatched, strict_state=True)
 
         def on_call(call: DitCall):
             depends = _grad_leaves(call)

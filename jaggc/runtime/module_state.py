@@ -46,7 +46,7 @@ def unwrap(module: nn.Module) -> nn.Module:
     return module_chain(module)[-1]
 
 
-def _is_tuner_layer(m: nn.Module) -> bool:
+def is_tuner_layer(m: nn.Module) -> bool:
     # peft's BaseTunerLayer, by duck type: peft stays an optional dependency
     return hasattr(m, "_disable_adapters") and hasattr(m, "_active_adapter")
 
@@ -54,6 +54,11 @@ def _is_tuner_layer(m: nn.Module) -> bool:
 def _active(m: nn.Module) -> tuple[str, ...]:
     active = m._active_adapter
     return (active,) if isinstance(active, str) else tuple(active)
+
+
+def adapter_state(index: int, m: nn.Module) -> tuple:
+    """(index, disabled, active adapters, merged adapters) of the peft tuner layer ``m``."""
+    return (index, bool(m._disable_adapters), _active(m), tuple(getattr(m, "merged_adapters", ())))
 
 
 @dataclass(frozen=True)
@@ -83,8 +88,7 @@ def module_state(module: nn.Module, *, hooks: bool = True) -> ModuleState:
     return ModuleState(
         training=tuple(m.training for m in modules),
         requires_grad=tuple(p.requires_grad for p in module.parameters()),
-        adapters=tuple((i, bool(m._disable_adapters), _active(m), tuple(getattr(m, "merged_adapters", ())))
-                       for i, m in enumerate(modules) if _is_tuner_layer(m)),
+        adapters=tuple(adapter_state(i, m) for i, m in enumerate(modules) if is_tuner_layer(m)),
         hooks=tuple((i, keys) for i, m in enumerate(modules) if (keys := module_hook_keys(m))) if hooks else (),
     )
 
@@ -98,14 +102,13 @@ class StateReader:
     def __init__(self, module: nn.Module):
         self.modules = list(module.modules())
         self.params = list(module.parameters())
-        self.tuners = [(i, m) for i, m in enumerate(self.modules) if _is_tuner_layer(m)]
+        self.tuners = [(i, m) for i, m in enumerate(self.modules) if is_tuner_layer(m)]
 
     def read(self) -> ModuleState:
         return ModuleState(
             training=tuple(m.training for m in self.modules),
             requires_grad=tuple(p.requires_grad for p in self.params),
-            adapters=tuple((i, bool(m._disable_adapters), _active(m), tuple(getattr(m, "merged_adapters", ())))
-                           for i, m in self.tuners),
+            adapters=tuple(adapter_state(i, m) for i, m in self.tuners),
             hooks=(),
         )
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ..errors import JaggInputError
 from .plan import PlannedWindow, TrajectoryPlan
+from .slicing import RowSlice
 
 
 def distributed(module) -> bool:
@@ -64,4 +65,33 @@ def agree_on_plan(plan: TrajectoryPlan) -> list[int]:
     return changed
 
 
-__all__ = ["agree_on_plan", "distributed"]
+#: the most row blocks per call the ranks agree a CFG slice on (classifier-free guidance has 2)
+MAX_SLICE_BLOCKS = 16
+
+
+def agree_on_slice(learner) -> None:
+    """Make the CFG slice (slicing.py) every rank's: a sliced call makes two forwards where the
+    unsliced one makes one (FSDP gathers in each), so the ranks must slice alike. Each rank offers
+    the slice it learned for this trajectory's declared batch (at most one call batch); a block runs
+    without grad only if every rank learned it so, and ranks that learned different call batches
+    slice nothing. One all-reduce."""
+    rules = [(batch, r) for (batch, declared), r in learner.rules.items() if declared == learner.declared]
+    offer = torch.zeros(2 + MAX_SLICE_BLOCKS, dtype=torch.int64)
+    if len(rules) == 1 and rules[0][1].count <= MAX_SLICE_BLOCKS:
+        batch, rule = rules[0]
+        offer[0], offer[1] = batch, rule.count
+        offer[2 + torch.tensor(rule.no_grad)] = 1
+    both = torch.cat([offer, -offer])            # MAX of both: every rank's maximum and minimum
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    high, low = both[:len(offer)], -both[len(offer):]
+    for key in [k for k in learner.rules if k[1] == learner.declared]:
+        del learner.rules[key]
+    if int(low[0]) == 0 or not torch.equal(high[:2], low[:2]):
+        return
+    batch, count = int(high[0]), int(high[1])
+    no_grad = tuple(i for i in range(count) if int(low[2 + i]) == 1)
+    if no_grad:
+        learner.rules[(batch, learner.declared)] = RowSlice(learner.declared, count, no_grad)
+
+
+__all__ = ["MAX_SLICE_BLOCKS", "agree_on_plan", "agree_on_slice", "distributed"]

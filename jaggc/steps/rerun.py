@@ -21,14 +21,16 @@ from torch import nn
 from .._compat import rng_states_restored, version_counter
 from ..errors import JaggInputError
 from ..runtime.autocast import autocast_applied
-from ..runtime.calls import batch_size, concat_calls, resolve_time_arg, split_output
+from ..runtime.calls import DitCall, batch_size, concat_calls, resolve_time_arg, split_output
 
 from .roles import RunOfSteps, StepVisit
 
 
-def rerun_calls(run: RunOfSteps, visits: Sequence[StepVisit]) -> dict[int, Any]:
-    """The outputs, with grad, of ``visits``' calls run again (module docstring), by ``id(visit)``."""
+def rerun_calls(run: RunOfSteps, jobs: Sequence[tuple[StepVisit, DitCall]]) -> list[Any]:
+    """The outputs, with grad, of each job's call (a visit's call, or its rows under the CFG
+    slice) run again in its visit's state (module docstring), in the order of ``jobs``."""
     owner = run.owner
+    visits = list({id(v): v for v, _ in jobs}.values())
     for visit in visits:
         for x, version in visit.inputs:
             if version_counter(x) != version:
@@ -37,45 +39,45 @@ def rerun_calls(run: RunOfSteps, visits: Sequence[StepVisit]) -> dict[int, Any]:
                     f"jaggc re-runs the call with grad in its window's backward and would see other values. Pass "
                     f"the stored states unchanged (write into a copy)"), where=visit.where)
         owner.safety.before_rerun(run, visit)
-    outs: dict[int, Any] = {}
-    if not visits:
-        return outs
-    batched = _batched(run, visits)
+    if not jobs:
+        return []
+    batched = _batched(run, jobs)
     if batched is not None:
         call, batch = batched
-        with _state_applied(run, visits[0].state), owner.passing_through(), torch.enable_grad():
+        with _state_applied(run, jobs[0][0].state), owner.passing_through(), torch.enable_grad():
             out = call(owner.module)
             # the slices are views: taken with grad on (a window's backward runs without), or
             # they would carry no graph
-            for visit, part in zip(visits, split_output(out, len(visits), batch)):
-                outs[id(visit)] = part
+            outs = split_output(out, len(jobs), batch)
         owner.counts.grad_forwards += 1
     else:
-        for visit in visits:
+        outs = []
+        for visit, job in jobs:
             with rng_states_restored(visit.rng), _state_applied(run, visit.state), owner.passing_through(), \
                     torch.enable_grad():
-                outs[id(visit)] = visit.call(owner.module)
+                outs.append(job(owner.module))
             owner.counts.grad_forwards += 1
-    owner.counts.reruns += len(visits)
-    run.latest = visits[-1]
+    owner.counts.reruns += len(jobs)
+    run.latest = jobs[-1][0]
     return outs
 
 
-def _batched(run: RunOfSteps, visits: Sequence[StepVisit]):
-    """(one batched call, the batch of one) for ``visits``, or None when they must run one by one."""
+def _batched(run: RunOfSteps, jobs: Sequence[tuple[StepVisit, DitCall]]):
+    """(one batched call, the batch of one) for ``jobs``, or None when they must run one by one."""
     owner = run.owner
-    if len(visits) < 2 or not owner.options.batch_knots or any(v.state != visits[0].state for v in visits):
+    visits = [v for v, _ in jobs]
+    if len(jobs) < 2 or not owner.options.batch_knots or any(v.state != visits[0].state for v in visits):
         return None
     with _state_applied(run, visits[0].state):
         if any(m.training for m in run.dropouts):
             return None
-    time_arg = resolve_time_arg(visits[0].call, owner.options.time_arg)
+    time_arg = resolve_time_arg(jobs[0][1], owner.options.time_arg)
     try:
-        call = concat_calls([v.call for v in visits], time_arg, steps=[v.step for v in visits],
+        call = concat_calls([c for _, c in jobs], time_arg, steps=[v.step for v in visits],
                             unbatched=owner.options.unbatched)
     except JaggInputError:
         return None            # not batch-compatible (another argument structure): one by one
-    return call, batch_size(visits[0].call)
+    return call, batch_size(jobs[0][1])
 
 
 @contextlib.contextmanager

@@ -30,9 +30,10 @@ class StepVisit:
     inputs: list                           # (tensor, version) of its tensor inputs: a re-run needs them unchanged
     where: str                             # the user's file:line of the call
     index: list[int] = field(default_factory=list)     # the tapped (floating) output leaves
-    held: Any = None                       # the DiT's output with its graph (a held knot)
+    held: Any = None                       # the DiT's output with its graph (a held knot; its rows with grad)
     grads: list | None = None              # g_k per tapped leaf, once the step's backward ran
     exact: bool = False                    # ran as written (its own DiT backward)
+    rows: Any = None                       # slicing.RowSlice: only these rows run with grad (the CFG slice)
 
 
 class StepwiseOwner(Protocol):
@@ -44,6 +45,8 @@ class StepwiseOwner(Protocol):
     backward: BackwardMode
     basis: Any              # runtime.weights.Basis
     counts: Any             # stepwise.StepwiseCounts
+    slicer: Any             # slicing.SliceLearner, or None (the CFG slice off)
+    cache: Any              # runtime.rollout_cache.RolloutCache, or None (no rollout cache)
     ledger: Any             # ledger.Ledger
     safety: Any             # safety.Safety
     ddp: nn.Module | None

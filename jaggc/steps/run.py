@@ -23,21 +23,23 @@ decides which, with the ledger's help).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 import torch
 
-from .._compat import rng_states, tree_flatten, version_counter
+from .._compat import rng_states, tree_flatten, tree_map, version_counter
 from ..backward_modes import BackwardMode
 from ..errors import JaggInputError
 from ..runtime.aggregate import knot_composites
-from ..runtime.calls import DitCall, check_output_requires_grad, per_sample_time, resolve_time_arg
+from ..runtime.calls import DitCall, batch_size, check_output_requires_grad, per_sample_time, resolve_time_arg
 from ..runtime.autocast import current_autocast
 from ..runtime.checks import check_calls, check_step_values
 from ..runtime.module_state import CallState, StateReader
 from .plan import PlannedWindow, TrajectoryPlan
 from .rerun import live_dropouts, rerun_calls
 from .roles import StepVisit, StepwiseOwner
+from .slicing import RowSlice, assemble, call_rows, take_rows
 from .tap import float_leaves, tap_output
 
 class WindowRun:
@@ -89,27 +91,74 @@ class TrajectoryRun:
             self.owner.safety.visited_twice(self, win, step, where)
         self._note_order(step)
         self.visited.append(step)
-        if win.exact and not self.deferred:
+        rows = self._slice(call)
+        exact_now = win.exact and not self.deferred
+        if exact_now and rows is None:
             return self._exact_call(win, step, call, forward, where)
-        role = win.planned.role(step)            # "exact": an exact window's step on the deferred schedule
-        hold = role != "interior" and self.owner.holds_graphs(self)
+        # "exact": a step of an exact window that is sliced (its backward runs when its gradient
+        # arrives) or on the deferred schedule
+        role = "exact" if exact_now else win.planned.role(step)
+        hold = role != "interior" and (exact_now or self.owner.holds_graphs(self))
         if self.owner.options.check_inputs:
             self._check_inputs(call, step)
         visit = StepVisit(step, call, self._state(), rng_states(call.args, call.kwargs),
-                          _input_versions(call), where)
+                          _input_versions(call), where, rows=rows if role != "interior" else None)
         win.visits[step] = visit
         self.latest = visit
-        if hold:
+        out = self._forward_held(visit, forward) if hold else self._forward_without_grad(call, forward)
+        if exact_now:
+            self.owner.counts.exact_steps += 1
+        tapped, visit.index = tap_output(out, lambda grads, v=visit: self.on_grads(v, grads))
+        return tapped
+
+    def _slice(self, call: DitCall) -> RowSlice | None:
+        """The CFG slice this call runs with (slicing.py), None when off or not learned (yet). Live
+        dropout draws one mask for the whole batch in the unchanged call, so it turns the slice off."""
+        slicer = self.owner.slicer
+        if slicer is None:
+            return None
+        rows = slicer.rule(batch_size(call))
+        if rows is not None and any(m.training for m in self.dropouts):
+            self.owner.note_once("slice-dropout", (
+                "the CFG slice is off while the DiT has live dropout (p > 0 in train mode): a sliced call would draw "
+                "other dropout masks than the whole batch's call; every row runs with grad"))
+            return None
+        return rows
+
+    def _forward_held(self, visit: StepVisit, forward: Callable) -> Any:
+        """The visit's forward with grad, its graph held for its window's (or its own) backward: the
+        whole call, or with the CFG slice a no-grad call on the rows without gradient (first: the
+        module's latest forward is the one with grad) and a call with grad on the others."""
+        call, rows, counts = visit.call, visit.rows, self.owner.counts
+        if rows is None:
             out = forward(*call.args, **call.kwargs)
             check_output_requires_grad(self.owner.module, out)
             visit.held = out
-            self.owner.counts.grad_forwards += 1
-        else:
-            with torch.no_grad():
-                out = forward(*call.args, **call.kwargs)
-            self.owner.counts.nograd_forwards += 1
-        tapped, visit.index = tap_output(out, lambda grads, v=visit: self.on_grads(v, grads))
-        return tapped
+            counts.grad_forwards += 1
+            return out
+        unbatched = self.owner.options.unbatched
+        free = self._forward_without_grad(call_rows(call, rows.runs(False), unbatched), forward)
+        trained = call_rows(call, rows.runs(True), unbatched)
+        out = forward(*trained.args, **trained.kwargs)
+        check_output_requires_grad(self.owner.module, out)
+        visit.held = out
+        counts.grad_forwards += 1
+        counts.sliced_steps += 1
+        return assemble([(rows.runs(False), free), (rows.runs(True), tree_map(_detached, out))])
+
+    def _forward_without_grad(self, call: DitCall, forward: Callable) -> Any:
+        """A no-grad forward of ``call``: from the rollout cache when it has the call at these
+        parameters and in this state (runtime/rollout_cache.py), else run."""
+        cache = self.owner.cache
+        if cache is not None:
+            out = cache.lookup(call)
+            if out is not None:
+                self.owner.counts.cached_forwards += 1
+                return out
+        with torch.no_grad():
+            out = forward(*call.args, **call.kwargs)
+        self.owner.counts.nograd_forwards += 1
+        return out
 
     def _state(self) -> CallState:
         return CallState(self.states.read(), current_autocast())
@@ -131,15 +180,18 @@ class TrajectoryRun:
         self.owner.counts.exact_steps += 1
         leaves, _, index = float_leaves(out)
         grad_leaves = [leaves[i] for i in index if leaves[i].requires_grad]
-        if grad_leaves:
+        for k, leaf in enumerate(grad_leaves):
             # its backward writes .grad through the DiT's own graph: the ledger must not read that
-            # as a foreign write (ledger.py)
-            grad_leaves[0].register_hook(self._exact_backward_hook)
+            # as a foreign write (ledger.py); the CFG slice learns from its cotangent
+            leaf.register_hook(functools.partial(self._exact_backward_hook, batch_size(call), k == 0))
         return out
 
-    def _exact_backward_hook(self, grad):
-        self.owner.ledger.mark_exact_backward()
-        self.owner.counts.backwards += 1
+    def _exact_backward_hook(self, batch: int, first: bool, grad):
+        if first:
+            self.owner.ledger.mark_exact_backward()
+            self.owner.counts.backwards += 1
+        if self.owner.slicer is not None:
+            self.owner.slicer.observe(batch, grad)
         return grad
 
     def _note_order(self, step: int) -> None:
@@ -162,6 +214,10 @@ class TrajectoryRun:
                 f"step {visit.step}'s output got a second gradient after its window's joint backward "
                 f"ran (a second backward() through the same step, retain_graph=True). jaggc's stepwise JAGG takes "
                 f"one backward per step: sum the step's losses and call backward() once"), where=visit.where)
+        if self.owner.slicer is not None:
+            batch = batch_size(visit.call)
+            for g in grads:
+                self.owner.slicer.observe(batch, g)
         if visit.grads is None:
             visit.grads = list(grads)
         else:
@@ -235,7 +291,9 @@ class TrajectoryRun:
 
     def run_backward(self, entries: list[tuple[StepVisit, list]]) -> None:
         """ONE backward of ``entries`` ((visit, upstream grad per tapped leaf)) through each visit's
-        held graph or a re-run of its call.
+        held graph or a re-run of its call; with the CFG slice, through its rows with grad, and
+        through a re-run of its rows without grad where their cotangent is not zero (the slice's
+        recovery, slicing.py).
 
         A backward through DDP that synchronises (outside ``no_sync``) needs a forward that prepared
         DDP's reducer among its roots, and one through FSDP a forward whose hooks unshard the
@@ -248,16 +306,28 @@ class TrajectoryRun:
         if (ddp is not None and ddp.require_backward_grad_sync) or self.owner.fsdp:
             if self.deferred or not any(v is self.latest and v.held is not None for v, _ in entries):
                 entries[-1][0].held = None
+        recovered = self._recovered(entries)
+        unbatched = self.owner.options.unbatched
+        jobs = [(v, _trained_call(v, unbatched)) for v, _ in entries if v.held is None]
+        jobs += [(v, call_rows(v.call, v.rows.runs(False), unbatched)) for v in recovered]
+        outs = rerun_calls(self, jobs)
+        first = len(jobs) - len(recovered)
+        fresh = {id(v): out for (v, _), out in zip(jobs[:first], outs)}
+        recovery = {id(v): out for v, out in zip(recovered, outs[first:])}
         roots, root_grads = [], []
-        fresh = rerun_calls(self, [v for v, _ in entries if v.held is None])
         for visit, grads in entries:
             out = visit.held if visit.held is not None else fresh[id(visit)]
-            leaves = tree_flatten(out)[0]
-            for i, g in zip(visit.index, grads):
-                leaf = leaves[i]
-                if g is not None and isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-                    roots.append(leaf)
-                    root_grads.append(g.to(leaf.dtype))
+            parts = [(out, None if visit.rows is None else visit.rows.runs(True))]
+            if id(visit) in recovery:
+                parts.append((recovery[id(visit)], visit.rows.runs(False)))
+            batch = batch_size(visit.call)
+            for part, runs in parts:
+                leaves = tree_flatten(part)[0]
+                for i, g in zip(visit.index, grads):
+                    leaf = leaves[i]
+                    if g is not None and isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                        roots.append(leaf)
+                        root_grads.append((g if runs is None else take_rows(g, runs, batch)).to(leaf.dtype))
             visit.held = None
         if roots:
             self.owner.safety.before_backward(self, entries)
@@ -265,12 +335,51 @@ class TrajectoryRun:
             self.owner.counts.backwards += 1
         self.owner.ledger.snapshot_grads()
 
+    def _recovered(self, entries: list[tuple[StepVisit, list]]) -> list[StepVisit]:
+        """The sliced visits among ``entries`` whose rows run without grad got a nonzero cotangent
+        (one host read; under DDP/FSDP the ranks agree, so that they re-run alike)."""
+        sliced = [(v, grads) for v, grads in entries if v.rows is not None]
+        if not sliced:
+            return []
+        flags = []
+        for visit, grads in sliced:
+            batch, runs = batch_size(visit.call), visit.rows.runs(False)
+            parts = [take_rows(g, runs, batch).ne(0).any().cpu() for g in grads if g is not None]
+            flags.append(torch.stack(parts).any() if parts else torch.tensor(False))
+        flags = torch.stack(flags).to(torch.int64)
+        if self.owner.distributed:
+            import torch.distributed as dist
+
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        recovered = [v for (v, _), f in zip(sliced, flags.tolist()) if f]
+        if recovered:
+            self.owner.counts.recoveries += len(recovered)
+            self.owner.note_once("slice-recovery", (
+                f"step(s) {[v.step for v in recovered]} got a nonzero gradient on row blocks the CFG slice ran without "
+                f"grad (learned from the last trajectory, where their cotangent was zero): those rows re-ran with grad, "
+                f"so the gradient is exact; the slice is relearned from this trajectory"))
+        return recovered
+
     # --- the end ----------------------------------------------------------------------------------
     def open_windows(self) -> list[WindowRun]:
         return [w for w in self.windows if w.open]
 
+    def over(self) -> bool:
+        """Every declared step ran and no window waits: a no-grad call now is no step of this
+        trajectory (a trajectory declared with ``trajectory()`` ends only at the next declaration)."""
+        return not self.open_windows() and not self.missing()
+
     def missing(self) -> list[int]:
         return [s for s in self.plan.order if s not in self.window(s).visits and s not in self.window(s).dropped]
+
+
+def _trained_call(visit: StepVisit, unbatched) -> DitCall:
+    """The call a visit runs with grad: its rows with grad under the CFG slice, else the call."""
+    return visit.call if visit.rows is None else call_rows(visit.call, visit.rows.runs(True), unbatched)
+
+
+def _detached(x):
+    return x.detach() if isinstance(x, torch.Tensor) else x
 
 
 def _input_versions(call: DitCall) -> list:

@@ -39,16 +39,18 @@ from .._compat import fsdp_version, in_backward
 from ..backward_modes import BackwardMode, backward_mode, modes_where
 from ..errors import JaggError, JaggInputError, JaggUnsupportedError
 from ..options import Options
-from ..runtime.calls import DitCall
-from ..runtime.module_state import module_chain
+from ..runtime.calls import DitCall, batch_size
+from ..runtime.module_state import module_chain, unwrap
+from ..runtime.rollout_cache import RolloutCache
 from ..runtime.weights import DEFAULT_WEIGHTS, resolve_basis
 from ..runtime.window import check_window_size
 from ..source import frame_location, user_frame
 from .ledger import Ledger
 from .plan import TrajectoryPlan
-from .ranks import agree_on_plan, distributed
+from .ranks import agree_on_plan, agree_on_slice, distributed
 from .run import TrajectoryRun
 from .safety import Safety
+from .slicing import SliceLearner
 
 #: the backward= forms of a stepwise loop (backward_modes.SUPPORT, its ``stepwise`` column)
 STEPWISE_MODES: tuple[BackwardMode, ...] = modes_where("stepwise")
@@ -67,6 +69,9 @@ class StepwiseCounts:
     exact_steps: int = 0          # steps run as written (exact windows)
     jagg_windows: int = 0         # windows whose joint backward ran
     fallbacks: int = 0            # windows run exactly after a warning (safety.py)
+    cached_forwards: int = 0      # no-grad forwards served from the rollout cache instead
+    sliced_steps: int = 0         # forwards with grad on the CFG slice's rows only (slicing.py)
+    recoveries: int = 0           # sliced rows re-run with grad: their cotangent was not zero
 
 
 @dataclass
@@ -79,6 +84,8 @@ class StepwiseReport:
     counts: StepwiseCounts
     windows: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    cfg_slice: list[str] | None = None        # the slices learned (None: cfg_slice off)
+    cache: dict | None = None                 # the rollout cache's figures (None: off)
 
     def __str__(self) -> str:
         c = self.counts
@@ -86,6 +93,17 @@ class StepwiseReport:
                  f"{c.trajectories} trajectories, {c.jagg_windows} JAGG windows, {c.exact_steps} exact steps, "
                  f"DiT forwards {c.grad_forwards} with grad + {c.nograd_forwards} without ({c.reruns} re-runs), "
                  f"{c.backwards} DiT backward passes, {c.fallbacks} fallbacks"]
+        if self.cfg_slice is not None:
+            lines.append(f"  CFG slice: {c.sliced_steps} sliced forwards, {c.recoveries} recoveries; "
+                         + ("; ".join(self.cfg_slice) or "nothing learned yet (every row carried gradient, or no "
+                                                         "call of a multiple of the declared batch)"))
+        if self.cache is not None:
+            k = self.cache
+            lines.append(f"  rollout cache: {c.cached_forwards} forwards served ({k['hits']} hits, {k['misses']} misses, "
+                         f"{k['invalidations']} invalidations); holds {k['rows']} rows, {k['bytes'] / 2**20:.1f} MiB of "
+                         f"{_bound(k['max_bytes'])} ({k['bytes_per_row'] / 2**10:.1f} KiB per row, "
+                         f"{k['bytes_per_sample_step'] / 2**10:.1f} KiB per sample-step)"
+                         + (f"; {k['skipped_rows']} rows not recorded (max_bytes)" if k["skipped_rows"] else ""))
         for w in self.windows:
             lines.append(f"  window {w['index']}: steps {w['steps']} {w['mode']}" + (f" ({w['reason']})" if w['reason'] else ""))
         lines += [f"  note: {n}" for n in self.notes[-5:]]
@@ -96,7 +114,7 @@ class Stepwise:
     """JAGG for a loop that calls ``module`` once per step and backward() after each (module docstring)."""
 
     def __init__(self, module: nn.Module, *, window: int = 4, weights=DEFAULT_WEIGHTS, backward: str = "joint",
-                 options: Options | None = None):
+                 options: Options | None = None, cfg_slice: bool = False, rollout_cache: bool | int = False):
         check_window_size(window)
         if backward not in STEPWISE_MODES:
             raise JaggInputError(f"stepwise(backward={backward!r}): use one of {tuple(m.value for m in STEPWISE_MODES)}")
@@ -114,6 +132,9 @@ class Stepwise:
         self.fsdp = fsdp_version(module) is not None
         self.counts = StepwiseCounts()
         self.notes: list[str] = []
+        self.cfg_slice, self.rollout_cache = bool(cfg_slice), rollout_cache
+        self.slicer = SliceLearner() if cfg_slice else None
+        self.cache = _rollout_cache(module, rollout_cache, self.options)
         self.ledger = Ledger(module)
         self.safety = Safety(self)
         self._run: TrajectoryRun | None = None
@@ -130,8 +151,35 @@ class Stepwise:
                                  f"(jaggc.stepwise returns it) or close() it first")
         previous = self.module.__dict__.get("forward", _UNSET)
         self.module.__dict__["forward"] = InstalledForward(self, self.module, previous)
+        self._recording = None
+        if self.cache is not None:
+            # the rollout may call the wrapped module itself (Flow-GRPO samples through
+            # pipeline.transformer, inside the DDP wrapper the loop trains): its calls are recorded
+            # where every path reaches, the innermost module, unless they came through this one
+            self._recording = unwrap(self.module).register_forward_hook(self._record_inner, with_kwargs=True)
         _LIVE.add(self)
         _ensure_optimizer_hook()
+
+    # --- the rollout cache's recording ----------------------------------------------------------
+    def records(self) -> bool:
+        """Whether a no-grad call made now is a rollout's, to record: outside any trajectory and
+        any call jaggc makes itself."""
+        return (self.cache is not None and not torch.is_grad_enabled() and (self._run is None or self._run.over())
+                and not getattr(self._local, "through", 0) and not getattr(self._local, "outer", 0))
+
+    def record(self, call: DitCall, output) -> None:
+        if not self.cache.record_call(call, output) and self.cache.max_bytes is not None \
+                and self.cache.stats.skipped_rows:
+            self._warn_once("cache-full", (
+                f"the rollout cache is full ({self.cache.nbytes / 2**20:.0f} MiB, max_bytes="
+                f"{self.cache.max_bytes}): later rollout calls are not recorded, and their steps run their "
+                f"forwards; raise rollout_cache=<bytes> to serve them"))
+
+    def _record_inner(self, module, args, kwargs, output) -> None:
+        if self.records():
+            self.record(DitCall(tuple(args), dict(kwargs)), output)
+
+    _record_inner._jaggc_observer = True     # module_state ignores it: it changes no output
 
     @contextlib.contextmanager
     def passing_through(self):
@@ -155,6 +203,9 @@ class Stepwise:
                     del self.module.__dict__["forward"]
                 else:
                     self.module.__dict__["forward"] = installed.previous
+            if self._recording is not None:
+                self._recording.remove()
+                self._recording = None
             _LIVE.discard(self)
 
     # --- trajectories ------------------------------------------------------------------------------
@@ -164,8 +215,12 @@ class Stepwise:
         the other of 0..1000 and 0..1). A trajectory still open is ended first."""
         self._end("when the next trajectory was declared")
         plan = TrajectoryPlan(timesteps, window=self.window, basis=self.basis, time_arg=self.options.time_arg)
+        if self.slicer is not None:
+            self.slicer.begin(plan.times.shape[1])
         if self.distributed:
             agree_on_plan(plan)
+            if self.slicer is not None:
+                agree_on_slice(self.slicer)
         run = TrajectoryRun(self, plan)
         self._run = self._last = run
         self.counts.trajectories += 1
@@ -210,11 +265,15 @@ class Stepwise:
             return
         self._run = None
         self.safety.close(run, reason, raised=raised)
+        if self.slicer is not None:
+            self.slicer.end()
 
     def drop(self, run: TrajectoryRun) -> None:
         """Forget ``run`` (after a refusal): its held graphs and gradients are freed."""
         if self._run is run:
             self._run = None
+        if self.slicer is not None:
+            self.slicer.discard()
         for win in run.windows:
             for v in win.visits.values():
                 v.held = v.grads = None
@@ -250,6 +309,10 @@ class Stepwise:
         self.notes.append(message)
         warnings.warn(f"jaggc: {message}", stacklevel=4)
 
+    def note_once(self, key: str, message: str) -> None:
+        """A warning given once per ``key`` (a slower path taken, with its reason)."""
+        self._warn_once(key, message)
+
     @property
     def report(self) -> StepwiseReport:
         run = self._last
@@ -259,7 +322,24 @@ class Stepwise:
                 mode = "exact" if w.exact else "jagg"
                 windows.append(dict(index=w.planned.index, steps=list(w.planned.steps), mode=mode,
                                     reason=w.planned.reason, knots=[w.planned.steps[k] for k in w.planned.knots]))
-        return StepwiseReport(self.window, self.basis.label(), self.backward, self.counts, windows, list(self.notes))
+        slices = None if self.slicer is None else [r.describe() for r in self.slicer.rules.values()]
+        return StepwiseReport(self.window, self.basis.label(), self.backward, self.counts, windows, list(self.notes),
+                              cfg_slice=slices, cache=self._cache_figures(run))
+
+    def _cache_figures(self, run: TrajectoryRun | None) -> dict | None:
+        cache = self.cache
+        if cache is None:
+            return None
+        # a sample-step is one declared sample at one step: its rows are the call's batch over the
+        # declared batch (classifier-free guidance's [uncond; cond]: two)
+        per_sample = 1
+        if run is not None and run.windows and any(w.visits for w in run.windows):
+            visit = next(v for w in run.windows for v in w.visits.values())
+            per_sample = max(batch_size(visit.call) // max(run.plan.times.shape[1], 1), 1)
+        st = cache.stats
+        return dict(hits=st.hits, misses=st.misses, invalidations=st.invalidations, rows=len(cache),
+                    bytes=cache.nbytes, max_bytes=cache.max_bytes, bytes_per_row=st.bytes_per_row,
+                    bytes_per_sample_step=st.bytes_per_row * per_sample, skipped_rows=st.skipped_rows)
 
 
 class Trajectory:
@@ -281,25 +361,35 @@ class Trajectory:
 
 
 def stepwise(module: nn.Module, *, window: int | None = None, weights=None, backward: str | None = None,
-             options: Options | None = None) -> Stepwise:
+             options: Options | None = None, cfg_slice: bool | None = None,
+             rollout_cache: bool | int | None = None) -> Stepwise:
     """Install JAGG on ``module`` (the one the loop calls: after ``accelerator.prepare`` or FSDP
     wrapping) for a loop that backpropagates once per step; returns the ``Stepwise`` whose
     ``steps(iterable, timesteps)`` / ``trajectory(timesteps)`` declare each trajectory.
 
     ``window`` (default 4), ``weights`` (default: plain JAGG with σ-aware placement, as
     ``jagg_compile``), ``backward`` ("joint", "lowmem" or "per_window"; module docstring),
-    ``options`` (``jaggc.Options``: ``time_arg``, ``check_inputs``). On a module that has one
-    installed, ``stepwise(module)`` returns it (so the loop can reach it where it only has the
-    module), and so does a call with the same settings; other settings are refused."""
+    ``options`` (``jaggc.Options``: ``time_arg``, ``check_inputs``, ``batch_knots``, ``unbatched``).
+    ``cfg_slice=True``: a call whose batch tiles the declared batch (classifier-free guidance's
+    ``[uncond; cond]``) runs the row blocks whose gradient was exactly zero in the last trajectory
+    without grad (slicing.py). ``rollout_cache=True`` (or a bound in bytes; True: 2 GiB): the
+    module's no-grad calls outside a trajectory (the rollout) are recorded, and a no-grad forward
+    of a step is served from them while the parameters, the inputs and the module's state are the
+    rollout's (runtime/rollout_cache.py). On a module that has one installed, ``stepwise(module)``
+    returns it (so the loop can reach it where it only has the module), and so does a call with the
+    same settings; other settings are refused."""
     existing = _installed(module)
-    given = dict(window=window, weights=weights, backward=backward, options=options)
+    given = dict(window=window, weights=weights, backward=backward, options=options, cfg_slice=cfg_slice,
+                 rollout_cache=rollout_cache)
     settings = dict(window=4 if window is None else window, weights=DEFAULT_WEIGHTS if weights is None else weights,
-                    backward="joint" if backward is None else backward, options=options)
+                    backward="joint" if backward is None else backward, options=options,
+                    cfg_slice=bool(cfg_slice), rollout_cache=False if rollout_cache is None else rollout_cache)
     if existing is None:
         return Stepwise(module, **settings)
     if all(v is None for v in given.values()):
         return existing
-    mine = dict(window=existing.window, weights=existing.basis, backward=existing.backward, options=existing.options)
+    mine = dict(window=existing.window, weights=existing.basis, backward=existing.backward, options=existing.options,
+                cfg_slice=existing.cfg_slice, rollout_cache=existing.rollout_cache)
     asked = dict(settings, weights=resolve_basis(settings["weights"]), options=_checked_options(options))
     if mine != asked:
         differ = sorted(k for k in mine if mine[k] != asked[k])
@@ -307,6 +397,23 @@ def stepwise(module: nn.Module, *, window: int | None = None, weights=None, back
                              f"{', '.join(f'{k}={mine[k]!r}' for k in differ)}); call jaggc.stepwise(module) to get it, "
                              f"or close() it first")
     return existing
+
+
+#: the rollout cache's bound with ``rollout_cache=True``
+DEFAULT_CACHE_BYTES = 2 * 2**30
+
+
+def _rollout_cache(module: nn.Module, setting, options: Options) -> RolloutCache | None:
+    if setting is False or setting is None:
+        return None
+    if setting is True:
+        max_bytes = DEFAULT_CACHE_BYTES
+    elif isinstance(setting, int) and not isinstance(setting, bool) and setting > 0:
+        max_bytes = setting
+    else:
+        raise JaggInputError(f"stepwise(rollout_cache={setting!r}): pass True (a {DEFAULT_CACHE_BYTES // 2**30} GiB "
+                             f"bound) or the bound in bytes, a positive int")
+    return RolloutCache(module, time_arg=options.time_arg, unbatched=tuple(options.unbatched), max_bytes=max_bytes)
 
 
 def _installed(module: nn.Module) -> Stepwise | None:
@@ -326,6 +433,15 @@ class InstalledForward:
 
     def __call__(self, *args, **kwargs):
         owner = self.owner
+        if owner.records() and not in_backward():
+            # a rollout's call: recorded as the loop makes it (the innermost module's hook skips it)
+            owner._local.outer = 1
+            try:
+                out = self.original(*args, **kwargs)
+            finally:
+                owner._local.outer = 0
+            owner.record(DitCall(tuple(args), dict(kwargs)), out)
+            return out
         if (owner._run is None or not torch.is_grad_enabled() or getattr(owner._local, "through", 0)
                 or in_backward()):
             # a call inside a backward is a recomputation (activation checkpointing written around
@@ -353,8 +469,11 @@ def _checked_options(options: Options | None) -> Options:
                                          ("on_unsupported", "raise"), ("interior_chunk", None))
               if getattr(options, name) != default]
     if unused:
+        instead = {"rollout_cache": "stepwise(rollout_cache=True) records the rollout itself",
+                   "split_batches": "stepwise(cfg_slice=True) is the per-step form of the CFG split"}
+        hints = "".join(f"; {instead[n]}" for n in unused if n in instead)
         raise JaggInputError(f"stepwise(options=...): {unused} do not apply to a per-step loop (each step is its "
-                             f"own call); leave them at their defaults")
+                             f"own call); leave them at their defaults{hints}")
     return options
 
 
@@ -377,4 +496,4 @@ def _ensure_optimizer_hook() -> None:
         _HOOK.append(register_optimizer_step_pre_hook(_before_optimizer_step))
 
 
-__all__ = ["STEPWISE_MODES", "Stepwise", "StepwiseCounts", "StepwiseReport", "Trajectory", "stepwise"]
+__all__ = ["DEFAULT_CACHE_BYTES", "STEPWISE_MODES", "Stepwise", "StepwiseCounts", "StepwiseReport", "Trajectory", "stepwise"]
