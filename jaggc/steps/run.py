@@ -309,6 +309,7 @@ class TrajectoryRun:
         recovered = self._recovered(entries)
         unbatched = self.owner.options.unbatched
         jobs = [(v, _trained_call(v, unbatched)) for v, _ in entries if v.held is None]
+        self.owner.counts.sliced_steps += sum(v.rows is not None for v, _ in jobs)
         jobs += [(v, call_rows(v.call, v.rows.runs(False), unbatched)) for v in recovered]
         outs = rerun_calls(self, jobs)
         first = len(jobs) - len(recovered)

@@ -70,7 +70,7 @@ class StepwiseCounts:
     jagg_windows: int = 0         # windows whose joint backward ran
     fallbacks: int = 0            # windows run exactly after a warning (safety.py)
     cached_forwards: int = 0      # no-grad forwards served from the rollout cache instead
-    sliced_steps: int = 0         # forwards with grad on the CFG slice's rows only (slicing.py)
+    sliced_steps: int = 0         # forwards (or re-runs) with grad on the CFG slice's rows only (slicing.py)
     recoveries: int = 0           # sliced rows re-run with grad: their cotangent was not zero
 
 
@@ -100,14 +100,18 @@ class StepwiseReport:
         if self.cache is not None:
             k = self.cache
             lines.append(f"  rollout cache: {c.cached_forwards} forwards served ({k['hits']} hits, {k['misses']} misses, "
-                         f"{k['invalidations']} invalidations); holds {k['rows']} rows, {k['bytes'] / 2**20:.1f} MiB of "
-                         f"{_bound(k['max_bytes'])} ({k['bytes_per_row'] / 2**10:.1f} KiB per row, "
+                         f"{k['invalidations']} invalidations); holds {k['rows']} rows, {k['bytes'] / 2**20:.1f} MiB "
+                         f"({_bound(k['max_bytes'])}; {k['bytes_per_row'] / 2**10:.1f} KiB per row, "
                          f"{k['bytes_per_sample_step'] / 2**10:.1f} KiB per sample-step)"
                          + (f"; {k['skipped_rows']} rows not recorded (max_bytes)" if k["skipped_rows"] else ""))
         for w in self.windows:
             lines.append(f"  window {w['index']}: steps {w['steps']} {w['mode']}" + (f" ({w['reason']})" if w['reason'] else ""))
         lines += [f"  note: {n}" for n in self.notes[-5:]]
         return "\n".join(lines)
+
+
+def _bound(max_bytes: int | None) -> str:
+    return "no bound" if max_bytes is None else f"at most {max_bytes / 2**20:.0f} MiB"
 
 
 class Stepwise:

@@ -36,7 +36,13 @@ class DanceGrpoRun:
     args: Any
     fraction: float = 0.6          # args.timestep_fraction
     max_grad_norm: float = 1e9
+    cond: dict = None              # the prompt's conditioning (one sample's), for sampling (rollouts.py)
+    latent_shape: tuple = ()       # one sample's latents
     seen: list = field(default_factory=list)
+
+    @property
+    def stored_steps(self) -> int:
+        return self.sigma_schedule.shape[0] - 1
 
 
 def flux_rollout(transformer, cond: dict, sigma_schedule: torch.Tensor, *, batch: int, seed: int, eta: float,
@@ -115,7 +121,8 @@ def setup(*, size: str = "tiny", num_steps: int = 10, samples: int = 2, seed: in
     optimizer = torch.optim.AdamW(params, lr=lr)
     if stepwise is not None:
         jaggc.stepwise(transformer, **stepwise)
-    return DanceGrpoRun(transformer, optimizer, samples_batched_list, perms, sigma_schedule, args, fraction)
+    return DanceGrpoRun(transformer, optimizer, samples_batched_list, perms, sigma_schedule, args, fraction,
+                        cond=cond, latent_shape=(1, *all_latents.shape[2:]))
 
 
 def _clip(transformer, max_grad_norm):

@@ -44,7 +44,8 @@ class TrainConfig:
 
 @dataclass
 class FlowGrpoRun:
-    """What ``setup`` builds: the prepared model and optimizer, the pipeline (its scheduler), the
+    """What ``setup`` builds: the prepared model and optimizer, the pipeline (its scheduler and, for
+    sampling, its transformer: the peft model inside the prepared one), the
     sample batches (one trajectory each) and the negative-prompt embeddings."""
 
     accelerator: Any
@@ -57,7 +58,15 @@ class FlowGrpoRun:
     config: TrainConfig
     num_train_timesteps: int
     autocast: Any
+    prompt_embeds: torch.Tensor = None            # this process's prompts, in sampling order (rollouts.py)
+    pooled_prompt_embeds: torch.Tensor = None
+    batch: int = 0                                # samples per sample batch and per training batch
+    latent_shape: tuple = ()                      # one sample batch's latents
     seen: list = field(default_factory=list)      # per step: the values the loop computed (for checks)
+
+    @property
+    def num_batches(self) -> int:
+        return len(self.samples_batched)
 
 
 def setup(*, size: str = "tiny", num_steps: int = 8, batch: int = 4, trajectories: int = 2, seed: int = 0,
@@ -98,9 +107,14 @@ def setup(*, size: str = "tiny", num_steps: int = 8, batch: int = 4, trajectorie
     samples_batched = [{k: v[i * batch:(i + 1) * batch] for k, v in sample.items()}
                        for i in range(rank, trajectories * world, world)]
     autocast = contextlib.nullcontext       # Flow-GRPO: nullcontext with LoRA, accelerator.autocast otherwise
-    return FlowGrpoRun(accelerator, transformer, optimizer, pipeline, samples_batched,
+    # the sampler's pipeline: its transformer is the peft model, inside what the loop trains
+    sampler = shapes.Pipeline(pipeline.scheduler, accelerator.unwrap_model(transformer))
+    mine = torch.cat([torch.arange(i * batch, (i + 1) * batch) for i in range(rank, trajectories * world, world)])
+    return FlowGrpoRun(accelerator, transformer, optimizer, sampler, samples_batched,
                        neg.expand(batch, -1, -1).contiguous(), neg_pooled.expand(batch, -1).contiguous(), config,
-                       num_steps, autocast)
+                       num_steps, autocast, prompt_embeds=sample["prompt_embeds"][mine],
+                       pooled_prompt_embeds=sample["pooled_prompt_embeds"][mine], batch=batch,
+                       latent_shape=(batch, *sample["latents"].shape[2:]))
 
 
 def fp16_on_cpu(accelerator, model) -> None:
@@ -251,7 +265,9 @@ def reference_loss(run: FlowGrpoRun, sample: dict, transformer=None) -> torch.Te
                                  noise_level=config.noise_level, guidance_scale=config.guidance_scale, cfg=config.cfg,
                                  mixed_precision=False)
     model = transformer if transformer is not None else run.accelerator.unwrap_model(run.transformer)
-    return shapes.flow_grpo_loss(model, run.pipeline, full, as_shape) / config.gradient_accumulation_steps
+    # the loss reads the pipeline's scheduler only (a pipeline holding the model is not the loss's input)
+    return shapes.flow_grpo_loss(model, shapes.Pipeline(run.pipeline.scheduler), full, as_shape) / \
+        config.gradient_accumulation_steps
 
 
 __all__ = ["FlowGrpoRun", "TrainConfig", "fp16_on_cpu", "reference_loss", "setup", "train_jaggc", "train_unchanged"]

@@ -34,6 +34,9 @@ class MixGrpoRun:
     sigma_schedule: torch.Tensor
     args: Any
     max_grad_norm: float = 1e9
+    cond: dict = None              # the prompt's conditioning (one sample's), for sampling (rollouts.py)
+    latent_shape: tuple = ()       # one sample's latents
+    stored_steps: int = 0          # steps stored per trajectory (the last sampling step is not)
     seen: list = field(default_factory=list)
 
 
@@ -83,7 +86,8 @@ def setup(*, size: str = "tiny", samples: int = 2, cur: int = 0, seed: int = 0, 
     optimizer = torch.optim.AdamW([p for p in transformer.parameters() if p.requires_grad], lr=lr)
     if stepwise is not None:
         jaggc.stepwise(transformer, **stepwise)
-    return MixGrpoRun(transformer, optimizer, samples_batched_list, window, sigma_schedule, args)
+    return MixGrpoRun(transformer, optimizer, samples_batched_list, window, sigma_schedule, args, cond=cond,
+                      latent_shape=(1, *all_latents.shape[2:]), stored_steps=stored)
 
 
 def _all_reduce_avg(t: torch.Tensor) -> None:

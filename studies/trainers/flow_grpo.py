@@ -32,7 +32,10 @@ def sde_step_with_logprob(scheduler, model_output, timestep, sample, noise_level
     prev_sample_mean = (sample * (1 + std_dev_t**2 / (2 * sigma) * dt)
                         + model_output * (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * dt)
     if prev_sample is None:
-        noise = torch.randn(model_output.shape, generator=generator, dtype=model_output.dtype)
+        # diffusers' randn_tensor, as the trainer draws it: on the generator's device, then moved
+        noise = torch.randn(model_output.shape, generator=generator, dtype=model_output.dtype,
+                            device=generator.device if generator is not None else model_output.device)
+        noise = noise.to(model_output.device)
         prev_sample = prev_sample_mean + std_dev_t * torch.sqrt(-1 * dt) * noise
     log_prob = (-((prev_sample.detach() - prev_sample_mean) ** 2) / (2 * ((std_dev_t * torch.sqrt(-1 * dt)) ** 2))
                 - torch.log(std_dev_t * torch.sqrt(-1 * dt))
@@ -100,9 +103,11 @@ def flow_grpo_loss(transformer, pipeline, sample, config):
 
 @dataclass
 class Pipeline:
-    """What the loss reads from Flow-GRPO's pipeline object: its scheduler."""
+    """What the loss reads from Flow-GRPO's pipeline object: its scheduler; the sampler reads its
+    transformer (the peft model, which the training loop uses through ``accelerator.prepare``)."""
 
     scheduler: Any
+    transformer: Any = None
 
 
 def flow_grpo_sd3(*, num_steps: int = T_DEFAULT, batch: int = 2, seed: int = 0, beta: float = 0.04,

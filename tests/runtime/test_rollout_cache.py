@@ -161,3 +161,66 @@ def test_rows_are_keyed_alike_whatever_the_input_layout(model):
         direct = call(model)
     assert hit is not None and cache.stats.hits == 1
     torch.testing.assert_close(hit[0], direct[0], rtol=1e-12, atol=1e-12)
+
+
+# --- what a row is keyed by: the function's state, the call as the forward binds it --------------------
+
+class _ScaledInEval(torch.nn.Module):
+    """A module whose own forward reads self.training: its output changes with the mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, x, t=None):
+        return self.lin(x) * (1.0 if self.training else 0.5)
+
+
+def test_function_state_keeps_only_the_modes_that_change_the_function(model):
+    from jaggc.runtime.function_state import FunctionStateReader, mode_matters
+
+    sd3 = FunctionStateReader(model)
+    model.eval()
+    a = sd3.read()
+    model.train()
+    assert sd3.read() == a and a.reusable          # SD3's dropouts all have p = 0: the same function
+    custom = _ScaledInEval()
+    reader = FunctionStateReader(custom)
+    custom.eval()
+    e = reader.read()
+    custom.train()
+    assert reader.read() != e and mode_matters(custom) and not mode_matters(custom.lin)
+    norm = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3), torch.nn.Dropout(0.2))
+    reader = FunctionStateReader(norm)
+    norm.eval()
+    assert reader.read().reusable                   # running statistics, no dropout: a function of the input
+    norm.train()
+    assert not reader.read().reusable               # batch statistics and live dropout: not
+    with torch.autocast("cpu", torch.bfloat16):
+        assert FunctionStateReader(model).read() != a
+
+
+def test_a_module_reading_self_training_misses_across_modes():
+    custom = _ScaledInEval().double()
+    cache = RolloutCache(custom, time_arg=1)
+    x, t = torch.randn(4, 3, dtype=torch.float64), torch.full((4,), 0.5, dtype=torch.float64)
+    custom.eval()
+    with torch.no_grad(), cache.record():
+        custom(x, t)
+    custom.train()
+    assert cache.lookup(DitCall((x, t))) is None
+    custom.eval()
+    assert cache.lookup(DitCall((x, t))) is not None
+
+
+def test_a_call_is_read_as_the_forward_binds_it(model):
+    """Flow-GRPO's sampler passes joint_attention_kwargs=None, its training call omits it; a keyword
+    passed by position is the same call."""
+    cache = RolloutCache(model)
+    traj = rollout(model, cache)
+    call = training_calls(traj)[1]
+    explicit = DitCall((), {**call.kwargs, "joint_attention_kwargs": None})
+    positional = DitCall((call.kwargs["hidden_states"],), {k: v for k, v in call.kwargs.items() if k != "hidden_states"})
+    for same in (explicit, positional):
+        assert cache.lookup(same) is not None
+    assert cache.lookup(DitCall((), {**call.kwargs, "return_dict": True})) is None     # another output structure
