@@ -65,6 +65,14 @@ def agree_on_plan(plan: TrajectoryPlan) -> list[int]:
     return changed
 
 
+def agree_on_hit(hit: bool) -> bool:
+    """True if every rank's rollout cache has its call (ranks make their DiT calls in step; a call
+    served on one rank and run on another would pair one rank's collectives with nothing)."""
+    flag = torch.tensor([int(hit)], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag)
+
+
 #: the most row blocks per call the ranks agree a CFG slice on (classifier-free guidance has 2)
 MAX_SLICE_BLOCKS = 16
 
@@ -94,4 +102,4 @@ def agree_on_slice(learner) -> None:
         learner.rules[(batch, learner.declared)] = RowSlice(learner.declared, count, no_grad)
 
 
-__all__ = ["MAX_SLICE_BLOCKS", "agree_on_plan", "agree_on_slice", "distributed"]
+__all__ = ["MAX_SLICE_BLOCKS", "agree_on_hit", "agree_on_plan", "agree_on_slice", "distributed"]

@@ -37,6 +37,7 @@ from ..runtime.autocast import current_autocast
 from ..runtime.checks import check_calls, check_step_values
 from ..runtime.module_state import CallState, StateReader
 from .plan import PlannedWindow, TrajectoryPlan
+from .ranks import agree_on_hit
 from .rerun import live_dropouts, rerun_calls
 from .roles import StepVisit, StepwiseOwner
 from .slicing import RowSlice, assemble, call_rows, take_rows
@@ -105,7 +106,13 @@ class TrajectoryRun:
                           _input_versions(call), where, rows=rows if role != "interior" else None)
         win.visits[step] = visit
         self.latest = visit
-        out = self._forward_held(visit, forward) if hold else self._forward_without_grad(call, forward)
+        out = None
+        if hold and role == "knot" and self.owner.cache is not None and not self.owner.distributed:
+            # a knot the rollout made whole needs no forward now: its window's backward re-runs it
+            # (its rows with grad), batched with the other knot, as backward="per_window" does
+            out = self._cached(call)
+        if out is None:
+            out = self._forward_held(visit, forward) if hold else self._forward_without_grad(call, forward)
         if exact_now:
             self.owner.counts.exact_steps += 1
         tapped, visit.index = tap_output(out, lambda grads, v=visit: self.on_grads(v, grads))
@@ -146,15 +153,26 @@ class TrajectoryRun:
         counts.sliced_steps += 1
         return assemble([(rows.runs(False), free), (rows.runs(True), tree_map(_detached, out))])
 
+    def _cached(self, call: DitCall) -> Any | None:
+        """``call``'s output from the rollout cache (runtime/rollout_cache.py), or None. Under DDP/FSDP
+        a forward is collective (FSDP gathers in each, DDP may broadcast buffers), so the ranks serve
+        a call from their caches only if every rank has its own call there (one all-reduce)."""
+        cache = self.owner.cache
+        if cache is None:
+            return None
+        out = cache.lookup(call)
+        if self.owner.distributed and not agree_on_hit(out is not None):
+            out = None
+        if out is not None:
+            self.owner.counts.cached_forwards += 1
+        return out
+
     def _forward_without_grad(self, call: DitCall, forward: Callable) -> Any:
         """A no-grad forward of ``call``: from the rollout cache when it has the call at these
-        parameters and in this state (runtime/rollout_cache.py), else run."""
-        cache = self.owner.cache
-        if cache is not None:
-            out = cache.lookup(call)
-            if out is not None:
-                self.owner.counts.cached_forwards += 1
-                return out
+        parameters and in this state, else run."""
+        out = self._cached(call)
+        if out is not None:
+            return out
         with torch.no_grad():
             out = forward(*call.args, **call.kwargs)
         self.owner.counts.nograd_forwards += 1

@@ -71,15 +71,16 @@ def test_flow_grpo_on_policy_epoch_from_the_rollout(dtype, tol):
         assert len(got) == len(ref) == 1
         assert rel_err(got[0], ref[0]) <= tol
     c = jaggc.stepwise(cached.transformer).counts
-    # per trajectory: window [0..3] (2 interior steps), window [4, 5] exact; from the second trajectory
-    # on (the slice learned) also the uncond rows of its 4 sliced calls: every no-grad forward is served
-    assert (c.cached_forwards, c.nograd_forwards, c.sliced_steps) == (2 + 3 * (2 + 4), 0, 3 * 4)
+    # per trajectory: window [0..3] (its 2 interior steps, and its 2 knots whole: they re-run in the
+    # window's backward), window [4, 5] exact; from the second trajectory on (the slice learned) also
+    # the uncond rows of the exact steps: every no-grad forward is served
+    assert (c.cached_forwards, c.nograd_forwards, c.sliced_steps) == (4 + 3 * (4 + 2), 0, 3 * 4)
     assert jaggc.stepwise(plain.transformer).counts.cached_forwards == 0
     # the loop computes the log-prob as the sampler did: every step served whole is on-policy exactly
     interior = [k for k, (_, ratio, _) in enumerate(cached.seen) if k % 6 in (1, 2)]
     assert all(torch.equal(cached.seen[k][1], torch.ones_like(cached.seen[k][1])) for k in interior)
     report = str(jaggc.stepwise(cached.transformer).report)
-    assert "rollout cache: 20 forwards served" in report and "KiB per sample-step" in report
+    assert "rollout cache: 22 forwards served" in report and "KiB per sample-step" in report
     for run in (cached, plain):
         jaggc.stepwise(run.transformer).close()
 
@@ -107,8 +108,8 @@ def test_the_sampler_in_eval_answers_the_loop_in_train():
     rollouts.flow_grpo_epoch(cached, seed=0)
     assert flow_model(cached).training          # the sampler's epoch hands the module back in train()
     fg.train_jaggc(cached)
-    # two interior steps per trajectory, and the second trajectory's 4 sliced uncond rows
-    assert jaggc.stepwise(cached.transformer).counts.cached_forwards == 2 + 2 + 4
+    # two interior steps and two knots per trajectory, and the second trajectory's 2 sliced uncond rows
+    assert jaggc.stepwise(cached.transformer).counts.cached_forwards == 4 + 4 + 2
     jaggc.stepwise(cached.transformer).close()
 
 
@@ -162,11 +163,11 @@ STALE = {
     "optimizer step": (_optimizer_step, 0),
     "parameter written": (_write_parameter, 0),
     "live dropout in train": (_live_dropout, 0),
-    # the second batch only: its 2 interior steps and its 4 sliced calls' uncond rows
-    "sample missing": (_missing_sample, 2 + 4),
+    # the second batch only: its 2 interior steps and 2 knots, and its 2 sliced exact steps' uncond rows
+    "sample missing": (_missing_sample, 4 + 2),
     "adapter toggled": (lambda run: _training_calls_recorded(run, flow_model(run).disable_adapter()), 0),
     "autocast changed": (lambda run: _training_calls_recorded(run, torch.autocast("cpu", torch.bfloat16)), 0),
-    "control: the same calls recorded": (lambda run: _training_calls_recorded(run, contextlib.nullcontext()), 2 + 2 + 4),
+    "control: the same calls recorded": (lambda run: _training_calls_recorded(run, contextlib.nullcontext()), 4 + 4 + 2),
 }
 
 
@@ -247,7 +248,7 @@ def test_flux_loops_on_policy_from_the_rollout(name):
         module.train_jaggc(run)
     assert len(seen[True]) == 1 and rel_err(seen[True][0], seen[False][0]) <= 1e-6
     c = jaggc.stepwise(runs[True].transformer).counts
-    assert c.cached_forwards == 2 * 2 and jaggc.stepwise(runs[False].transformer).counts.cached_forwards == 0
+    assert c.cached_forwards == 2 * (2 + 2) and jaggc.stepwise(runs[False].transformer).counts.cached_forwards == 0
     assert all(torch.equal(r, torch.ones_like(r)) for _, r, _ in runs[True].seen)      # on-policy: exactly 1
     for run in runs.values():
         jaggc.stepwise(run.transformer).close()

@@ -220,12 +220,19 @@ def test_the_loop_report_measures_each_loop():
     results = report.run_loops(("mix_grpo",), size="tiny", rounds=1, progress=lambda _: None)
     r = results["mix_grpo"]
     assert r["lines_changed"] == 2
-    assert set(r["speed"]["median"]) == {"joint", "lowmem", "per_window"} and r["speed"]["median"]["joint"] > 0
+    forms = {"joint", "lowmem", "per_window"}
+    assert set(r["speed"]["median"]) == forms | {f"{f}/cache" for f in forms}        # no CFG: no slice variant
+    assert all(v > 0 for v in r["speed"]["median"].values())
+    assert set(r["speed"]["cost_model"]["ratio"]) == set(r["speed"]["median"])
+    # the cache variants trained on-policy: every interior step and knot came from the rollout
+    assert r["speed"]["counts"]["joint/cache"]["cached_forwards"] > 0
+    assert r["speed"]["counts"]["joint"]["cached_forwards"] == 0
     assert r["memory"]["ratio"]["lowmem"] <= 2.2
     c = r["collectives"]["reduce_scatters_per_trajectory"]
     assert c["joint"] < c["unchanged"] and c["lowmem"] < c["unchanged"]
     text = report.format_loops(results)
     assert "mix_grpo: 2 lines changed" in text and "FSDP1 reduce-scatters per trajectory" in text
+    assert "joint/cache" in text and "cost model" in text and "s/trajectory" in text
 
 
 def test_docs_show_each_loop_s_diff_as_measured():

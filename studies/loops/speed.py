@@ -1,0 +1,257 @@
+"""The trainers' loops with ``jaggc.stepwise``, timed against the unchanged loop, beside a cost model.
+
+Variants of each loop (``variants``): the unchanged loop; ``jaggc.stepwise(window=4, weights="t")``
+per backward form ("joint", "lowmem", "per_window"); with the CFG slice (``cfg_slice=True``: the
+loops that call the DiT on ``[uncond; cond]``, Flow-GRPO); and on-policy with the rollout cache
+(``rollout_cache=True``, and the slice where there is CFG), each epoch sampled by the trainer's own
+sampler (``rollouts.py``) right before it is trained, against the unchanged loop trained right after
+its own sampling. Off-policy variants train the setup's stored samples (one optimizer step per epoch
+moves the parameters away from them).
+
+Timing: one epoch of the loop per round, every variant once per round in a rotated order, process
+CPU time, one thread; the sampling is timed apart (``rollout_s``: what recording the rollout costs).
+Ratios: unchanged / variant, median and range over the rounds.
+
+The cost model (``cost_model``) prices what each variant runs per window of W trained steps with
+this machine's measured forward F and backward B of one step's call as the loop makes it (the CFG
+batch; and, for the slice, Fh and Bh of its half), R the KL reference forward (Flow-GRPO; = F):
+
+| variant | JAGG window (W >= 3) | exact step |
+|---|---|---|
+| unchanged | W (F + B + R) | F + B + R |
+| joint, lowmem in σ order | W F + 2 B + W R | F + B + R |
+| per_window, lowmem out of order | (W + 2) F + 2 B + W R | F + B + R |
+| + slice, held knots | (W - 2) F + 4 Fh + 2 Bh + W R | 2 Fh + Bh + R |
+| + slice, re-run knots | W F + 2 Fh + 2 Bh + W R | 2 Fh + Bh + R |
+| + cache (on-policy), held knots | 2 Fh + 2 Bh + W R (no CFG: 2 F + 2 B) | Fh + Bh + R (F + B) |
+| + cache, re-run knots | 2 Fh + 2 Bh + W R (no CFG: 2 F + 2 B) | Fh + Bh + R (F + B) |
+
+(a re-run knot's forward at its own step is no-grad, so the cache serves it whole).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+import jaggc
+from jaggc.runtime.module_state import unwrap
+from jaggc_studies.loops import dance_grpo as dg, flow_grpo as fg, mix_grpo as mg, rollouts
+
+FORMS = ("joint", "lowmem", "per_window")
+WINDOW = 4
+
+
+@dataclass(frozen=True)
+class LoopSetup:
+    """How a loop is built, trained, sampled, and what its trajectories look like to jaggc."""
+
+    setup: Callable              # setup(stepwise=...) -> run
+    unchanged: Callable
+    changed: Callable
+    sample: Callable             # sample(run, seed=...): the trainer's sampling epoch
+    windows: tuple[int, ...]     # the trained steps of one trajectory, as W=4 windows cut them
+    cfg: bool                    # the DiT call is [uncond; cond] (the CFG slice applies)
+    reference: bool              # a KL reference forward per step
+    in_order: bool               # the steps come in σ order (lowmem holds its knots)
+
+
+def loop_setup(name: str, size: str) -> LoopSetup:
+    """The loop ``name`` at ``size``. The Flux loops' latents are 8 x 8 packed tokens at 10m (64: 16
+    tokens leave a CPU latency-bound, where a backward costs 1.25 forwards instead of the 2 it costs
+    at 64 tokens and beyond, and at the thousands of a real image), 4 x 4 on the tiny model."""
+    side = 8 if size == "10m" else 4
+    if name == "flow_grpo":
+        # Flow-GRPO's SD3 configs: 10 sampling steps, timestep_fraction 0.99 (9 trained: windows 4, 4, 1)
+        return LoopSetup(lambda **kw: fg.setup(size=size, num_steps=9, batch=2, trajectories=1, **kw),
+                         fg.train_unchanged, fg.train_jaggc, rollouts.flow_grpo_epoch, (4, 4, 1), cfg=True,
+                         reference=True, in_order=True)
+    if name == "dance_grpo":
+        # its finetune_flux_grpo.sh: 16 sampling steps (15 stored), 60% trained (9: windows of 4, 4, 1),
+        # an optimizer step every 4 samples, gradient checkpointing
+        return LoopSetup(lambda **kw: dg.setup(size=size, num_steps=15, samples=4, fraction=0.6,
+                                               gradient_accumulation_steps=4, checkpointing=True, side=side, **kw),
+                         dg.train_unchanged, dg.train_jaggc, rollouts.dance_grpo_epoch, (4, 4, 1), cfg=False,
+                         reference=False, in_order=False)
+    # its 4-step window at the start of the run, an optimizer step every 3 samples
+    return LoopSetup(lambda **kw: mg.setup(size=size, samples=3, gradient_accumulation_steps=3, side=side, **kw),
+                     mg.train_unchanged, mg.train_jaggc, rollouts.mix_grpo_epoch, (4,), cfg=False, reference=False,
+                     in_order=True)
+
+
+def variants(loop: LoopSetup, forms=FORMS) -> dict[str, tuple[dict | None, bool]]:
+    """label -> (the stepwise keywords or None for the unchanged loop, on-policy)."""
+    out: dict[str, tuple[dict | None, bool]] = {"unchanged": (None, False), "unchanged/on-policy": (None, True)}
+    for form in forms:
+        base = dict(window=WINDOW, weights="t", backward=form)
+        out[form] = (base, False)
+        if loop.cfg:
+            out[f"{form}/slice"] = (dict(base, cfg_slice=True), False)
+        out[f"{form}/cache"] = (dict(base, cfg_slice=loop.cfg, rollout_cache=True), True)
+    return out
+
+
+def baseline(label: str) -> str:
+    return "unchanged/on-policy" if label.endswith("/cache") else "unchanged"
+
+
+def quiet():
+    stack = contextlib.ExitStack()
+    stack.enter_context(warnings.catch_warnings())
+    warnings.simplefilter("ignore")
+    return stack
+
+
+def epoch(loop: LoopSetup, run, on_policy: bool, seed: int, changed: bool) -> tuple[float, float]:
+    """One epoch (sampled first when on-policy): (sampling CPU s, training CPU s)."""
+    start = time.process_time()
+    if on_policy:
+        loop.sample(run, seed=seed)
+    sampled = time.process_time()
+    (loop.changed if changed else loop.unchanged)(run)
+    return sampled - start, time.process_time() - sampled
+
+
+def speed(name: str, *, size: str = "10m", rounds: int = 5, forms=FORMS) -> dict:
+    """Interleaved CPU-time rounds of every variant (module docstring)."""
+    loop = loop_setup(name, size)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with quiet():
+            table = variants(loop, forms)
+            runs = {label: loop.setup(stepwise=kw) if kw is not None else loop.setup() for label, (kw, _) in table.items()}
+            for warm in range(2):      # the first trajectories' one-off costs; the slice learned
+                for label, (kw, on_policy) in table.items():
+                    epoch(loop, runs[label], on_policy, seed=100 + warm, changed=kw is not None)
+            train = {label: [] for label in table}
+            sample = {label: [] for label in table}
+            order = list(table)
+            for r in range(rounds):
+                for label in order[r % len(order):] + order[:r % len(order)]:
+                    kw, on_policy = table[label]
+                    s, t = epoch(loop, runs[label], on_policy, seed=r, changed=kw is not None)
+                    sample[label].append(s)
+                    train[label].append(t)
+            counts = {label: vars(jaggc.stepwise(run.transformer).counts).copy()
+                      for label, run in runs.items() if table[label][0] is not None}
+            for label, run in runs.items():
+                if table[label][0] is not None:
+                    jaggc.stepwise(run.transformer).close()
+    finally:
+        torch.set_num_threads(threads)
+    ratios = {label: [u / v for u, v in zip(train[baseline(label)], train[label])]
+              for label in table if not label.startswith("unchanged")}
+    model = runs["unchanged"].transformer
+    trajectories = _trajectories(runs["unchanged"])
+    return dict(model=f"{type(unwrap(model)).__name__}-{size}", params=sum(p.numel() for p in model.parameters()),
+                trainable=sum(p.numel() for p in model.parameters() if p.requires_grad), rounds=rounds,
+                median={k: statistics.median(v) for k, v in ratios.items()},
+                min={k: min(v) for k, v in ratios.items()}, max={k: max(v) for k, v in ratios.items()},
+                seconds_per_trajectory={k: statistics.median(v) / trajectories for k, v in train.items()},
+                rollout_s={k: statistics.median(v) for k, v in sample.items() if table[k][1]},
+                counts=counts, cost_model=cost_model(name, size, forms))
+
+
+def _trajectories(run) -> int:
+    return len(run.samples_batched) if hasattr(run, "samples_batched") else len(run.samples_batched_list)
+
+
+# --- the cost model ------------------------------------------------------------------------------
+
+def unit_costs(name: str, size: str) -> dict:
+    """F and B (and, for a CFG loop, Fh and Bh of its half batch) of one step's call, as the loop
+    makes it, on this machine: process CPU s, one thread, median of 5."""
+    loop = loop_setup(name, size)
+    with quiet():
+        run = loop.setup()
+    full = _one_call(name, run)
+    calls = {"": full}
+    if loop.cfg:
+        calls["h"] = _one_call(name, run, half=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = {}
+        for suffix, call in calls.items():
+            g = torch.randn_like(call())
+
+            def median_s(fn, n=5):
+                fn()
+                ts = []
+                for _ in range(n):
+                    t = time.process_time()
+                    fn()
+                    ts.append(time.process_time() - t)
+                return statistics.median(ts)
+
+            with torch.no_grad():
+                forward = median_s(call)
+            both = median_s(lambda: call().backward(g))
+            out["F" + suffix], out["B" + suffix] = forward, max(both - forward, 1e-9)
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def cost_model(name: str, size: str, forms=FORMS, units: dict | None = None) -> dict:
+    """Each variant's modelled ratio to the unchanged loop (module docstring's table), and the units."""
+    loop = loop_setup(name, size)
+    u = units if units is not None else unit_costs(name, size)
+    f, b = u["F"], u["B"]
+    fh, bh = u.get("Fh", f), u.get("Bh", b)
+    r = f if loop.reference else 0.0
+
+    def trajectory(label: str) -> float:
+        if label.startswith("unchanged"):
+            return sum(w * (f + b + r) for w in loop.windows)
+        form, _, extra = label.partition("/")
+        held = form == "joint" or (form == "lowmem" and loop.in_order)
+        total = 0.0
+        for w in loop.windows:
+            if w <= 2:                                   # an exact window: every step as written (or sliced)
+                if extra == "cache":
+                    step = (fh + bh if loop.cfg else f + b) + r
+                elif extra == "slice":
+                    step = 2 * fh + bh + r
+                else:
+                    step = f + b + r
+                total += w * step
+            elif extra == "cache":
+                total += (2 * fh + 2 * bh if loop.cfg else 2 * f + 2 * b) + w * r
+            elif extra == "slice":
+                total += ((w - 2) * f + 4 * fh if held else w * f + 2 * fh) + 2 * bh + w * r
+            else:
+                total += (w if held else w + 2) * f + 2 * b + w * r
+        return total
+
+    labels = variants(loop, forms)
+    return dict(units=u, ratio={label: trajectory(baseline(label)) / trajectory(label)
+                                for label in labels if not label.startswith("unchanged")})
+
+
+def _one_call(name: str, run, half: bool = False) -> Callable:
+    """One step's DiT call of the loop, as it calls it (the CFG batch for Flow-GRPO; ``half``: its cond rows)."""
+    if name == "flow_grpo":
+        s = run.samples_batched[0]
+        copies = 1 if half else 2
+        embeds = torch.cat([run.train_neg_prompt_embeds[:len(s["prompt_embeds"])], s["prompt_embeds"]])[-copies * len(s["prompt_embeds"]):]
+        pooled = torch.cat([run.train_neg_pooled_prompt_embeds[:len(s["pooled_prompt_embeds"])],
+                            s["pooled_prompt_embeds"]])[-copies * len(s["pooled_prompt_embeds"]):]
+        return lambda: run.transformer(hidden_states=torch.cat([s["latents"][:, 0]] * copies),
+                                       timestep=torch.cat([s["timesteps"][:, 0]] * copies), encoder_hidden_states=embeds,
+                                       pooled_projections=pooled, return_dict=False)[0]
+    s = run.samples_batched_list[0]
+    return lambda: run.transformer(hidden_states=s["latents"][:, 0], encoder_hidden_states=s["encoder_hidden_states"],
+                                   timestep=s["timesteps"][:, 0] / 1000, guidance=torch.tensor([3.5]),
+                                   txt_ids=s["text_ids"], pooled_projections=s["pooled_prompt_embeds"],
+                                   img_ids=s["image_ids"], return_dict=False)[0]
+
+
+__all__ = ["FORMS", "LoopSetup", "baseline", "cost_model", "epoch", "loop_setup", "speed", "unit_costs", "variants"]
