@@ -42,7 +42,7 @@ from .tensors import dispatch_mode_base, version_counter, written_arguments
 from .autograd import (
     backward_accumulates_everywhere, in_backward, queue_backward_callback, rng_states, rng_states_restored,
     run_after_backward)
-from .fsdp_slots import GradSlot, fsdp_gradient_slots, fsdp_version
+from .fsdp_slots import GradSlot, fsdp_gradient_slots, fsdp_version, reshard_fully_sharded
 
 __all__ = [
     "DYNAMO_ENTER_AUTOCAST", "DYNAMO_EXIT_AUTOCAST", "GradSlot", "MODULE_CALL_SLOT", "SET_GRAD_ENABLED",
@@ -53,7 +53,7 @@ __all__ = [
     "flat_apply_function", "flat_apply_inputs", "fsdp_gradient_slots", "fsdp_version", "fx_patches_reverted",
     "in_backward", "is_fake", "is_flat_apply_node", "keystr", "lookup_dynamo_backend", "module_call_impl",
     "module_hook_keys", "new_fake_mode", "nonstrict_trace", "queue_backward_callback",
-    "recompile_limit_types", "recompile_reason", "rng_states", "rng_states_restored", "run_after_backward",
+    "recompile_limit_types", "recompile_reason", "reshard_fully_sharded", "rng_states", "rng_states_restored", "run_after_backward",
     "traced_input_value", "tree_flatten", "tree_flatten_with_path", "tree_map", "tree_unflatten",
     "unwrap_backend_error", "version_counter", "written_arguments",
 ]

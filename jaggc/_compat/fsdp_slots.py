@@ -215,6 +215,18 @@ def fsdp_version(module) -> int | None:
     return found
 
 
+def reshard_fully_sharded(module) -> None:
+    """Reshard every ``fully_shard``-ed (FSDP2) module in ``module``: its sharded parameters back in
+    place of gathered ones (public ``FSDPModule.reshard``; local, no collective)."""
+    if not torch.distributed.is_available():
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 def fsdp_gradient_slots(module) -> list[GradSlot]:
     """Every gradient storage of the FSDP units in ``module``, in module order. FSDP1: one per
     unit's FlatParameter (``FullyShardedDataParallel._handle``); FSDP2: one per managed parameter

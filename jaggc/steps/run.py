@@ -138,6 +138,11 @@ class TrajectoryRun:
         module's latest forward is the one with grad) and a call with grad on the others."""
         call, rows, counts = visit.call, visit.rows, self.owner.counts
         if rows is None:
+            if self.owner.cache is not None and self.owner.distributed:
+                # every step's call takes part in one agreement on the cache (_cached): on the deferred
+                # schedule each rank visits its steps in its own order, and this rank's knot meets
+                # another rank's interior step
+                agree_on_hit(False)
             out = forward(*call.args, **call.kwargs)
             check_output_requires_grad(self.owner.module, out)
             visit.held = out

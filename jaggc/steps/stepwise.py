@@ -35,7 +35,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from .._compat import fsdp_version, in_backward
+from .._compat import fsdp_version, in_backward, reshard_fully_sharded
 from ..backward_modes import BackwardMode, backward_mode, modes_where
 from ..errors import JaggError, JaggInputError, JaggUnsupportedError
 from ..options import Options
@@ -160,7 +160,7 @@ class Stepwise:
             # the rollout may call the wrapped module itself (Flow-GRPO samples through
             # pipeline.transformer, inside the DDP wrapper the loop trains): its calls are recorded
             # where every path reaches, the innermost module, unless they came through this one
-            self._recording = unwrap(self.module).register_forward_hook(self._record_inner, with_kwargs=True)
+            self._recording = unwrap(self.module).register_forward_hook(_InnerRecorder(self), with_kwargs=True)
         _LIVE.add(self)
         _ensure_optimizer_hook()
 
@@ -179,11 +179,6 @@ class Stepwise:
                 f"{self.cache.max_bytes}): later rollout calls are not recorded, and their steps run their "
                 f"forwards; raise rollout_cache=<bytes> to serve them"))
 
-    def _record_inner(self, module, args, kwargs, output) -> None:
-        if self.records():
-            self.record(DitCall(tuple(args), dict(kwargs)), output)
-
-    _record_inner._jaggc_observer = True     # module_state ignores it: it changes no output
 
     @contextlib.contextmanager
     def passing_through(self):
@@ -228,6 +223,11 @@ class Stepwise:
         run = TrajectoryRun(self, plan)
         self._run = self._last = run
         self.counts.trajectories += 1
+        if self.fsdp:
+            # FSDP2 leaves the root unsharded after a forward that no backward followed (the rollout's,
+            # an evaluation), its module holding the unsharded parameters in place of the sharded
+            # ones: the ledger reads the parameters at rest (FSDPModule.reshard frees the gathered copies)
+            reshard_fully_sharded(self.module)
         self.ledger = Ledger(self.module)      # its parameters as they are now (an adapter added since)
         if not any(not w.exact for w in plan.windows):
             self._warn_once("all-exact", (
@@ -287,6 +287,11 @@ class Stepwise:
         if self.ddp is not None and run.deferred:
             # a DDP forward with grad is collective (its first rebuilds the buckets, later ones may
             # broadcast buffers): on the deferred schedule every rank's steps run without grad alike
+            return False
+        if self.cache is not None and run.deferred:
+            # with a rollout cache every step's call is a no-grad lookup the ranks agree on (run.py's
+            # _cached): held knots, forwarded with grad at steps other ranks serve from their caches,
+            # would keep the ranks from serving any; the knots re-run in the windows' backward
             return False
         if self.backward is BackwardMode.LOWMEM and self.distributed:
             # every rank must make the same forwards (FSDP gathers in each): by the agreed plan
@@ -461,6 +466,39 @@ class InstalledForward:
 
     def __reduce__(self):
         return (_class_forward, (self.module,))
+
+
+class _InnerRecorder:
+    """The innermost module's forward hook that records the rollout's calls made around this
+    Stepwise's module (``Stepwise._install``). A copy or pickle of the module (a reference model, an
+    EMA copy) gets a hook that records nothing, not a path into this Stepwise."""
+
+    _jaggc_observer = True          # module_state ignores it: it changes no output
+
+    def __init__(self, owner: Stepwise):
+        self.owner = weakref.ref(owner)
+
+    def __call__(self, module, args, kwargs, output) -> None:
+        owner = self.owner()
+        if owner is not None and owner.records():
+            owner.record(DitCall(tuple(args), dict(kwargs)), output)
+
+    def __deepcopy__(self, memo):
+        return _records_nothing
+
+    def __reduce__(self):
+        return (_records_nothing_hook, ())
+
+
+def _records_nothing(module, args, kwargs, output) -> None:
+    return None
+
+
+_records_nothing._jaggc_observer = True
+
+
+def _records_nothing_hook():
+    return _records_nothing
 
 
 def _class_forward(module: nn.Module):
