@@ -324,6 +324,24 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def loop_place(args):
+    """Where --loops run (trainers/sizes.Where), or SystemExit with one line naming the fix."""
+    from jaggc_studies.bench.device import DeviceUnavailable, resolve_device, resolve_dtype
+    from jaggc_studies.trainers.sizes import Where
+
+    try:
+        device = resolve_device(args.device)
+        dtype = resolve_dtype(DTYPE_ALIASES.get(args.dtype, args.dtype))
+    except (DeviceUnavailable, ValueError) as e:
+        raise SystemExit(f"jaggc trainers: {e}") from None
+    if args.speed_size != "published" and args.layers is not None:
+        raise SystemExit("jaggc trainers: --layers cuts the published models' depth; add --speed-size published")
+    return Where(args.speed_size, device=str(device), dtype=dtype, layers=args.layers, resolution=args.resolution)
+
+
 def main(args) -> int:
     names = (list(trainer_shapes.SHAPES) if not args.names else []
              if args.names == "none" else [n for n in args.names.split(",") if n])
@@ -339,8 +357,11 @@ def main(args) -> int:
     results = run(names, steps=args.steps, first_call_steps=args.first_call_steps, subsets=args.subsets,
                   speed_size=args.speed_size, speed_steps=args.speed_steps, rounds=args.rounds, forms=forms) \
         if names else dict(shapes={})
+    where = loop_place(args) if loop_names else None
+    if args.speed_size == "published" and names:
+        raise SystemExit("jaggc trainers: --speed-size published applies to --loops only; add --names none")
     if loop_names:
-        results["loops"] = loop_report.run_loops(loop_names, size=args.speed_size, rounds=args.rounds)
+        results["loops"] = loop_report.run_loops(loop_names, where=where, rounds=args.rounds)
     if names:
         print(format_table(results))
     if loop_names:
@@ -362,8 +383,16 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=8, help="steps of the gradient-check trajectories")
     p.add_argument("--first-call-steps", type=int, default=50, help="steps of the first-call overhead probe")
     p.add_argument("--subsets", type=int, default=50, help="DanceGRPO random subsets through one compiled loss")
-    p.add_argument("--speed-size", default="10m", choices=["tiny", "10m"],
-                   help="model size of the speed runs (Qwen-Image for the author's, Flux for MixGRPO's)")
+    p.add_argument("--speed-size", default="10m", choices=["tiny", "10m", "published"],
+                   help="model size of the speed runs (Qwen-Image for the author's, Flux for MixGRPO's); 'published' "
+                        "(--loops only): SD3.5-Medium with Flow-GRPO's LoRA, FLUX.1-dev for DanceGRPO and MixGRPO")
+    p.add_argument("--device", default="cpu", help="where --loops run: cpu, cuda, cuda:N (the shapes' checks stay on the CPU)")
+    p.add_argument("--dtype", default="float32",
+                   help="--loops' weights dtype: float32, bf16 (bfloat16) or fp16 (float16); on the CPU a half dtype "
+                        "runs the trainers' GPU form (their CUDA bf16 autocast blocks live)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="--speed-size published: cut the depth to fit memory (Flux: N double + 2N single blocks)")
+    p.add_argument("--resolution", type=int, default=512, help="--speed-size published: image size in px")
     p.add_argument("--speed-steps", type=int, default=16, help="trained steps of the author speed run")
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds of the speed runs (0: skip)")
     p.add_argument("--loops", default=",".join(loops.LOOPS),

@@ -34,7 +34,7 @@ from ..errors import JaggInputError
 from ..runtime.aggregate import knot_composites
 from ..runtime.calls import DitCall, batch_size, check_output_requires_grad, per_sample_time, resolve_time_arg
 from ..runtime.autocast import current_autocast
-from ..runtime.checks import check_calls, check_step_values
+from ..runtime.checks import check_placement, check_step_values
 from ..runtime.module_state import CallState, StateReader
 from .plan import PlannedWindow, TrajectoryPlan
 from .ranks import agree_on_hit
@@ -188,13 +188,14 @@ class TrajectoryRun:
 
     def _check_inputs(self, call: DitCall, step: int) -> None:
         """The window runtime's input refusals (inputs that require grad: computed from an earlier
-        DiT output; NaN/Inf), with the device/dtype placement checked at the trajectory's first step
-        (every step's call has the same structure)."""
+        DiT output; NaN/Inf), with the device placement checked at the trajectory's first step
+        (every step's call has the same structure). Not the dtypes: every call runs through the
+        module's own forward, which may cast them (accelerate's mixed precision wraps it in autocast),
+        so a mismatch fails here exactly as in the unchanged loop."""
         if not self.checked_placement:
-            check_calls(self.owner.module, [call], [step])
+            check_placement(self.owner.module, call, f"step {step}", dtypes=False)
             self.checked_placement = True
-        else:
-            check_step_values([call], [step])
+        check_step_values([call], [step])
 
     def _exact_call(self, win: WindowRun, step: int, call: DitCall, forward: Callable, where: str) -> Any:
         win.visits[step] = self.latest = StepVisit(step, call, None, None, [], where, exact=True)

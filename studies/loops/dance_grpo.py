@@ -24,6 +24,7 @@ import torch.distributed as dist
 import jaggc
 from jaggc import models
 from jaggc_studies import trainer_shapes as shapes
+from jaggc_studies.trainers import sizes
 
 
 @dataclass
@@ -51,47 +52,57 @@ def flux_rollout(transformer, cond: dict, sigma_schedule: torch.Tensor, *, batch
     after each step, log-probs, timesteps ``int(σ * 1000)`` per sample. ``step``: the trainer's
     step function (default ``flux_step``); ``sde_steps``: where it is stochastic (MixGRPO)."""
     num_steps = sigma_schedule.shape[0] - 1
+    device = cond["encoder_hidden_states"].device
     g = torch.Generator().manual_seed(seed + 1)
     torch.manual_seed(seed + 1)            # the trainers' steps draw their noise with randn_like
-    z = torch.randn(models.flux_latent_shape(transformer, batch, height=side, width=side), generator=g)
+    z = torch.randn(models.flux_latent_shape(transformer, batch, height=side, width=side), generator=g).to(device)
     lat, lps = [z], []
     transformer.eval()
     expand = {k: v.expand(batch, *v.shape[1:]) if k in ("encoder_hidden_states", "pooled_projections") else v
               for k, v in cond.items()}
     with torch.no_grad():
         for i in range(num_steps):
-            t = torch.full([batch], int(sigma_schedule[i] * 1000), dtype=torch.long)
-            pred = transformer(hidden_states=z, timestep=t / 1000, guidance=torch.tensor([3.5]), return_dict=False,
-                               **expand)[0]
+            t = torch.full([batch], int(sigma_schedule[i] * 1000), dtype=torch.long, device=device)
+            pred = transformer(hidden_states=z, timestep=t / 1000, guidance=torch.tensor([3.5], device=device),
+                               return_dict=False, **expand)[0]
             if step is None:
                 z, _, log_prob = shapes.flux_step(pred, z, eta, sigma_schedule, i, None, True, True)
             else:
                 z, log_prob = step(pred, z, i, sde_steps is None or i in sde_steps)
             lat.append(z)
             lps.append(log_prob)
-    timesteps = torch.tensor([[int(s * 1000) for s in sigma_schedule[:num_steps]]] * batch)
+    timesteps = torch.tensor([[int(s * 1000) for s in sigma_schedule[:num_steps]]] * batch, device=device)
     return torch.stack(lat, 1), torch.stack(lps, 1), timesteps
+
+
+def flux_model(where: sizes.Where, *, seed: int, side: int) -> tuple[torch.nn.Module, dict, int]:
+    """(a Flux DiT with guidance embeddings on ``where``'s device, one prompt's conditioning there,
+    the packed latent side): the trainers' FLUX.1-dev at its resolution for the published size."""
+    side = sizes.flux_side(where, side)
+    transformer = sizes.flux(where, seed=seed)
+    cond = models.flux_conditioning(transformer, 1, seed=seed, height=side, width=side,
+                                    text_len=sizes.flux_text_len(where)).kwargs
+    return transformer, {k: v.to(where.device) for k, v in cond.items()}, side
 
 
 def setup(*, size: str = "tiny", num_steps: int = 10, samples: int = 2, seed: int = 0, fraction: float = 0.6,
           gradient_accumulation_steps: int = 1, lr: float = 1e-3, wrap=None, stepwise: dict | None = None,
           shard: tuple[int, int] = (0, 1), checkpointing: bool = False, side: int = 4,
-          dtype=torch.float32) -> DanceGrpoRun:
+          dtype=torch.float32, where: sizes.Where | None = None) -> DanceGrpoRun:
     """A DanceGRPO run: a Flux DiT with guidance embeddings, ``samples`` one-sample trajectories of
     ``num_steps`` steps with per-sample random permutations (``perms``), latents of ``side`` x
     ``side`` packed tokens. ``wrap(transformer)``: the
     sharding (FSDP1 / FSDP2), applied before the optimizer is built; ``stepwise``: the keywords of the
-    user's added line, ``jaggc.stepwise(transformer, **stepwise)``."""
-    from diffusers import FluxTransformer2DModel
-
-    torch.manual_seed(seed)
-    transformer = FluxTransformer2DModel(**{**models.FLUX_CONFIGS[size], "guidance_embeds": True})
-    cond = models.flux_conditioning(transformer, 1, seed=seed, height=side, width=side).kwargs
+    user's added line, ``jaggc.stepwise(transformer, **stepwise)``. ``where`` (trainers/sizes.py):
+    the size, device and weights' dtype in one (instead of ``size`` and ``dtype``)."""
+    where = where if where is not None else sizes.Where(size, dtype=dtype)
+    dtype = where.dtype
+    transformer, cond, side = flux_model(where, seed=seed, side=side)
     args = replace(shapes.GRPOConfig(), clip_range=1e-4, gradient_accumulation_steps=gradient_accumulation_steps)
     sigma_schedule = shapes.sd3_time_shift(3.0, torch.linspace(1, 0, num_steps + 1))
     all_latents, all_log_probs, timesteps = flux_rollout(transformer, cond, sigma_schedule, batch=samples * shard[1],
                                                          seed=seed, eta=args.eta, side=side)
-    rewards = torch.linspace(-1.0, 1.0, samples * shard[1])
+    rewards = torch.linspace(-1.0, 1.0, samples * shard[1], device=where.device)
     samples_dict = {
         "timesteps": timesteps, "latents": all_latents[:, :-1], "next_latents": all_latents[:, 1:],
         "log_probs": all_log_probs, "advantages": (rewards - rewards.mean()) / (rewards.std() + 1e-8),
@@ -107,7 +118,7 @@ def setup(*, size: str = "tiny", num_steps: int = 10, samples: int = 2, seed: in
     g = torch.Generator().manual_seed(seed + 5 + shard[0])     # each rank draws its own (set_seed(seed + rank))
     perms = torch.stack([torch.randperm(num_steps, generator=g) for _ in range(samples)])
     for key in ["timesteps", "latents", "next_latents", "log_probs"]:
-        samples_dict[key] = samples_dict[key][torch.arange(samples)[:, None], perms]
+        samples_dict[key] = samples_dict[key][torch.arange(samples)[:, None], perms.to(samples_dict[key].device)]
     samples_batched = {k: v.unsqueeze(1) for k, v in samples_dict.items()}
     samples_batched_list = [dict(zip(samples_batched, x)) for x in zip(*samples_batched.values())]
     for s in samples_batched_list:      # shared, unbatched inputs

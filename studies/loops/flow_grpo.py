@@ -25,6 +25,7 @@ import torch
 
 import jaggc
 from jaggc_studies import trainer_shapes as shapes
+from jaggc_studies.trainers import sizes
 
 
 @dataclass(frozen=True)
@@ -71,14 +72,17 @@ class FlowGrpoRun:
 
 def setup(*, size: str = "tiny", num_steps: int = 8, batch: int = 4, trajectories: int = 2, seed: int = 0,
           config: TrainConfig = TrainConfig(), mixed_precision: str = "no", stepwise: dict | None = None,
-          accelerator_kwargs: dict | None = None, dtype=torch.float32, shard: tuple[int, int] = (0, 1)) -> FlowGrpoRun:
+          accelerator_kwargs: dict | None = None, dtype=torch.float32, shard: tuple[int, int] = (0, 1),
+          where: sizes.Where | None = None) -> FlowGrpoRun:
     """A Flow-GRPO run: a tiny (or 10m) SD3 with a LoRA (peft), a rollout of ``trajectories`` sample
     batches of ``batch`` samples, an Accelerator on the CPU. ``mixed_precision``: "no", "bf16"
     (accelerate's own CPU autocast forward) or "fp16" (Flow-GRPO's default on a GPU: GradScaler in
     ``accelerator.backward``, an fp16 autocast forward; here on the CPU, ``fp16_on_cpu``).
     ``stepwise``: the keywords of the user's one added line, ``jaggc.stepwise(transformer, **stepwise)``.
     ``shard=(rank, world)``: this process's trajectories of a rollout of ``trajectories * world``
-    (each process of a multi-GPU run samples its own)."""
+    (each process of a multi-GPU run samples its own). ``where`` (trainers/sizes.py): the size (the
+    published one: SD3.5-Medium with Flow-GRPO's LoRA), the device and the base weights' dtype (bf16
+    or fp16: accelerate's mixed precision of that name, as Flow-GRPO configures it)."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
 
@@ -86,16 +90,20 @@ def setup(*, size: str = "tiny", num_steps: int = 8, batch: int = 4, trajectorie
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     rank, world = shard
+    if where is not None and where.dtype in (torch.bfloat16, torch.float16):
+        mixed_precision = "bf16" if where.dtype == torch.bfloat16 else "fp16"
+    on_cpu = where is None or torch.device(where.device).type == "cpu"
     shape = shapes.flow_grpo_sd3(num_steps=num_steps, batch=batch * trajectories * world, seed=seed, beta=config.beta,
-                                 cfg=config.cfg, size=size)
+                                 cfg=config.cfg, size=size, where=where)
     transformer, pipeline, sample, _ = shape.args
     if dtype != torch.float32:
         transformer.to(dtype)
         sample = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sample.items()}
-    accelerator = Accelerator(cpu=True, mixed_precision="bf16" if mixed_precision == "bf16" else "no",
+    native_fp16 = mixed_precision == "bf16" or (mixed_precision == "fp16" and not on_cpu)
+    accelerator = Accelerator(cpu=on_cpu, mixed_precision=mixed_precision if native_fp16 else "no",
                               gradient_accumulation_steps=config.gradient_accumulation_steps * num_steps,
                               **(accelerator_kwargs or {}))
-    if mixed_precision == "fp16":
+    if mixed_precision == "fp16" and on_cpu:
         fp16_on_cpu(accelerator, transformer)
     params = [p for p in transformer.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate)

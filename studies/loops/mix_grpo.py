@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 import jaggc
-from jaggc import models
 from jaggc_studies import trainer_shapes as shapes
-from jaggc_studies.loops.dance_grpo import flux_rollout
+from jaggc_studies.loops.dance_grpo import flux_model, flux_rollout
+from jaggc_studies.trainers import sizes
 
 
 @dataclass
@@ -42,15 +42,14 @@ class MixGrpoRun:
 
 def setup(*, size: str = "tiny", samples: int = 2, cur: int = 0, seed: int = 0, gradient_accumulation_steps: int = 1,
           lr: float = 1e-3, wrap=None, stepwise: dict | None = None,
-          shard: tuple[int, int] = (0, 1), checkpointing: bool = False, side: int = 4) -> MixGrpoRun:
+          shard: tuple[int, int] = (0, 1), checkpointing: bool = False, side: int = 4,
+          where: sizes.Where | None = None) -> MixGrpoRun:
     """A MixGRPO run on a Flux DiT with guidance embeddings: ``samples`` one-sample trajectories of a
     25-step shift-3 schedule, SDE on the window at ``cur`` and ODE elsewhere, 24 stored steps, latents
-    of ``side`` x ``side`` packed tokens."""
-    from diffusers import FluxTransformer2DModel
-
-    torch.manual_seed(seed)
-    transformer = FluxTransformer2DModel(**{**models.FLUX_CONFIGS[size], "guidance_embeds": True})
-    cond = models.flux_conditioning(transformer, 1, seed=seed, height=side, width=side).kwargs
+    of ``side`` x ``side`` packed tokens. ``where`` (trainers/sizes.py): the size, device and weights'
+    dtype in one (instead of ``size``)."""
+    where = where if where is not None else sizes.Where(size)
+    transformer, cond, side = flux_model(where, seed=seed, side=side)
     args = replace(shapes.GRPOConfig(), clip_range=1e-4, eta=0.7, noise_level=0.7, kl_coeff=0.01,
                    gradient_accumulation_steps=gradient_accumulation_steps)
     sigma_schedule = shapes.sd3_time_shift(3.0, torch.linspace(1, 0, shapes.MIX_SAMPLING_STEPS + 1))
@@ -64,7 +63,7 @@ def setup(*, size: str = "tiny", samples: int = 2, cur: int = 0, seed: int = 0, 
     all_latents, all_log_probs, timesteps = flux_rollout(transformer, cond, sigma_schedule, batch=samples * shard[1], seed=seed,
                                                          eta=args.eta, sde_steps=set(window), step=step, side=side)
     stored = shapes.MIX_SAMPLING_STEPS - 1
-    rewards = torch.linspace(-1.0, 1.0, samples * shard[1])
+    rewards = torch.linspace(-1.0, 1.0, samples * shard[1], device=where.device)
     samples_dict = {
         "timesteps": timesteps[:, :stored], "latents": all_latents[:, :stored], "next_latents": all_latents[:, 1:stored + 1],
         "log_probs": all_log_probs[:, :stored], "advantages": (rewards - rewards.mean()) / (rewards.std() + 1e-8),
@@ -74,6 +73,8 @@ def setup(*, size: str = "tiny", samples: int = 2, cur: int = 0, seed: int = 0, 
     # shard=(rank, world): this process's samples of a rollout of samples * world
     samples_dict = {k: v[shard[0]::shard[1]] for k, v in samples_dict.items()}
     shapes._off_policy_step(transformer, seed, lambda name: True)
+    if where.dtype != torch.float32:
+        transformer.to(where.dtype)
     samples_batched = {k: v.unsqueeze(1) for k, v in samples_dict.items()}
     samples_batched_list = [dict(zip(samples_batched, x)) for x in zip(*samples_batched.values())]
     for s in samples_batched_list:

@@ -26,33 +26,39 @@ import torch
 import jaggc
 from jaggc.runtime.memory import track_saved_tensors
 from jaggc_studies import loops
-from jaggc_studies.loops.speed import FORMS, baseline, epoch, loop_setup, quiet, speed, variants
+from jaggc_studies.bench.device import CudaPeakMemory
+from jaggc_studies.loops.speed import FORMS, baseline, epoch, loop_setup, on_cuda, quiet, run_on, speed, variants
+from jaggc_studies.trainers.sizes import Where
 
 
-def memory(name: str, *, size: str = "10m", forms=FORMS) -> dict:
-    """Peak saved-activation bytes of one epoch (after a warm epoch) per variant, and against the
-    unchanged loop's (on-policy variants: the training after the sampling, against the unchanged
-    loop's on-policy epoch)."""
-    loop = loop_setup(name, size)
+def memory(name: str, where: Where, *, forms=FORMS) -> dict:
+    """Peak memory of one training epoch (after a warm epoch) per variant, and against the unchanged
+    loop's (on-policy variants: the training after the sampling, against the unchanged loop's
+    on-policy epoch). On the CPU: the autograd-saved tensors' peak; on CUDA: the allocator's peak."""
+    loop = loop_setup(name, where)
     peaks = {}
-    with quiet():
+    with run_on(where):
         for label, (kw, on_policy) in variants(loop, forms).items():
             run = loop.setup(stepwise=kw) if kw is not None else loop.setup()
             epoch(loop, run, on_policy, seed=100, changed=kw is not None)
             if on_policy:
                 loop.sample(run, seed=101)
-            with track_saved_tensors() as stats:
+            meter = CudaPeakMemory(where.device) if on_cuda(where) else track_saved_tensors()
+            with meter as stats:
                 (loop.changed if kw is not None else loop.unchanged)(run)
             peaks[label] = stats.peak_bytes
             if kw is not None:
                 jaggc.stepwise(run.transformer).close()
-    return dict(peak_bytes=peaks, ratio={k: peaks[k] / peaks[baseline(k)] for k in peaks if not k.startswith("unchanged")})
+            del run
+    kind = CudaPeakMemory.kind if on_cuda(where) else "autograd-saved tensors"
+    return dict(kind=kind, peak_bytes=peaks,
+                ratio={k: peaks[k] / peaks[baseline(k)] for k in peaks if not k.startswith("unchanged")})
 
 
 def _collective_counts(rank: int, world: int, name: str, size: str, window: int) -> dict:
     from jaggc_studies.bench.sharded import count_collectives, wrap_dit
 
-    loop = loop_setup(name, size)
+    loop = loop_setup(name, Where(size))
     out = {}
     with quiet():
         for form in ("unchanged", "joint", "lowmem"):
@@ -102,17 +108,21 @@ def collectives(name: str, *, size: str = "tiny", window: int = 4, world: int = 
     return dict(world=world, reduce_scatters_per_trajectory=results[0])
 
 
-def run_loops(names=loops.LOOPS, *, size: str = "10m", rounds: int = 5,
+def run_loops(names=loops.LOOPS, *, size: str = "10m", rounds: int = 5, where: Where | None = None,
               progress: Callable[[str], None] = print) -> dict:
+    """Every loop's lines, memory, speed and (on the CPU) collectives; ``where`` (trainers/sizes.py)
+    overrides ``size`` with a size, a device and a dtype."""
+    where = where if where is not None else Where(size)
     results = {}
     for name in names:
         progress(f"{name} loop: lines changed, memory ...")
         row = dict(lines_changed=loops.lines_changed(name), diff=loops.user_diff(name))
-        row["memory"] = memory(name, size=size)
+        row["memory"] = memory(name, where)
         if rounds:
-            progress(f"{name} loop: CPU time against the unchanged loop, {rounds} rounds ({size}) ...")
-            row["speed"] = speed(name, size=size, rounds=rounds)
-        if name != "flow_grpo":
+            progress(f"{name} loop: time against the unchanged loop, {rounds} rounds ({where.size}, {where.device}, "
+                     f"{str(where.dtype).removeprefix('torch.')}) ...")
+            row["speed"] = speed(name, where, rounds=rounds)
+        if name != "flow_grpo" and not on_cuda(where):
             progress(f"{name} loop: FSDP1 reduce-scatters per trajectory ...")
             row["collectives"] = collectives(name)
         results[name] = row
@@ -128,8 +138,9 @@ def format_loops(results: dict) -> str:
         if "speed" in r:
             s = r["speed"]
             units = s["cost_model"]["units"]
-            lines.append(f"    {s['model']}, {s['trainable'] / 1e6:.2f}M trained of {s['params'] / 1e6:.1f}M, "
-                         f"{s['rounds']} rounds; measured one step's call: "
+            lines.append(f"    {s['model']} on {s['device']} ({s['dtype']}, {s['clock']} time), "
+                         f"{s['trainable'] / 1e6:.2f}M trained of {s['params'] / 1e6:.1f}M, "
+                         f"{s['rounds']} rounds; peak memory: {m['kind']}; measured one step's call: "
                          + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in units.items())
                          + f"; unchanged {s['seconds_per_trajectory']['unchanged']:.3f} s per trajectory")
             for label in s["median"]:
@@ -138,9 +149,9 @@ def format_loops(results: dict) -> str:
                 lines.append(f"    {label:22s} {s['median'][label]:.2f}x [{s['min'][label]:.2f}-{s['max'][label]:.2f}]"
                              f"  cost model {s['cost_model']['ratio'][label]:.2f}x"
                              f"  {s['seconds_per_trajectory'][label]:.3f} s/trajectory"
-                             f"  peak activations {m['ratio'][label]:.2f}x{extra}")
+                             f"  peak memory {m['ratio'][label]:.2f}x{extra}")
         else:
-            lines.append("    peak activations " + ", ".join(f"{f} {v:.2f}x" for f, v in m["ratio"].items()))
+            lines.append("    peak memory " + ", ".join(f"{f} {v:.2f}x" for f, v in m["ratio"].items()))
         if "collectives" in r:
             c = r["collectives"]["reduce_scatters_per_trajectory"]
             lines.append("    FSDP1 reduce-scatters per trajectory " + ", ".join(f"{f} {v:g}" for f, v in c.items()))

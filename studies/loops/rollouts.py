@@ -104,19 +104,23 @@ def _flux_epoch(run, *, seed: int, step, guidance: torch.dtype) -> None:
     num_steps = run.stored_steps
     samples = []
     transformer.eval()
-    for i in range(len(run.samples_batched_list)):
-        z = torch.randn(run.latent_shape).to(device)
+    for i, stored_sample in enumerate(run.samples_batched_list):
+        # the prompt's embeddings as the samples store them (the training calls read those)
+        embeds, pooled = stored_sample["encoder_hidden_states"], stored_sample["pooled_prompt_embeds"]
+        dtype = stored_sample["latents"].dtype
+        z = torch.randn(run.latent_shape).to(device, dtype)
         latents, log_probs = [z], []
         with torch.no_grad():
             for k in range(run.sigma_schedule.shape[0] - 1):
                 timesteps = torch.full([1], int(run.sigma_schedule[k] * 1000), device=device, dtype=torch.long)
                 with torch.autocast("cuda", torch.bfloat16):
-                    pred = transformer(hidden_states=z, encoder_hidden_states=cond["encoder_hidden_states"],
+                    pred = transformer(hidden_states=z, encoder_hidden_states=embeds,
                                        timestep=timesteps / 1000,
                                        guidance=torch.tensor([3.5], device=device, dtype=guidance),
-                                       txt_ids=cond["txt_ids"], pooled_projections=cond["pooled_projections"],
+                                       txt_ids=cond["txt_ids"], pooled_projections=pooled,
                                        img_ids=cond["img_ids"], joint_attention_kwargs=None, return_dict=False)[0]
                 z, log_prob = step(pred, z, k)
+                z = z.to(dtype)
                 latents.append(z)
                 log_probs.append(log_prob)
         stored = torch.stack(latents, 1)

@@ -42,7 +42,10 @@ import torch
 
 import jaggc
 from jaggc.runtime.module_state import unwrap
+from jaggc.testing import cuda_autocast_on_cpu
+from jaggc_studies.bench.device import CudaPeakMemory, SyncedClock
 from jaggc_studies.loops import dance_grpo as dg, flow_grpo as fg, mix_grpo as mg, rollouts
+from jaggc_studies.trainers.sizes import Where
 
 FORMS = ("joint", "lowmem", "per_window")
 WINDOW = 4
@@ -62,27 +65,53 @@ class LoopSetup:
     in_order: bool               # the steps come in σ order (lowmem holds its knots)
 
 
-def loop_setup(name: str, size: str) -> LoopSetup:
-    """The loop ``name`` at ``size``. The Flux loops' latents are 8 x 8 packed tokens at 10m (64: 16
-    tokens leave a CPU latency-bound, where a backward costs 1.25 forwards instead of the 2 it costs
-    at 64 tokens and beyond, and at the thousands of a real image), 4 x 4 on the tiny model."""
-    side = 8 if size == "10m" else 4
+def loop_setup(name: str, where: Where) -> LoopSetup:
+    """The loop ``name`` on ``where`` (trainers/sizes.py). The Flux loops' latents are 8 x 8 packed
+    tokens at 10m (64: 16 tokens leave a CPU latency-bound, where a backward costs 1.25 forwards
+    instead of the 2 it costs at 64 tokens and beyond, and at the thousands of a real image), 4 x 4
+    on the tiny model, FLUX.1-dev's at ``where.resolution`` for the published one."""
+    side = 8 if where.size == "10m" else 4
     if name == "flow_grpo":
         # Flow-GRPO's SD3 configs: 10 sampling steps, timestep_fraction 0.99 (9 trained: windows 4, 4, 1)
-        return LoopSetup(lambda **kw: fg.setup(size=size, num_steps=9, batch=2, trajectories=1, **kw),
+        return LoopSetup(lambda **kw: fg.setup(num_steps=9, batch=2, trajectories=1, where=where, **kw),
                          fg.train_unchanged, fg.train_jaggc, rollouts.flow_grpo_epoch, (4, 4, 1), cfg=True,
                          reference=True, in_order=True)
     if name == "dance_grpo":
         # its finetune_flux_grpo.sh: 16 sampling steps (15 stored), 60% trained (9: windows of 4, 4, 1),
         # an optimizer step every 4 samples, gradient checkpointing
-        return LoopSetup(lambda **kw: dg.setup(size=size, num_steps=15, samples=4, fraction=0.6,
-                                               gradient_accumulation_steps=4, checkpointing=True, side=side, **kw),
+        return LoopSetup(lambda **kw: dg.setup(num_steps=15, samples=4, fraction=0.6, gradient_accumulation_steps=4,
+                                               checkpointing=True, side=side, where=where, **kw),
                          dg.train_unchanged, dg.train_jaggc, rollouts.dance_grpo_epoch, (4, 4, 1), cfg=False,
                          reference=False, in_order=False)
     # its 4-step window at the start of the run, an optimizer step every 3 samples
-    return LoopSetup(lambda **kw: mg.setup(size=size, samples=3, gradient_accumulation_steps=3, side=side, **kw),
+    return LoopSetup(lambda **kw: mg.setup(samples=3, gradient_accumulation_steps=3, side=side, where=where, **kw),
                      mg.train_unchanged, mg.train_jaggc, rollouts.mix_grpo_epoch, (4,), cfg=False, reference=False,
                      in_order=True)
+
+
+def on_cuda(where: Where) -> bool:
+    return torch.device(where.device).type == "cuda"
+
+
+def clock(where: Where) -> Callable[[], float]:
+    """Process CPU time on the CPU (one thread: stable on a shared machine); on CUDA the wall clock
+    read after the device finished its queued work."""
+    return SyncedClock(where.device) if on_cuda(where) else time.process_time
+
+
+@contextlib.contextmanager
+def run_on(where: Where):
+    """Where the loops run: one thread on the CPU, quiet; a half-precision run on the CPU is the
+    trainers' GPU form (their CUDA autocast blocks made live CPU blocks, ``cuda_autocast_on_cpu``)."""
+    threads = torch.get_num_threads()
+    gpu_form = not on_cuda(where) and where.dtype in (torch.bfloat16, torch.float16)
+    with quiet(), (cuda_autocast_on_cpu() if gpu_form else contextlib.nullcontext()):
+        if not on_cuda(where):
+            torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
 
 def variants(loop: LoopSetup, forms=FORMS) -> dict[str, tuple[dict | None, bool]]:
@@ -108,55 +137,61 @@ def quiet():
     return stack
 
 
-def epoch(loop: LoopSetup, run, on_policy: bool, seed: int, changed: bool) -> tuple[float, float]:
-    """One epoch (sampled first when on-policy): (sampling CPU s, training CPU s)."""
-    start = time.process_time()
+def epoch(loop: LoopSetup, run, on_policy: bool, seed: int, changed: bool,
+          now: Callable[[], float] = time.process_time) -> tuple[float, float]:
+    """One epoch (sampled first when on-policy): (sampling s, training s) on the clock ``now``."""
+    start = now()
     if on_policy:
         loop.sample(run, seed=seed)
-    sampled = time.process_time()
+    sampled = now()
     (loop.changed if changed else loop.unchanged)(run)
-    return sampled - start, time.process_time() - sampled
+    return sampled - start, now() - sampled
 
 
-def speed(name: str, *, size: str = "10m", rounds: int = 5, forms=FORMS) -> dict:
-    """Interleaved CPU-time rounds of every variant (module docstring)."""
-    loop = loop_setup(name, size)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with quiet():
-            table = variants(loop, forms)
-            runs = {label: loop.setup(stepwise=kw) if kw is not None else loop.setup() for label, (kw, _) in table.items()}
-            for warm in range(2):      # the first trajectories' one-off costs; the slice learned
-                for label, (kw, on_policy) in table.items():
-                    epoch(loop, runs[label], on_policy, seed=100 + warm, changed=kw is not None)
-            train = {label: [] for label in table}
-            sample = {label: [] for label in table}
-            order = list(table)
-            for r in range(rounds):
-                for label in order[r % len(order):] + order[:r % len(order)]:
-                    kw, on_policy = table[label]
-                    s, t = epoch(loop, runs[label], on_policy, seed=r, changed=kw is not None)
-                    sample[label].append(s)
-                    train[label].append(t)
-            counts = {label: vars(jaggc.stepwise(run.transformer).counts).copy()
-                      for label, run in runs.items() if table[label][0] is not None}
-            for label, run in runs.items():
-                if table[label][0] is not None:
-                    jaggc.stepwise(run.transformer).close()
-    finally:
-        torch.set_num_threads(threads)
+def speed(name: str, where: Where, *, rounds: int = 5, forms=FORMS) -> dict:
+    """Interleaved rounds of every variant (module docstring): per variant the seconds per
+    trajectory, the ratio to its unchanged baseline and, on CUDA, the training epoch's peak memory."""
+    loop = loop_setup(name, where)
+    now = clock(where)
+    with run_on(where):
+        table = variants(loop, forms)
+        runs = {label: loop.setup(stepwise=kw) if kw is not None else loop.setup() for label, (kw, _) in table.items()}
+        for warm in range(2):          # the first trajectories' one-off costs; the slice learned
+            for label, (kw, on_policy) in table.items():
+                epoch(loop, runs[label], on_policy, seed=100 + warm, changed=kw is not None, now=now)
+        train = {label: [] for label in table}
+        sample = {label: [] for label in table}
+        peak = {}
+        order = list(table)
+        for r in range(rounds):
+            for label in order[r % len(order):] + order[:r % len(order)]:
+                kw, on_policy = table[label]
+                meter = CudaPeakMemory(where.device) if on_cuda(where) and r == 0 else contextlib.nullcontext()
+                with meter:
+                    s, t = epoch(loop, runs[label], on_policy, seed=r, changed=kw is not None, now=now)
+                if isinstance(meter, CudaPeakMemory):
+                    peak[label] = meter.peak_bytes
+                sample[label].append(s)
+                train[label].append(t)
+        counts = {label: vars(jaggc.stepwise(run.transformer).counts).copy()
+                  for label, run in runs.items() if table[label][0] is not None}
+        for label, run in runs.items():
+            if table[label][0] is not None:
+                jaggc.stepwise(run.transformer).close()
+        costs = cost_model(name, where, forms)
     ratios = {label: [u / v for u, v in zip(train[baseline(label)], train[label])]
               for label in table if not label.startswith("unchanged")}
     model = runs["unchanged"].transformer
     trajectories = _trajectories(runs["unchanged"])
-    return dict(model=f"{type(unwrap(model)).__name__}-{size}", params=sum(p.numel() for p in model.parameters()),
+    return dict(model=f"{type(unwrap(model)).__name__}-{where.size}", device=str(where.device),
+                dtype=str(where.dtype).removeprefix("torch."), clock="wall, synchronised" if on_cuda(where) else
+                "process CPU", params=sum(p.numel() for p in model.parameters()),
                 trainable=sum(p.numel() for p in model.parameters() if p.requires_grad), rounds=rounds,
                 median={k: statistics.median(v) for k, v in ratios.items()},
                 min={k: min(v) for k, v in ratios.items()}, max={k: max(v) for k, v in ratios.items()},
                 seconds_per_trajectory={k: statistics.median(v) / trajectories for k, v in train.items()},
                 rollout_s={k: statistics.median(v) for k, v in sample.items() if table[k][1]},
-                counts=counts, cost_model=cost_model(name, size, forms))
+                cuda_peak_bytes=peak, counts=counts, cost_model=costs)
 
 
 def _trajectories(run) -> int:
@@ -165,45 +200,39 @@ def _trajectories(run) -> int:
 
 # --- the cost model ------------------------------------------------------------------------------
 
-def unit_costs(name: str, size: str) -> dict:
+def unit_costs(name: str, where: Where) -> dict:
     """F and B (and, for a CFG loop, Fh and Bh of its half batch) of one step's call, as the loop
-    makes it, on this machine: process CPU s, one thread, median of 5."""
-    loop = loop_setup(name, size)
-    with quiet():
-        run = loop.setup()
-    full = _one_call(name, run)
-    calls = {"": full}
+    makes it, on this machine: median of 5 on the loop's clock (call it inside ``run_on``)."""
+    loop = loop_setup(name, where)
+    now = clock(where)
+    run = loop.setup()
+    calls = {"": _one_call(name, run)}
     if loop.cfg:
         calls["h"] = _one_call(name, run, half=True)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        out = {}
-        for suffix, call in calls.items():
-            g = torch.randn_like(call())
+    out = {}
+    for suffix, call in calls.items():
+        g = torch.randn_like(call())
 
-            def median_s(fn, n=5):
+        def median_s(fn, n=5):
+            fn()
+            ts = []
+            for _ in range(n):
+                t = now()
                 fn()
-                ts = []
-                for _ in range(n):
-                    t = time.process_time()
-                    fn()
-                    ts.append(time.process_time() - t)
-                return statistics.median(ts)
+                ts.append(now() - t)
+            return statistics.median(ts)
 
-            with torch.no_grad():
-                forward = median_s(call)
-            both = median_s(lambda: call().backward(g))
-            out["F" + suffix], out["B" + suffix] = forward, max(both - forward, 1e-9)
-    finally:
-        torch.set_num_threads(threads)
+        with torch.no_grad():
+            forward = median_s(call)
+        both = median_s(lambda: call().backward(g))
+        out["F" + suffix], out["B" + suffix] = forward, max(both - forward, 1e-9)
     return out
 
 
-def cost_model(name: str, size: str, forms=FORMS, units: dict | None = None) -> dict:
+def cost_model(name: str, where: Where, forms=FORMS, units: dict | None = None) -> dict:
     """Each variant's modelled ratio to the unchanged loop (module docstring's table), and the units."""
-    loop = loop_setup(name, size)
-    u = units if units is not None else unit_costs(name, size)
+    loop = loop_setup(name, where)
+    u = units if units is not None else unit_costs(name, where)
     f, b = u["F"], u["B"]
     fh, bh = u.get("Fh", f), u.get("Bh", b)
     r = f if loop.reference else 0.0
@@ -248,10 +277,16 @@ def _one_call(name: str, run, half: bool = False) -> Callable:
                                        timestep=torch.cat([s["timesteps"][:, 0]] * copies), encoder_hidden_states=embeds,
                                        pooled_projections=pooled, return_dict=False)[0]
     s = run.samples_batched_list[0]
-    return lambda: run.transformer(hidden_states=s["latents"][:, 0], encoder_hidden_states=s["encoder_hidden_states"],
-                                   timestep=s["timesteps"][:, 0] / 1000, guidance=torch.tensor([3.5]),
+    guidance = torch.tensor([3.5], device=s["latents"].device)
+
+    def call():
+        with torch.autocast("cuda", torch.bfloat16):        # the trainers' block around the Flux call
+            return run.transformer(hidden_states=s["latents"][:, 0], encoder_hidden_states=s["encoder_hidden_states"],
+                                   timestep=s["timesteps"][:, 0] / 1000, guidance=guidance,
                                    txt_ids=s["text_ids"], pooled_projections=s["pooled_prompt_embeds"],
                                    img_ids=s["image_ids"], return_dict=False)[0]
+    return call
 
 
-__all__ = ["FORMS", "LoopSetup", "baseline", "cost_model", "epoch", "loop_setup", "speed", "unit_costs", "variants"]
+__all__ = ["FORMS", "LoopSetup", "baseline", "clock", "cost_model", "epoch", "loop_setup", "on_cuda", "run_on", "speed",
+           "unit_costs", "variants"]

@@ -56,4 +56,4 @@ def off_policy_step(model: nn.Module, seed: int, trained: Callable[[str], bool])
     for name, p in model.named_parameters():
         if trained(name):
             scale = p.float().pow(2).mean().sqrt().item()
-            p.add_(torch.randn(p.shape, generator=g) * OFF_POLICY_STEP * scale)
+            p.add_((torch.randn(p.shape, generator=g) * OFF_POLICY_STEP * scale).to(p.device, p.dtype))

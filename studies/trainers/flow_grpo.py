@@ -4,14 +4,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from jaggc import grpo, models
+from jaggc import grpo
 
+from . import sizes
 from .common import T_DEFAULT, GRPOConfig, TrainerShape, off_policy_step
 
 
@@ -111,31 +113,44 @@ class Pipeline:
 
 
 def flow_grpo_sd3(*, num_steps: int = T_DEFAULT, batch: int = 2, seed: int = 0, beta: float = 0.04,
-                  cfg: bool = True, size: str = "tiny") -> TrainerShape:
-    """SD3 (tiny) wrapped by peft's ``get_peft_model`` (random rank-4 LoRA on the attention, so the
-    adapter-off reference differs from the policy), a shift-3 ``FlowMatchEulerDiscreteScheduler``."""
+                  cfg: bool = True, size: str = "tiny", where: sizes.Where | None = None) -> TrainerShape:
+    """SD3 wrapped by peft's ``get_peft_model`` (small sizes: a random rank-4 LoRA on the attention, so
+    the adapter-off reference differs from the policy; ``where=Where("published")``: SD3.5-Medium with
+    Flow-GRPO's LoRA, trainers/sizes.py), a shift-3 ``FlowMatchEulerDiscreteScheduler``. ``where``
+    also gives the device and the base weights' dtype (the LoRA stays float32, as peft makes it)."""
     import peft
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    base = models.sd3(size, seed=seed)
-    lora = peft.LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"],
-                           init_lora_weights=False)
+    where = where if where is not None else sizes.Where(size)
+    device = torch.device(where.device)
+    base = sizes.sd3(where, seed=seed).to(where.dtype)
     torch.manual_seed(seed + 7)
-    transformer = peft.get_peft_model(base, lora)
+    transformer = peft.get_peft_model(base, peft.LoraConfig(**sizes.sd3_lora(where)))
+    for p in transformer.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()     # Flow-GRPO trains its LoRA in float32 beside a half-precision base
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
-    scheduler.set_timesteps(num_steps + 1)
+    scheduler.set_timesteps(num_steps + 1, device=device)
     config = GRPOConfig(beta=beta, cfg=cfg)
     g = torch.Generator().manual_seed(seed + 3)
     cfg_model = base.config
-    prompts = torch.randn(batch, 5, cfg_model.joint_attention_dim, generator=g)
-    pooled = torch.randn(batch, cfg_model.pooled_projection_dim, generator=g)
+    text_len = sizes.sd3_text_len(where)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(device)
+
+    prompts = randn(batch, text_len, cfg_model.joint_attention_dim)
+    pooled = randn(batch, cfg_model.pooled_projection_dim)
     sample = dict(prompt_embeds=prompts, pooled_prompt_embeds=pooled,
-                  negative_prompt_embeds=torch.randn(1, 5, cfg_model.joint_attention_dim, generator=g).expand(batch, -1, -1).contiguous(),
-                  negative_pooled_prompt_embeds=torch.randn(1, cfg_model.pooled_projection_dim, generator=g).expand(batch, -1).contiguous())
-    z = torch.randn(models.sd3_latent_shape(base, batch), generator=g)
+                  negative_prompt_embeds=randn(1, text_len, cfg_model.joint_attention_dim).expand(batch, -1, -1).contiguous(),
+                  negative_pooled_prompt_embeds=randn(1, cfg_model.pooled_projection_dim).expand(batch, -1).contiguous())
+    z = randn(*sizes.sd3_latent_shape(base, batch, where))
     latents, next_latents, log_probs = [], [], []
     pipe = Pipeline(scheduler)
-    with torch.no_grad():
+    # a half-precision base samples under autocast, as the prepared model's forward runs (accelerate)
+    half = where.dtype in (torch.bfloat16, torch.float16)
+    autocast = torch.autocast(device.type, where.dtype) if half else contextlib.nullcontext()
+    with torch.no_grad(), autocast:
         for k in range(num_steps + 1):
             t = scheduler.timesteps[k].expand(batch)
             step = {"latents": z[:, None], "timesteps": t[:, None]}
@@ -149,7 +164,7 @@ def flow_grpo_sd3(*, num_steps: int = T_DEFAULT, batch: int = 2, seed: int = 0, 
             z = prev
     keep = slice(0, num_steps)     # Flow-GRPO does not train the last step
     rewards = -(z ** 2).mean(dim=(1, 2, 3))
-    adv = grpo.flow_grpo_advantages(rewards, [b // 2 for b in range(batch)]).to(torch.float32)
+    adv = grpo.flow_grpo_advantages(rewards.cpu(), [b // 2 for b in range(batch)]).to(device, torch.float32)
     sample.update(latents=torch.stack(latents, 1)[:, keep].contiguous(),
                   next_latents=torch.stack(next_latents, 1)[:, keep].contiguous(),
                   log_probs=torch.stack(log_probs, 1)[:, keep].contiguous(),

@@ -243,3 +243,55 @@ def test_docs_show_each_loop_s_diff_as_measured():
     text = (Path(__file__).resolve().parents[2] / "docs" / "trainers.md").read_text()
     shown = re.findall(r"^```diff\n(.*?)^```", text, re.M | re.S)
     assert [block.rstrip("\n") for block in shown[:3]] == ["\n".join(loops.user_diff(n)) for n in loops.LOOPS]
+
+
+def test_the_loops_gpu_form_runs_here_at_tiny_size():
+    """``jaggc trainers --loops flow_grpo --dtype bf16 --speed-size tiny``: bf16 weights, accelerate's
+    bf16 mixed precision, the slice and the cache on-policy; every variant timed beside its model."""
+    from jaggc_studies.loops import report
+    from jaggc_studies.trainers.sizes import Where
+
+    results = report.run_loops(("flow_grpo",), where=Where("tiny", dtype=torch.bfloat16), rounds=1,
+                               progress=lambda _: None)
+    s = results["flow_grpo"]["speed"]
+    assert s["dtype"] == "bfloat16" and s["device"] == "cpu"
+    assert {"joint/slice", "joint/cache", "per_window/cache"} <= set(s["median"])
+    assert s["counts"]["joint/cache"]["cached_forwards"] > 0 and s["counts"]["joint/slice"]["sliced_steps"] > 0
+    assert set(s["cost_model"]["units"]) == {"F", "B", "Fh", "Bh"}
+    assert "bfloat16" in report.format_loops(results)
+
+
+def test_the_published_flow_grpo_loop_is_built_as_flow_grpo_configures_it():
+    """SD3.5-Medium (cut to one layer to fit this machine) with Flow-GRPO's LoRA: rank 32, alpha 64,
+    the 8 attention projections, float32 adapters on a bf16 base; one on-policy epoch with the cache."""
+    from jaggc_studies.loops import rollouts
+    from jaggc_studies.trainers.sizes import FLOW_GRPO_LORA, Where
+
+    run = fg.setup(num_steps=4, batch=1, trajectories=1, where=Where("published", layers=1, resolution=64,
+                                                                      dtype=torch.bfloat16),
+                   stepwise=dict(window=4, weights="t", cfg_slice=True, rollout_cache=True))
+    model = flow_model(run)
+    config = model.peft_config["default"]
+    assert (config.r, config.lora_alpha) == (32, 64) and set(config.target_modules) == set(FLOW_GRPO_LORA["target_modules"])
+    assert model.get_base_model().config.num_attention_heads == 24 and run.prompt_embeds.shape[1] == 333
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
+    assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}
+    assert run.accelerator.mixed_precision == "bf16"
+    rollouts.flow_grpo_epoch(run, seed=0)
+    fg.train_jaggc(run)
+    assert jaggc.stepwise(run.transformer).counts.cached_forwards == 4      # 2 interior steps and 2 knots
+    jaggc.stepwise(run.transformer).close()
+
+
+def test_device_cuda_without_cuda_exits_with_one_line():
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    out = subprocess.run([sys.executable, "-m", "jaggc.cli", "trainers", "--names", "none", "--loops", "mix_grpo",
+                          "--device", "cuda", "--dtype", "bf16"], capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("jaggc trainers: --device cuda: ")
+    assert "CPU-only build" in lines[0] and "--device cpu" in lines[0]
