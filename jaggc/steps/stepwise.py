@@ -41,6 +41,7 @@ from ..errors import JaggError, JaggInputError, JaggUnsupportedError
 from ..options import Options
 from ..runtime.calls import DitCall, batch_size
 from ..runtime.module_state import module_chain, unwrap
+from ..runtime.optimizer_hook import register_before_optimizer_step, unregister_before_optimizer_step
 from ..runtime.rollout_cache import RolloutCache
 from ..runtime.weights import DEFAULT_WEIGHTS, resolve_basis
 from ..runtime.window import check_window_size
@@ -161,8 +162,7 @@ class Stepwise:
             # pipeline.transformer, inside the DDP wrapper the loop trains): its calls are recorded
             # where every path reaches, the innermost module, unless they came through this one
             self._recording = unwrap(self.module).register_forward_hook(_InnerRecorder(self), with_kwargs=True)
-        _LIVE.add(self)
-        _ensure_optimizer_hook()
+        register_before_optimizer_step(self)
 
     # --- the rollout cache's recording ----------------------------------------------------------
     def records(self) -> bool:
@@ -205,7 +205,7 @@ class Stepwise:
             if self._recording is not None:
                 self._recording.remove()
                 self._recording = None
-            _LIVE.discard(self)
+            unregister_before_optimizer_step(self)
 
     # --- trajectories ------------------------------------------------------------------------------
     def trajectory(self, timesteps) -> "Trajectory":
@@ -256,6 +256,13 @@ class Stepwise:
             handle.end("by an exception of the steps' iterable", raised=True)
             raise
         handle.end("when its loop ended")
+
+    def before_optimizer_step(self) -> None:
+        """Before any optimizer step (runtime/optimizer_hook.py): a refusal kept from a loop left
+        early is raised; an open window refuses the step before any parameter moves."""
+        self.raise_deferred()
+        if self._run is not None:
+            self.safety.optimizer_step(self._run)
 
     def raise_deferred(self) -> None:
         """Raise a refusal made when the last trajectory's loop was left (``steps``)."""
@@ -517,25 +524,6 @@ def _checked_options(options: Options | None) -> Options:
         raise JaggInputError(f"stepwise(options=...): {unused} do not apply to a per-step loop (each step is its "
                              f"own call); leave them at their defaults{hints}")
     return options
-
-
-# --- the optimizer step pre-hook: one for every live Stepwise ---------------------------------------
-_LIVE: "weakref.WeakSet[Stepwise]" = weakref.WeakSet()
-_HOOK: list = []
-
-
-def _before_optimizer_step(optimizer, args, kwargs) -> None:
-    for owner in list(_LIVE):
-        owner.raise_deferred()
-        if owner._run is not None:
-            owner.safety.optimizer_step(owner._run)
-
-
-def _ensure_optimizer_hook() -> None:
-    if not _HOOK:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-        _HOOK.append(register_optimizer_step_pre_hook(_before_optimizer_step))
 
 
 __all__ = ["DEFAULT_CACHE_BYTES", "STEPWISE_MODES", "Stepwise", "StepwiseCounts", "StepwiseReport", "Trajectory", "stepwise"]

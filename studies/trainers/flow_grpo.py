@@ -123,7 +123,11 @@ def flow_grpo_sd3(*, num_steps: int = T_DEFAULT, batch: int = 2, seed: int = 0, 
 
     where = where if where is not None else sizes.Where(size)
     device = torch.device(where.device)
-    base = sizes.sd3(where, seed=seed).to(where.dtype)
+    base = sizes.sd3(where, seed=seed)
+    if where.dtype != torch.float32:
+        from jaggc_studies.bench.model_configs import cast
+
+        base = cast(base, dtype=where.dtype)
     torch.manual_seed(seed + 7)
     transformer = peft.get_peft_model(base, peft.LoraConfig(**sizes.sd3_lora(where)))
     for p in transformer.parameters():

@@ -1,0 +1,50 @@
+"""Work that must happen before any optimizer step moves a parameter: one global pre-hook.
+
+A per-step loop's open JAGG window must refuse an optimizer step (its knots' gradient is not in
+``.grad`` yet: steps/safety.py), and a guard probe whose exact gradient is measured by re-running
+the window's calls (under FSDP: guard_probe.py) must run them while the parameters are still those
+the calls ran with. Both register an object here; ``torch.optim``'s global step pre-hook (public:
+``register_optimizer_step_pre_hook``) calls ``before_optimizer_step()`` on each live one, in the
+order registered, for every optimizer of the process (accelerate's wrapper steps the inner one, so
+its off-sync skipped steps call nothing).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Protocol
+
+
+class BeforeStep(Protocol):
+    def before_optimizer_step(self) -> None: ...
+
+
+_LIVE: "weakref.WeakValueDictionary[int, BeforeStep]" = weakref.WeakValueDictionary()
+_HOOK: list = []
+_ORDER = [0]
+
+
+def register_before_optimizer_step(obj: BeforeStep) -> None:
+    """Call ``obj.before_optimizer_step()`` before every optimizer step while ``obj`` lives."""
+    if not any(v is obj for v in _LIVE.values()):
+        _ORDER[0] += 1
+        _LIVE[_ORDER[0]] = obj
+    if not _HOOK:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _HOOK.append(register_optimizer_step_pre_hook(_before_optimizer_step))
+
+
+def unregister_before_optimizer_step(obj: BeforeStep) -> None:
+    for key in [k for k, v in _LIVE.items() if v is obj]:
+        del _LIVE[key]
+
+
+def _before_optimizer_step(optimizer, args, kwargs) -> None:
+    for key in sorted(_LIVE.keys()):
+        obj = _LIVE.get(key)
+        if obj is not None:
+            obj.before_optimizer_step()
+
+
+__all__ = ["register_before_optimizer_step", "unregister_before_optimizer_step"]
