@@ -93,9 +93,8 @@ class Guard:
             return exact_fn(*args, **kwargs)
         if not torch.is_grad_enabled():
             return run(*args, **kwargs)
-        index = self.calls
-        self.calls += 1
-        if index % self.every:
+        probed, index = self.start()
+        if not probed:
             return run(*args, **kwargs)
         if self._pending is not None and not self._pending.finished:
             self._unfinished += 1
@@ -111,14 +110,25 @@ class Guard:
         self._pending = probe
         return probe.attach(out)
 
+    def start(self) -> tuple[bool, int]:
+        """Count one guarded unit (a compiled loss's call, a stepwise trajectory): (whether it is
+        probed, its index)."""
+        index = self.calls
+        self.calls += 1
+        return index % self.every == 0, index
+
     def runs_exact(self, times: torch.Tensor) -> bool:
         """Whether a window call with these (S, B) timesteps runs exactly because its σ range drifted."""
         return bool(self.exact_ranges) and range_of(float(noise_levels(times).min()), self.sigma_edges) in self.exact_ranges
 
     def _finished(self, probe: CallProbe) -> None:
         result = probe.finish()
-        if result is None:
-            return
+        if result is not None:
+            self.record(result)
+
+    def record(self, result: ProbeResult) -> None:
+        """One probe's result (a compiled loss's call, or a stepwise trajectory: steps/probe.py):
+        the statistics, ``on_probe``, and the policy's decision when a block is full."""
         self.probed += 1
         self.last = result
         self.block.add(result)
@@ -168,6 +178,36 @@ class Guard:
                 warnings.warn(head + f"; drifted σ range(s): {where} (on_drift='warn': nothing changed)", stacklevel=2)
         self.history.append(entry)
         self.block = Block(self.sigma_edges, self.probes)
+
+    # --- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The guard's state (counters, the running block, the decided blocks, the σ ranges it made
+        exact, whether JAGG is off), for ``torch.save`` beside the model and optimizer; accelerate:
+        ``accelerator.register_for_checkpointing(guard)`` saves it with ``save_state`` and
+        ``load_state`` restores it. Under FSDP the block's sums are this rank's shards: save one per
+        rank. A probe running when the state is taken is not in it."""
+        return dict(version=1, every=self.every, probes=self.probes, sigma_edges=self.sigma_edges,
+                    calls=self.calls, probed=self.probed, exact_ranges=sorted(self.exact_ranges),
+                    jagg_off=self.jagg_off, history=list(self.history), block=self.block.state_dict(),
+                    unfinished=self._unfinished)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state_dict()``: the next probe adds to the saved block, the adapted ranges
+        stay exact. Refused if the σ edges or the block size differ (the statistics would not
+        compare); ``every``, ``on_drift`` and the limits may change."""
+        if tuple(state["sigma_edges"]) != self.sigma_edges or state["probes"] != self.probes:
+            raise JaggInputError(
+                f"Guard.load_state_dict: the saved guard has sigma_edges={tuple(state['sigma_edges'])}, "
+                f"probes={state['probes']}; this one {self.sigma_edges}, {self.probes}. Build the Guard with the "
+                f"saved settings to continue its statistics")
+        self.calls, self.probed, self._unfinished = state["calls"], state["probed"], state.get("unfinished", 0)
+        self.exact_ranges = set(state["exact_ranges"])
+        self.jagg_off = bool(state["jagg_off"])
+        self.history = list(state["history"])
+        self.block = Block(self.sigma_edges, self.probes)
+        self.block.load_state_dict(state["block"])
+        self.last_figures = self.block.figures() if self.block.n else {}
+        self.active = self._pending = None
 
     # --- reading it -----------------------------------------------------------------------------
     @property

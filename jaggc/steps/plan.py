@@ -78,7 +78,7 @@ def declared_times(timesteps) -> torch.Tensor:
 class TrajectoryPlan:
     """The windows of one declared trajectory and the rule that maps a DiT call to its step."""
 
-    def __init__(self, timesteps, *, window: int, basis: Basis, time_arg: str | int | None = None):
+    def __init__(self, timesteps, *, window: int, basis: Basis, time_arg: str | int | None = None, guard=None):
         self.times = declared_times(timesteps)                   # (N, Bd), declaration order
         self.time_arg = time_arg
         num_steps = self.times.shape[0]
@@ -109,6 +109,11 @@ class TrajectoryPlan:
             elif basis.runs_exact(win_times):
                 planned = PlannedWindow(w, steps, tuple(range(len(steps))), True,
                                         f"σ-aware placement: reaches σ < {basis.exact_below:g}")
+            elif guard is not None and (guard.jagg_off or guard.runs_exact(win_times)):
+                # the guard's policy (runtime/guard.py): its σ range drifted (adapt), or JAGG is off (exact)
+                planned = PlannedWindow(w, steps, tuple(range(len(steps))), True,
+                                        "guard: JAGG off (on_drift='exact')" if guard.jagg_off
+                                        else "guard: its σ range drifted (on_drift='adapt')")
             else:
                 planned = PlannedWindow(w, steps, basis.knot_positions(len(steps)), False)
             self.windows.append(planned)

@@ -26,9 +26,10 @@ from ..runtime.calls import DitCall, batch_size, concat_calls, resolve_time_arg,
 from .roles import RunOfSteps, StepVisit
 
 
-def rerun_calls(run: RunOfSteps, jobs: Sequence[tuple[StepVisit, DitCall]]) -> list[Any]:
+def rerun_calls(run: RunOfSteps, jobs: Sequence[tuple[StepVisit, DitCall]], *, count: bool = True) -> list[Any]:
     """The outputs, with grad, of each job's call (a visit's call, or its rows under the CFG
-    slice) run again in its visit's state (module docstring), in the order of ``jobs``."""
+    slice) run again in its visit's state (module docstring), in the order of ``jobs``. ``count``:
+    counted as the window's re-runs (not for a guard probe's, steps/probe.py)."""
     owner = run.owner
     visits = list({id(v): v for v, _ in jobs}.values())
     for visit in visits:
@@ -49,15 +50,15 @@ def rerun_calls(run: RunOfSteps, jobs: Sequence[tuple[StepVisit, DitCall]]) -> l
             # the slices are views: taken with grad on (a window's backward runs without), or
             # they would carry no graph
             outs = split_output(out, len(jobs), batch)
-        owner.counts.grad_forwards += 1
+        owner.counts.grad_forwards += count
     else:
         outs = []
         for visit, job in jobs:
             with rng_states_restored(visit.rng), _state_applied(run, visit.state), owner.passing_through(), \
                     torch.enable_grad():
                 outs.append(job(owner.module))
-            owner.counts.grad_forwards += 1
-    owner.counts.reruns += len(jobs)
+            owner.counts.grad_forwards += count
+    owner.counts.reruns += len(jobs) if count else 0
     run.latest = jobs[-1][0]
     return outs
 

@@ -34,6 +34,7 @@ class StepVisit:
     grads: list | None = None              # g_k per tapped leaf, once the step's backward ran
     exact: bool = False                    # ran as written (its own DiT backward)
     rows: Any = None                       # slicing.RowSlice: only these rows run with grad (the CFG slice)
+    probe_graph: Any = None                # an interior step's output with grad in a probed trajectory (probe.py)
 
 
 class StepwiseOwner(Protocol):

@@ -50,6 +50,7 @@ class WindowRun:
         self.exact = planned.exact
         self.done = False
         self.dropped: set[int] = set()     # steps a zero_grad wiped before the window completed
+        self.jagg = False                  # its backward sends knot composites (window_entries)
 
     @property
     def open(self) -> bool:
@@ -73,6 +74,8 @@ class TrajectoryRun:
         self.states = StateReader(owner.module)       # the module's state at each call, for its re-run
         self.dropouts = live_dropouts(self.states.modules)
         self.checked_placement = False               # device/dtype of the calls' inputs: checked once
+        self.probe = None                            # the guard's probe of this trajectory (steps/probe.py)
+        self.backward_steps = 0                      # steps whose backward began
 
     def window(self, step: int) -> WindowRun:
         return self.windows[self.plan.window_of[step].index]
@@ -111,6 +114,13 @@ class TrajectoryRun:
             # a knot the rollout made whole needs no forward now: its window's backward re-runs it
             # (its rows with grad), batched with the other knot, as backward="per_window" does
             out = self._cached(call)
+        if out is None and role == "interior" and self.probe is not None and self.probe.in_window:
+            # a probed trajectory: the interior step's graph for the guard's error (steps/probe.py);
+            # the loop sees the values it would see unguarded (the rollout cache's where it serves)
+            visit.probe_graph = self.probe.interior_forward(call)
+            out = self._cached(call)
+            if out is None:
+                out = tree_map(_detached, visit.probe_graph)
         if out is None:
             out = self._forward_held(visit, forward) if hold else self._forward_without_grad(call, forward)
         if exact_now:
@@ -214,6 +224,7 @@ class TrajectoryRun:
         if first:
             self.owner.ledger.mark_exact_backward()
             self.owner.counts.backwards += 1
+            self._step_backward_done()
         if self.owner.slicer is not None:
             self.owner.slicer.observe(batch, grad)
         return grad
@@ -244,6 +255,7 @@ class TrajectoryRun:
                 self.owner.slicer.observe(batch, g)
         if visit.grads is None:
             visit.grads = list(grads)
+            self._step_backward_done()
         else:
             visit.grads = [a if b is None else b if a is None else a + b for a, b in zip(visit.grads, grads)]
         if self.deferred:
@@ -255,15 +267,23 @@ class TrajectoryRun:
         elif all(s in win.visits and win.visits[s].grads is not None for s in win.planned.steps):
             self.complete(win)
 
+    def _step_backward_done(self) -> None:
+        """A step's backward began; after the trajectory's last one, a guard probe reads ``.grad``
+        once that backward has finished (on the deferred schedule: after ``complete_all``)."""
+        self.backward_steps += 1
+        if self.probe is not None and not self.deferred and self.backward_steps == len(self.plan):
+            self.probe.queue_after()
+
     # --- a window's joint backward -----------------------------------------------------------------
     def complete(self, win: WindowRun) -> None:
-        self.run_backward(self.window_entries(win))
+        self.run_backward(self.window_entries(win), windows=[win])
         self.finish(win)
 
     def window_entries(self, win: WindowRun) -> list[tuple[StepVisit, list]]:
         """What the window's backward sends through which call: each knot its composite
         Γ_j = Σ_s Φ[s, j] g_s (an exact window: each step its own g_s)."""
         visits = [win.visits[s] for s in win.planned.steps]
+        win.jagg = False
         if win.planned.exact:
             return [(v, v.grads) for v in visits]
         if len({tuple(v.index) for v in visits}) != 1:
@@ -278,6 +298,7 @@ class TrajectoryRun:
             # ones (a timestep at the threshold, within roundoff): the window runs exactly
             return [(v, v.grads) for v in visits]
         batch = times.shape[1]
+        win.jagg = True
         composites = [knot_composites(phi, gs) for gs in zip(*[v.grads for v in visits])]   # per tapped leaf
         return [(visits[position], [None if c is None else c[j * batch:(j + 1) * batch] for c in composites])
                 for j, position in enumerate(knots)]
@@ -301,19 +322,22 @@ class TrajectoryRun:
         backpropagated only along with a fresh one, whose hooks unshard the parameters); re-run
         calls one window (an exact window: one step) at a time, at one window's memory."""
         if self.owner.backward is BackwardMode.JOINT:
-            self.run_backward([e for w in self.windows if not w.done for e in self.window_entries(w)])
+            open_windows = [w for w in self.windows if not w.done]
+            self.run_backward([e for w in open_windows for e in self.window_entries(w)], windows=open_windows)
         else:
             for w in self.windows:
                 if w.done:
                     continue
                 entries = self.window_entries(w)
                 for part in ([[e] for e in entries] if w.planned.exact else [entries]):
-                    self.run_backward(part)
+                    self.run_backward(part, windows=[w])
         for w in self.windows:
             if not w.done:
                 self.finish(w)
+        if self.probe is not None:
+            self.probe.read_after()
 
-    def run_backward(self, entries: list[tuple[StepVisit, list]]) -> None:
+    def run_backward(self, entries: list[tuple[StepVisit, list]], windows: Sequence[WindowRun] = ()) -> None:
         """ONE backward of ``entries`` ((visit, upstream grad per tapped leaf)) through each visit's
         held graph or a re-run of its call; with the CFG slice, through its rows with grad, and
         through a re-run of its rows without grad where their cotangent is not zero (the slice's
@@ -339,12 +363,13 @@ class TrajectoryRun:
         first = len(jobs) - len(recovered)
         fresh = {id(v): out for (v, _), out in zip(jobs[:first], outs)}
         recovery = {id(v): out for v, out in zip(recovered, outs[first:])}
-        roots, root_grads = [], []
+        roots, root_grads, parts_of = [], [], {}
         for visit, grads in entries:
             out = visit.held if visit.held is not None else fresh[id(visit)]
             parts = [(out, None if visit.rows is None else visit.rows.runs(True))]
             if id(visit) in recovery:
                 parts.append((recovery[id(visit)], visit.rows.runs(False)))
+            parts_of[id(visit)] = parts
             batch = batch_size(visit.call)
             for part, runs in parts:
                 leaves = tree_flatten(part)[0]
@@ -354,6 +379,9 @@ class TrajectoryRun:
                         roots.append(leaf)
                         root_grads.append((g if runs is None else take_rows(g, runs, batch)).to(leaf.dtype))
             visit.held = None
+        jagg = [w for w in windows if w.jagg]
+        if self.probe is not None and jagg:
+            self.probe.window_errors(jagg, parts_of, {id(v): g for v, g in entries})
         if roots:
             self.owner.safety.before_backward(self, entries)
             torch.autograd.backward(roots, root_grads)

@@ -39,6 +39,8 @@ from .._compat import fsdp_version, in_backward, reshard_fully_sharded
 from ..backward_modes import BackwardMode, backward_mode, modes_where
 from ..errors import JaggError, JaggInputError, JaggUnsupportedError
 from ..options import Options
+from ..runtime.guard import Guard
+from ..runtime.guard_stats import range_label
 from ..runtime.calls import DitCall, batch_size
 from ..runtime.module_state import module_chain, unwrap
 from ..runtime.optimizer_hook import register_before_optimizer_step, unregister_before_optimizer_step
@@ -50,6 +52,7 @@ from .ledger import Ledger
 from .plan import TrajectoryPlan
 from .ranks import agree_on_plan, agree_on_slice, distributed
 from .run import TrajectoryRun
+from .probe import TrajectoryProbe
 from .safety import Safety
 from .slicing import SliceLearner
 
@@ -71,6 +74,8 @@ class StepwiseCounts:
     jagg_windows: int = 0         # windows whose joint backward ran
     fallbacks: int = 0            # windows run exactly after a warning (safety.py)
     cached_forwards: int = 0      # no-grad forwards served from the rollout cache instead
+    probe_forwards: int = 0       # the guard's: interior steps with grad, FSDP's re-runs (steps/probe.py)
+    probe_backwards: int = 0      # the guard's: one per probed JAGG window
     sliced_steps: int = 0         # forwards (or re-runs) with grad on the CFG slice's rows only (slicing.py)
     recoveries: int = 0           # sliced rows re-run with grad: their cotangent was not zero
 
@@ -87,6 +92,7 @@ class StepwiseReport:
     notes: list[str] = field(default_factory=list)
     cfg_slice: list[str] | None = None        # the slices learned (None: cfg_slice off)
     cache: dict | None = None                 # the rollout cache's figures (None: off)
+    guard: str | None = None                  # the guard's state in a line (None: no guard)
 
     def __str__(self) -> str:
         c = self.counts
@@ -105,6 +111,8 @@ class StepwiseReport:
                          f"({_bound(k['max_bytes'])}; {k['bytes_per_row'] / 2**10:.1f} KiB per row, "
                          f"{k['bytes_per_sample_step'] / 2**10:.1f} KiB per sample-step)"
                          + (f"; {k['skipped_rows']} rows not recorded (max_bytes)" if k["skipped_rows"] else ""))
+        if self.guard is not None:
+            lines.append(f"  guard: {self.guard}; probe forwards {c.probe_forwards}, probe backwards {c.probe_backwards}")
         for w in self.windows:
             lines.append(f"  window {w['index']}: steps {w['steps']} {w['mode']}" + (f" ({w['reason']})" if w['reason'] else ""))
         lines += [f"  note: {n}" for n in self.notes[-5:]]
@@ -119,7 +127,8 @@ class Stepwise:
     """JAGG for a loop that calls ``module`` once per step and backward() after each (module docstring)."""
 
     def __init__(self, module: nn.Module, *, window: int = 4, weights=DEFAULT_WEIGHTS, backward: str = "joint",
-                 options: Options | None = None, cfg_slice: bool = False, rollout_cache: bool | int = False):
+                 options: Options | None = None, cfg_slice: bool = False, rollout_cache: bool | int = False,
+                 guard=None):
         check_window_size(window)
         if backward not in STEPWISE_MODES:
             raise JaggInputError(f"stepwise(backward={backward!r}): use one of {tuple(m.value for m in STEPWISE_MODES)}")
@@ -138,6 +147,9 @@ class Stepwise:
         self.counts = StepwiseCounts()
         self.notes: list[str] = []
         self.cfg_slice, self.rollout_cache = bool(cfg_slice), rollout_cache
+        if guard is not None and not isinstance(guard, Guard):
+            raise JaggInputError(f"stepwise(guard={type(guard).__name__}): pass a jaggc.Guard(every=..., on_drift=...)")
+        self.guard = guard
         self.slicer = SliceLearner() if cfg_slice else None
         self.cache = _rollout_cache(module, rollout_cache, self.options)
         self.ledger = Ledger(module)
@@ -213,7 +225,8 @@ class Stepwise:
         shape (steps,) or the trainers' (batch, steps), in the units the DiT is called with or in
         the other of 0..1000 and 0..1). A trajectory still open is ended first."""
         self._end("when the next trajectory was declared")
-        plan = TrajectoryPlan(timesteps, window=self.window, basis=self.basis, time_arg=self.options.time_arg)
+        plan = TrajectoryPlan(timesteps, window=self.window, basis=self.basis, time_arg=self.options.time_arg,
+                              guard=self.guard)
         if self.slicer is not None:
             self.slicer.begin(plan.times.shape[1])
         if self.distributed:
@@ -223,6 +236,10 @@ class Stepwise:
         run = TrajectoryRun(self, plan)
         self._run = self._last = run
         self.counts.trajectories += 1
+        if self.guard is not None:
+            probed, index = self.guard.start()
+            if probed and any(not w.exact for w in plan.windows):
+                run.probe = TrajectoryProbe(self, self.guard, index, run)
         if self.fsdp:
             # FSDP2 leaves the root unsharded after a forward that no backward followed (the rollout's,
             # an evaluation), its module holding the unsharded parameters in place of the sharded
@@ -263,6 +280,9 @@ class Stepwise:
         self.raise_deferred()
         if self._run is not None:
             self.safety.optimizer_step(self._run)
+            if self._run.probe is not None and self._run.over():
+                # the guard's FSDP probe re-runs its windows' calls: before the parameters move
+                self._run.probe.finish()
 
     def raise_deferred(self) -> None:
         """Raise a refusal made when the last trajectory's loop was left (``steps``)."""
@@ -278,6 +298,8 @@ class Stepwise:
         self.safety.close(run, reason, raised=raised)
         if self.slicer is not None:
             self.slicer.end()
+        if run.probe is not None:
+            run.probe.finish()
 
     def drop(self, run: TrajectoryRun) -> None:
         """Forget ``run`` (after a refusal): its held graphs and gradients are freed."""
@@ -287,7 +309,10 @@ class Stepwise:
             self.slicer.discard()
         for win in run.windows:
             for v in win.visits.values():
-                v.held = v.grads = None
+                v.held = v.grads = v.probe_graph = None
+        if run.probe is not None:
+            run.probe.after = None          # a refused trajectory gives no probe (finish() notes it)
+            run.probe.finish()
         self.ledger.snapshot()
 
     def holds_graphs(self, run: TrajectoryRun) -> bool:
@@ -340,7 +365,18 @@ class Stepwise:
                                     reason=w.planned.reason, knots=[w.planned.steps[k] for k in w.planned.knots]))
         slices = None if self.slicer is None else [r.describe() for r in self.slicer.rules.values()]
         return StepwiseReport(self.window, self.basis.label(), self.backward, self.counts, windows, list(self.notes),
-                              cfg_slice=slices, cache=self._cache_figures(run))
+                              cfg_slice=slices, cache=self._cache_figures(run), guard=self._guard_line())
+
+    def _guard_line(self) -> str | None:
+        g = self.guard
+        if g is None:
+            return None
+        f = g.last_figures
+        exact = ", ".join(range_label(g.ranges[r]) for r in sorted(g.exact_ranges)) or "none"
+        running = (f"; running block of {f['probes']}: cosine {f['cosine_mean']:.4f}, bias/floor "
+                   f"{f['bias_over_floor']:.2f}" if f else "")
+        return (f"every={g.every} on_drift={g.on_drift!r}, {g.calls} trajectories, {g.probed} probes{running}; "
+                f"exact σ ranges (adapted): {exact}" + ("; JAGG off" if g.jagg_off else ""))
 
     def _cache_figures(self, run: TrajectoryRun | None) -> dict | None:
         cache = self.cache
@@ -378,7 +414,7 @@ class Trajectory:
 
 def stepwise(module: nn.Module, *, window: int | None = None, weights=None, backward: str | None = None,
              options: Options | None = None, cfg_slice: bool | None = None,
-             rollout_cache: bool | int | None = None) -> Stepwise:
+             rollout_cache: bool | int | None = None, guard: Guard | None = None) -> Stepwise:
     """Install JAGG on ``module`` (the one the loop calls: after ``accelerator.prepare`` or FSDP
     wrapping) for a loop that backpropagates once per step; returns the ``Stepwise`` whose
     ``steps(iterable, timesteps)`` / ``trajectory(timesteps)`` declare each trajectory.
@@ -391,21 +427,24 @@ def stepwise(module: nn.Module, *, window: int | None = None, weights=None, back
     without grad (slicing.py). ``rollout_cache=True`` (or a bound in bytes; True: 2 GiB): the
     module's no-grad calls outside a trajectory (the rollout) are recorded, and a no-grad forward
     of a step is served from them while the parameters, the inputs and the module's state are the
-    rollout's (runtime/rollout_cache.py). On a module that has one installed, ``stepwise(module)``
+    rollout's (runtime/rollout_cache.py). ``guard=jaggc.Guard(every=8, ...)``: one trajectory in
+    ``every`` measures its JAGG windows' error against the exact gradient, without changing ``.grad``
+    (steps/probe.py), with the whole-loss guard's statistics and policy. On a module that has one installed, ``stepwise(module)``
     returns it (so the loop can reach it where it only has the module), and so does a call with the
     same settings; other settings are refused."""
     existing = _installed(module)
     given = dict(window=window, weights=weights, backward=backward, options=options, cfg_slice=cfg_slice,
-                 rollout_cache=rollout_cache)
+                 rollout_cache=rollout_cache, guard=guard)
     settings = dict(window=4 if window is None else window, weights=DEFAULT_WEIGHTS if weights is None else weights,
                     backward="joint" if backward is None else backward, options=options,
-                    cfg_slice=bool(cfg_slice), rollout_cache=False if rollout_cache is None else rollout_cache)
+                    cfg_slice=bool(cfg_slice), rollout_cache=False if rollout_cache is None else rollout_cache,
+                    guard=guard)
     if existing is None:
         return Stepwise(module, **settings)
     if all(v is None for v in given.values()):
         return existing
     mine = dict(window=existing.window, weights=existing.basis, backward=existing.backward, options=existing.options,
-                cfg_slice=existing.cfg_slice, rollout_cache=existing.rollout_cache)
+                cfg_slice=existing.cfg_slice, rollout_cache=existing.rollout_cache, guard=existing.guard)
     asked = dict(settings, weights=resolve_basis(settings["weights"]), options=_checked_options(options))
     if mine != asked:
         differ = sorted(k for k in mine if mine[k] != asked[k])

@@ -27,7 +27,8 @@ import jaggc
 from jaggc.runtime.memory import track_saved_tensors
 from jaggc_studies import loops
 from jaggc_studies.bench.device import CudaPeakMemory
-from jaggc_studies.loops.speed import FORMS, baseline, epoch, loop_setup, on_cuda, quiet, run_on, speed, variants
+from jaggc_studies.loops.speed import (FORMS, baseline, epoch, loop_setup, on_cuda, quiet, run_on, speed, variants,
+                                       whole_epoch)
 from jaggc_studies.trainers.sizes import Where
 
 
@@ -122,6 +123,8 @@ def run_loops(names=loops.LOOPS, *, size: str = "10m", rounds: int = 5, where: W
             progress(f"{name} loop: time against the unchanged loop, {rounds} rounds ({where.size}, {where.device}, "
                      f"{str(where.dtype).removeprefix('torch.')}) ...")
             row["speed"] = speed(name, where, rounds=rounds)
+            progress(f"{name} loop: a whole epoch as the trainer runs it, sampling included ...")
+            row["epoch"] = whole_epoch(name, where, rounds=rounds)
         if name != "flow_grpo" and not on_cuda(where):
             progress(f"{name} loop: FSDP1 reduce-scatters per trajectory ...")
             row["collectives"] = collectives(name)
@@ -152,6 +155,11 @@ def format_loops(results: dict) -> str:
                              f"  peak memory {m['ratio'][label]:.2f}x{extra}")
         else:
             lines.append("    peak memory " + ", ".join(f"{f} {v:.2f}x" for f, v in m["ratio"].items()))
+        if "epoch" in r:
+            e = r["epoch"]
+            lines.append(f"    a whole epoch ({e['variant']}): training {e['training']['median']:.2f}x "
+                         f"[{e['training']['min']:.2f}-{e['training']['max']:.2f}], sampling included "
+                         f"{e['epoch']['median']:.2f}x [{e['epoch']['min']:.2f}-{e['epoch']['max']:.2f}]")
         if "collectives" in r:
             c = r["collectives"]["reduce_scatters_per_trajectory"]
             lines.append("    FSDP1 reduce-scatters per trajectory " + ", ".join(f"{f} {v:g}" for f, v in c.items()))

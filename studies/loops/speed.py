@@ -194,6 +194,41 @@ def speed(name: str, where: Where, *, rounds: int = 5, forms=FORMS) -> dict:
                 cuda_peak_bytes=peak, counts=counts, cost_model=costs)
 
 
+def whole_epoch(name: str, where: Where, *, rounds: int = 5, form: str = "joint") -> dict:
+    """An epoch as the trainer runs it, sampling included: the unchanged loop against stepwise with
+    the slice (where there is CFG) and the rollout cache, interleaved rounds. Flow-GRPO's epoch is
+    two sample batches with an optimizer step after each (its gradient_accumulation_steps of half
+    the batches per epoch): the first trains on-policy (the cache serves), the second after the
+    step (the cache is stale, every forward runs); DanceGRPO's and MixGRPO's epochs step once, after
+    all their samples: every sample on-policy."""
+    loop = loop_setup(name, where)
+    if name == "flow_grpo":
+        loop = LoopSetup(lambda **kw: fg.setup(num_steps=9, batch=2, trajectories=2, where=where,
+                                               config=fg.TrainConfig(gradient_accumulation_steps=1), **kw),
+                         loop.unchanged, loop.changed, loop.sample, loop.windows, loop.cfg, loop.reference,
+                         loop.in_order)
+    now = clock(where)
+    kw = dict(window=WINDOW, weights="t", backward=form, cfg_slice=loop.cfg, rollout_cache=True)
+    with run_on(where):
+        runs = {"unchanged": loop.setup(), "stepwise": loop.setup(stepwise=kw)}
+        for label, run in runs.items():
+            epoch(loop, run, True, seed=100, changed=label == "stepwise", now=now)      # warm; the slice learned
+        times = {label: [] for label in runs}
+        for r in range(rounds):
+            for label in (list(runs) if r % 2 == 0 else list(reversed(runs))):
+                s, t = epoch(loop, runs[label], True, seed=r, changed=label == "stepwise", now=now)
+                times[label].append((s, t))
+        counts = vars(jaggc.stepwise(runs["stepwise"].transformer).counts).copy()
+        jaggc.stepwise(runs["stepwise"].transformer).close()
+    train = [u[1] / v[1] for u, v in zip(times["unchanged"], times["stepwise"])]
+    whole = [sum(u) / sum(v) for u, v in zip(times["unchanged"], times["stepwise"])]
+    return dict(variant=f"{form}" + ("/slice" if loop.cfg else "") + "/cache", rounds=rounds,
+                training=dict(median=statistics.median(train), min=min(train), max=max(train)),
+                epoch=dict(median=statistics.median(whole), min=min(whole), max=max(whole)),
+                seconds={k: [statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)]
+                         for k, v in times.items()}, counts=counts)
+
+
 def _trajectories(run) -> int:
     return len(run.samples_batched) if hasattr(run, "samples_batched") else len(run.samples_batched_list)
 
@@ -288,5 +323,5 @@ def _one_call(name: str, run, half: bool = False) -> Callable:
     return call
 
 
-__all__ = ["FORMS", "LoopSetup", "baseline", "clock", "cost_model", "epoch", "loop_setup", "on_cuda", "run_on", "speed",
+__all__ = ["FORMS", "LoopSetup", "baseline", "clock", "whole_epoch", "cost_model", "epoch", "loop_setup", "on_cuda", "run_on", "speed",
            "unit_costs", "variants"]

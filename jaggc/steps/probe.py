@@ -1,0 +1,226 @@
+"""The guard inside a per-step loop: a probed trajectory's JAGG error against the exact gradient.
+
+``jaggc.stepwise(module, guard=jaggc.Guard(every=8, ...))`` probes one trajectory in ``every``
+(``Guard.start``). A probe measures what the whole-loss guard measures (guard_probe.py), with the same
+statistics and policy (``Guard.record``): J_p, the trajectory's gradient (what its backward passes put
+into ``.grad``, exact steps included), X_p the exact gradient of the same steps, and per JAGG window
+w its error e_w = Σ_j J_{k_j}ᵀ (Γ_j − g_{k_j}) − Σ_{s interior} J_sᵀ g_s, so X_p = J_p − Σ_w e_w.
+Nothing of it changes ``.grad``: the optimizer gets, bit for bit, what an unguarded run gives it.
+
+* J_p: the flat ``.grad`` when the trajectory's last backward has finished, minus the flat ``.grad``
+  when it was declared; under DDP the ranks' average of that difference (whatever the loop synced in
+  between: the average of an average is itself, so a synced and a ``no_sync`` backward both count
+  right), under FSDP this rank's shard (reduce-scattered, averaged).
+* e_w where autograd sees the parameters (one process, DDP): in a probed trajectory the interior
+  steps run with grad, on the module inside DDP (DDP's reducer never sees them) and their values are
+  the ones the loop would see (the rollout cache's where it serves them); when the window's
+  backward runs, ONE ``torch.autograd.grad`` through the knots' graphs (retained: the window's own
+  backward uses them next) and the interior steps' gives e_w into a flat buffer: one backward of the
+  window's W steps. Held: the interior steps' activations until their window's backward.
+* e_w under FSDP (autograd sees only the gathered copies): the window's calls and upstream gradients
+  are kept, and when the trajectory ends (or before an optimizer step, if that comes first) the
+  window's W calls re-run with grad through FSDP and one backward into a side buffer
+  (runtime/sharded_grads.py: FSDP's own hooks gather and reduce-scatter, ``.grad`` is set aside and
+  put back) gives this rank's shard of the ranks' average e_w. Statistics over shards sum their dot
+  products over the ranks (guard_stats.ShardedSum): every rank computes the same figures and takes
+  the same decision. Costs W forwards more per probed window than the in-window probe.
+
+A trajectory the loop disturbed (a safety fallback, an early end) gives no probe; a probe is
+dropped, with a note, if its trajectory's last backward never finished.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from .._compat import fsdp_gradient_slots, run_after_backward, tree_flatten
+from ..runtime.guard_probe import _flat, local_module
+from ..runtime.guard_stats import ProbeResult, ShardedSum, local_sum, range_of
+from ..runtime.param_grads import parameter_grads
+from ..runtime.sharded_grads import ShardedGradBuffer
+from ..runtime.weights import noise_levels
+from .slicing import take_rows
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+class TrajectoryProbe:
+    """The probe of one stepwise trajectory (module docstring)."""
+
+    def __init__(self, owner, guard, index: int, run):
+        self.owner, self.guard, self.index, self.run = owner, guard, index, run
+        self.sharded = bool(owner.fsdp)
+        if self.sharded:
+            self.slots = fsdp_gradient_slots(owner.module)
+            self.dtype = torch.float64 if any(_local(s.shard()).dtype == torch.float64 for s in self.slots) \
+                else torch.float32
+        else:
+            self.local = local_module(owner.module)
+            self.params = [p for p in self.local.parameters() if p.requires_grad]
+            self.names = {id(p): n for n, p in self.local.named_parameters()}
+            self.dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
+        self.before = self._grads()
+        self.after: torch.Tensor | None = None
+        self.errors: dict[int, torch.Tensor] = {}
+        self.windows: list[tuple[int, float, float]] = []
+        self.kept: list[tuple] = []         # FSDP: (window, [(visit, cotangents)]) re-run when the trajectory ends
+        self.finished = False
+        self.fallbacks = owner.counts.fallbacks
+
+    @property
+    def in_window(self) -> bool:
+        """The error is taken where the window's backward runs (autograd sees the parameters)."""
+        return not self.sharded
+
+    # --- the flat gradient ---------------------------------------------------------------------
+    def _grads(self) -> torch.Tensor:
+        if not self.sharded:
+            return _flat([p.grad for p in self.params], self.params, self.dtype)
+        parts = []
+        for slot in self.slots:
+            shard = _local(slot.shard())
+            held = slot.held()
+            g = _local(held[0]) if held else None
+            parts.append(torch.zeros(shard.numel(), dtype=self.dtype, device=shard.device) if g is None
+                         else g.reshape(-1).to(self.dtype))
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=self.dtype)
+
+    def read_after(self) -> None:
+        """The trajectory's last backward finished (run.py queues this after it)."""
+        self.after = self._grads()
+
+    def queue_after(self) -> None:
+        run_after_backward(self.read_after)
+
+    # --- a probed trajectory's steps -------------------------------------------------------------
+    def interior_forward(self, call) -> Any:
+        """An interior step of a probed trajectory, with grad, on the module inside DDP."""
+        owner = self.owner
+        with owner.passing_through(), torch.enable_grad():
+            out = self.local(*call.args, **call.kwargs)
+        owner.counts.probe_forwards += 1
+        return out
+
+    def window_errors(self, windows, parts: dict[int, list], composites: dict[int, list]) -> None:
+        """At the windows' backward: e_w of each JAGG window (module docstring). ``parts``: per visit
+        the outputs its backward goes through, with the rows they hold (the CFG slice); ``composites``:
+        per knot visit the Γ its backward sends."""
+        for win in windows:
+            knots = [win.visits[s] for s in win.planned.steps if win.planned.role(s) == "knot"]
+            interior = [win.visits[s] for s in win.planned.steps if win.planned.role(s) == "interior"]
+            outputs, cotangents = [], []
+            for visit in knots:
+                gamma = composites[id(visit)]
+                batch = gamma[0].shape[0] if gamma and gamma[0] is not None else None
+                for out, runs in parts[id(visit)]:
+                    leaves = tree_flatten(out)[0]
+                    for i, g_own, g_mix in zip(visit.index, visit.grads, gamma):
+                        if g_mix is None or not getattr(leaves[i], "requires_grad", False):
+                            continue
+                        diff = g_mix - (0 if g_own is None else g_own)
+                        outputs.append(leaves[i])
+                        cotangents.append((diff if runs is None else take_rows(diff, runs, batch)).to(leaves[i].dtype))
+            for visit in interior:
+                if self.sharded:
+                    continue
+                leaves = tree_flatten(visit.probe_graph)[0]
+                for i, g in zip(visit.index, visit.grads):
+                    if g is not None and leaves[i].requires_grad:
+                        outputs.append(leaves[i])
+                        cotangents.append(-g.to(leaves[i].dtype))
+            if self.sharded:
+                kept = [(v, [None if g is None else g.detach().clone() for g in v.grads],
+                         [None if g is None else g.detach().clone() for g in composites[id(v)]] if id(v) in composites
+                         else None) for v in knots + interior]
+                self.kept.append((win, kept))
+                continue
+            if outputs:
+                grads = parameter_grads(outputs, self.params, cotangents, names=self.names, retain_graph=True,
+                                        what=f"jaggc guard: the probe of window {win.planned.index}")
+                self._add(win, _flat(grads, self.params, self.dtype))
+                self.owner.counts.probe_backwards += 1
+            for visit in interior:
+                visit.probe_graph = None
+
+    def _add(self, win, error: torch.Tensor) -> None:
+        times = self.run.plan.times[list(win.planned.steps)]
+        sigma_min = float(noise_levels(times).min())
+        r = range_of(sigma_min, self.guard.sigma_edges)
+        self.errors[r] = error if r not in self.errors else self.errors[r].add_(error)
+        self.windows.append((win.planned.index, sigma_min, error.pow(2).sum()))   # |e_w|², this rank's part
+
+    # --- the end -------------------------------------------------------------------------------
+    def finish(self) -> None:
+        """Hand the probe to the guard (once), or drop it with a note."""
+        if self.finished:
+            return
+        self.finished = True
+        if self.after is None or self.owner.counts.fallbacks != self.fallbacks:
+            why = "its last backward never finished" if self.after is None else "the loop disturbed a window"
+            self.owner.note_once("probe-dropped", f"the guard's probe of trajectory {self.index} was dropped: {why}")
+            return
+        if self.sharded:
+            for win, kept in self.kept:
+                self._rerun_window(win, kept)
+        jagg = self.after - self.before
+        reduce = ShardedSum() if self.sharded else local_sum
+        if self.owner.ddp is not None and self.owner.distributed:
+            jagg, self.errors = self._average(jagg)
+        norms = [(pos, sigma, float(reduce(sq)) ** 0.5) for pos, sigma, sq in self.windows]
+        error = sum(self.errors.values()) if self.errors else torch.zeros_like(jagg)
+        self.guard.record(ProbeResult(index=self.index, jagg=jagg, exact=jagg - error,
+                                      range_errors=dict(self.errors), windows=norms, reduce=reduce))
+
+    def _rerun_window(self, win, kept) -> None:
+        """FSDP: the window's calls again with grad, one backward into a side buffer: this rank's
+        shard of the average e_w."""
+        from .rerun import rerun_calls
+
+        outs = rerun_calls(self.run, [(v, v.call) for v, _, _ in kept], count=False)
+        roots, cotangents = [], []
+        for (visit, own, gamma), out in zip(kept, outs):
+            leaves = tree_flatten(out)[0]
+            for k, i in enumerate(visit.index):
+                g = own[k]
+                cot = (gamma[k] - (0 if g is None else g)) if gamma is not None else (None if g is None else -g)
+                if cot is not None and isinstance(cot, torch.Tensor) and leaves[i].requires_grad:
+                    roots.append(leaves[i])
+                    cotangents.append(cot.to(leaves[i].dtype))
+        self.owner.counts.probe_forwards += len(kept)
+        if not roots:
+            return
+        buffer = ShardedGradBuffer(self.owner.module)
+        buffer.backward(roots, cotangents, what=f"jaggc guard: the probe of window {win.planned.index}")
+        self.owner.counts.probe_backwards += 1
+        parts = []
+        for slot, b in zip(buffer.slots, buffer.buffer):
+            shard = _local(slot.shard())
+            parts.append(torch.zeros(shard.numel(), dtype=self.dtype, device=shard.device) if b is None
+                         else _local(b).reshape(-1).to(self.dtype))
+        self._add(win, torch.cat(parts))
+
+    def _average(self, jagg: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """DDP: the ranks' average of J and of each σ range's error (module docstring); one all-reduce."""
+        import torch.distributed as dist
+
+        group = getattr(self.owner.ddp, "process_group", None)
+        ranges = range(len(self.guard.ranges))
+        zeros = torch.zeros_like(jagg)
+        seen = torch.tensor([float(r in self.errors) for r in ranges], dtype=jagg.dtype, device=jagg.device)
+        flat = torch.cat([jagg] + [self.errors.get(r, zeros) for r in ranges] + [seen])
+        dist.all_reduce(flat, group=group)
+        world = dist.get_world_size(group=group)
+        n = jagg.numel()
+        parts = flat[:-len(seen)].split(n)
+        seen = flat[-len(seen):]
+        errors = {r: parts[1 + r] / world for r in ranges if float(seen[r]) > 0}
+        # the windows' norms stay this rank's: a per-window table is a diagnosis, not a decision
+        return parts[0] / world, errors
+
+
+__all__ = ["TrajectoryProbe"]
