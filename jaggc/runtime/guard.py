@@ -23,8 +23,11 @@ noise floor. Every ``probes`` probes (a block: 64, the bias study's N) the guard
 (tensorboard, wandb), ``guard.history`` the decided blocks. Cost: per probe one backward of every JAGG
 window's steps; memory: one snapshot of the gradient, one error buffer per σ range that has JAGG
 windows (during a probe and in the block's running sums) and the block's exact-gradient sum, all
-flat copies of the trainable parameters (tiny for LoRA). Under DDP the errors are all-reduced once
-per probe; FSDP is refused. The probe call's loss must be backpropagated on its own (one backward
+flat copies of the trainable parameters (tiny for LoRA; under FSDP this rank's shards). Under DDP
+the errors are all-reduced once per probe; under FSDP each window is measured through FSDP's own
+backward after the call's (guard_probe.py). A per-step loop's guard is ``jaggc.stepwise(...,
+guard=...)`` (steps/probe.py): the same statistics and policy, one probed trajectory in ``every``.
+``state_dict()`` / ``load_state_dict()`` carry it across a checkpoint. The probe call's loss must be backpropagated on its own (one backward
 per call, as the trainers do): the JAGG figure is what that backward adds to ``.grad``.
 """
 

@@ -20,9 +20,15 @@ call, read when the backward has finished: ``run_after_backward``, after DDP's o
 callback); the exact gradient is that minus Σ_w e_w. Under DDP the probe's forwards run on the
 wrapped module itself (DDP's reducer never sees them), and the windows' errors, one flat buffer
 per σ range, are all-reduced (averaged like DDP's gradients) once per probe; inside the user's
-``no_sync()`` steps nothing is reduced and the figures are this rank's. FSDP is refused: its
-parameters are sharded and autograd never sees them (a probe would need FSDP's own backward per
-window, as the low-memory mode does).
+``no_sync()`` steps nothing is reduced and the figures are this rank's.
+
+Under FSDP autograd never sees the sharded parameters (only the gathered copies), so a window keeps
+its upstream gradients, and when the call's backward has finished (J read from FSDP's sharded
+``.grad``) its forwards run again with grad, in the forward's module and autocast state, and ONE
+backward through FSDP's own hooks into a side buffer (runtime/sharded_grads.py: ``.grad`` set
+aside and put back) gives this rank's shard of the ranks' average e_w: (W + 2) F + W B per probed
+window. The statistics sum their dot products over the ranks' shards (guard_stats.ShardedSum), so
+every rank takes the same decision. The same holds for ``jaggc.stepwise``'s guard (steps/probe.py).
 """
 
 from __future__ import annotations
@@ -32,13 +38,13 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from .._compat import fsdp_version, run_after_backward, tree_flatten
+from .._compat import fsdp_gradient_slots, fsdp_version, run_after_backward, tree_flatten
 from ..errors import JaggUnsupportedError
 from .aggregate import knot_composites
 from .autocast import current_autocast
 from .calls import DitCall
 from .forwards import chunked_outputs, forward_batched
-from .guard_stats import ProbeResult, range_of
+from .guard_stats import ProbeResult, ShardedSum, local_sum, range_of
 from .module_state import CallState, module_state
 from .param_grads import parameter_grads
 from .weights import noise_levels
@@ -54,6 +60,42 @@ def local_module(dit: nn.Module) -> nn.Module:
 def _flat(grads, params, dtype) -> torch.Tensor:
     return torch.cat([(torch.zeros(p.numel(), dtype=dtype, device=p.device) if g is None else
                        g.reshape(-1).to(dtype)) for g, p in zip(grads, params)])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2), else the tensor."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def slots_dtype(slots) -> torch.dtype:
+    return torch.float64 if any(_local(s.shard()).dtype == torch.float64 for s in slots) else torch.float32
+
+
+def sharded_flat(slots, grads, dtype) -> torch.Tensor:
+    """This rank's shards of an FSDP module's gradient as one flat vector: ``grads`` one per gradient
+    slot (``_compat.GradSlot``; None: zero), in slot order, padding included (zero, as FSDP pads)."""
+    parts = []
+    for slot, g in zip(slots, grads):
+        shard = _local(slot.shard())
+        parts.append(torch.zeros(shard.numel(), dtype=dtype, device=shard.device) if g is None
+                     else _local(g).reshape(-1).to(dtype))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
+
+
+def sharded_grads(slots, dtype) -> torch.Tensor:
+    """``sharded_flat`` of what FSDP holds in each slot now (its synced, sharded ``.grad``)."""
+    return sharded_flat(slots, [(held[0] if held else None) for held in (s.held() for s in slots)], dtype)
+
+
+def sharded_backward(dit: nn.Module, roots, cotangents, dtype, *, what: str) -> torch.Tensor:
+    """One backward of ``roots`` through FSDP's own hooks into a side buffer (``.grad`` set aside and
+    put back: runtime/sharded_grads.py): this rank's shard of the ranks' average, flat."""
+    from .sharded_grads import ShardedGradBuffer
+
+    buffer = ShardedGradBuffer(dit)
+    buffer.backward(roots, cotangents, what=what)
+    return sharded_flat(buffer.slots, buffer.buffer, dtype)
 
 
 def grad_forwards(dit: nn.Module, calls: Sequence[DitCall], steps: Sequence[int], *, time_arg, batch: int,
@@ -89,22 +131,8 @@ class WindowProbe:
         # the joint mode measures leaf by leaf (one aggregation node per output leaf)
         self.unmeasured = {i for i, x in enumerate(self.knot_leaves) if isinstance(x, torch.Tensor) and x.requires_grad}
 
-    def _rebuild_graph(self) -> None:
-        """Per-window mode: the knot and interior forwards again, with grad, in the forward's module and
-        autocast state."""
-        dit = self.call.local
-        with self.state.applied(dit), torch.enable_grad():
-            knot_out = forward_batched(dit, [self.calls[p] for p in self.knots], [self.steps[p] for p in self.knots],
-                                       self.time_arg, self.unbatched)
-            interior = self.interior
-            outs = grad_forwards(dit, [self.calls[p] for p in interior], [self.steps[p] for p in interior],
-                                 time_arg=self.time_arg, batch=self.batch, chunk=self.chunk, unbatched=self.unbatched)
-        self.set_graph(knot_out, {interior[i]: o for i, o in outs.items()})
-
-    def measure(self, per_leaf: dict[int, Sequence[torch.Tensor | None]]) -> None:
-        """e_w from the upstream gradients, ``{output leaf index: [g_s per window position]}``."""
-        if self.knot_leaves is None:
-            self._rebuild_graph()
+    def _error_cotangents(self, per_leaf) -> tuple[list, list]:
+        """The window's outputs with grad and the cotangents whose one backward is e_w (module docstring)."""
         outputs, cotangents = [], []
         for i, grads in per_leaf.items():
             ref = next((g for g in grads if g is not None), None)
@@ -122,6 +150,45 @@ class WindowProbe:
                     leaf = self.interior_leaves[p][i]
                     outputs.append(leaf)
                     cotangents.append(-grads[p].to(leaf.dtype))
+        return outputs, cotangents
+
+    def _rebuild_graph(self) -> None:
+        """Per-window mode: the knot and interior forwards again, with grad, in the forward's module and
+        autocast state."""
+        dit = self.call.local
+        with self.state.applied(dit), torch.enable_grad():
+            knot_out = forward_batched(dit, [self.calls[p] for p in self.knots], [self.steps[p] for p in self.knots],
+                                       self.time_arg, self.unbatched)
+            interior = self.interior
+            outs = grad_forwards(dit, [self.calls[p] for p in interior], [self.steps[p] for p in interior],
+                                 time_arg=self.time_arg, batch=self.batch, chunk=self.chunk, unbatched=self.unbatched)
+        self.set_graph(knot_out, {interior[i]: o for i, o in outs.items()})
+
+    def measure(self, per_leaf: dict[int, Sequence[torch.Tensor | None]]) -> None:
+        """e_w from the upstream gradients, ``{output leaf index: [g_s per window position]}``.
+        Under FSDP they are kept, and e_w measured once the call's backward has finished."""
+        if self.call.sharded:
+            kept = {i: [None if g is None else g.detach().clone() for g in grads] for i, grads in per_leaf.items()}
+            self.call.kept.append((self, kept))
+            self.knot_leaves = self.interior_leaves = None
+            return
+        self._measure(per_leaf)
+
+    def measure_sharded(self, per_leaf) -> None:
+        """FSDP: the window's forwards again with grad, in the forward's module and autocast state,
+        and ONE backward through FSDP's own hooks into a side buffer (runtime/sharded_grads.py)."""
+        self._rebuild_graph()
+        outputs, cotangents = self._error_cotangents(per_leaf)
+        self.knot_leaves = self.interior_leaves = None
+        if outputs:
+            call = self.call
+            call.add_window(self, sharded_backward(call.dit, outputs, cotangents, call.dtype,
+                                                   what=f"jaggc guard: the probe of window {self.position}"))
+
+    def _measure(self, per_leaf) -> None:
+        if self.knot_leaves is None:
+            self._rebuild_graph()
+        outputs, cotangents = self._error_cotangents(per_leaf)
         if outputs:
             call = self.call
             # retain: in the joint mode the real backward goes through the same knot graph next
@@ -150,6 +217,8 @@ class CallProbe:
         self.windows: list[tuple[int, float, float]] = []
         self.positions = 0
         self.finished = False
+        self.sharded = False                          # FSDP: shards, e_w measured after the backward
+        self.kept: list[tuple[WindowProbe, dict]] = []
 
     # --- forward: the windows ---------------------------------------------------------------------
     def _bind(self, dit: nn.Module) -> None:
@@ -158,19 +227,23 @@ class CallProbe:
                 raise JaggUnsupportedError("jaggc guard: one loss call runs two different DiT modules; a guard probes "
                                            "one. Guard each module's loss separately")
             return
-        if fsdp_version(dit):
-            raise JaggUnsupportedError(
-                "jaggc guard: the DiT is wrapped in FSDP, whose sharded parameters autograd never sees, so the probe "
-                "cannot take the exact gradient with torch.autograd.grad. Use the guard under DDP or on one process, "
-                "or measure offline with jaggc.calibrate; drop guard= under FSDP")
         self.dit, self.local = dit, local_module(dit)
-        self.params = [p for p in self.local.parameters() if p.requires_grad]
-        self.names = {id(p): n for n, p in self.local.named_parameters()}
-        self.dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
+        if fsdp_version(dit):
+            # autograd sees only FSDP's gathered copies: the probe keeps each window's upstream
+            # gradients and measures them through FSDP's own backward after the call's (module docstring)
+            self.sharded = True
+            self.slots = fsdp_gradient_slots(dit)
+            self.dtype = slots_dtype(self.slots)
+        else:
+            self.params = [p for p in self.local.parameters() if p.requires_grad]
+            self.names = {id(p): n for n, p in self.local.named_parameters()}
+            self.dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
         # the .grad the call's backward will add to (earlier micro-steps' accumulation included)
         self.snapshot = self._grads()
 
     def _grads(self) -> torch.Tensor:
+        if self.sharded:
+            return sharded_grads(self.slots, self.dtype)
         return _flat([p.grad for p in self.params], self.params, self.dtype)
 
     def window(self, dit: nn.Module, calls, steps, *, time_arg, batch: int, times: torch.Tensor,
@@ -185,12 +258,13 @@ class CallProbe:
     def add_window(self, window: WindowProbe, error: torch.Tensor) -> None:
         r = range_of(window.sigma_min, self.sigma_edges)
         self.range_errors[r] = error if r not in self.range_errors else self.range_errors[r].add_(error)
+        norm = float((ShardedSum() if self.sharded else local_sum)(error.pow(2).sum())) ** 0.5
         known = {w[0]: k for k, w in enumerate(self.windows)}
         if window.position in known:      # another output leaf of the same window
             k = known[window.position]
-            self.windows[k] = (window.position, window.sigma_min, self.windows[k][2] + float(error.norm()))
+            self.windows[k] = (window.position, window.sigma_min, self.windows[k][2] + norm)
         else:
-            self.windows.append((window.position, window.sigma_min, float(error.norm())))
+            self.windows.append((window.position, window.sigma_min, norm))
 
     # --- after the backward ---------------------------------------------------------------------
     def attach(self, out: Any) -> Any:
@@ -209,11 +283,14 @@ class CallProbe:
         if self.finished or self.dit is None:
             return None
         self.finished = True
-        self._all_reduce()
         jagg = self._grads() - self.snapshot
+        for window, per_leaf in self.kept:      # FSDP: outside the call's backward now, .grad read
+            window.measure_sharded(per_leaf)
+        self.kept = []
+        self._all_reduce()
         error = sum(self.range_errors.values()) if self.range_errors else torch.zeros_like(jagg)
         return ProbeResult(index=self.index, jagg=jagg, exact=jagg - error, range_errors=dict(self.range_errors),
-                           windows=list(self.windows))
+                           windows=list(self.windows), reduce=ShardedSum() if self.sharded else local_sum)
 
     def _all_reduce(self) -> None:
         import torch.distributed as dist

@@ -8,7 +8,7 @@ w its error e_w = Σ_j J_{k_j}ᵀ (Γ_j − g_{k_j}) − Σ_{s interior} J_sᵀ 
 Nothing of it changes ``.grad``: the optimizer gets, bit for bit, what an unguarded run gives it.
 
 * J_p: the flat ``.grad`` when the trajectory's last backward has finished, minus the flat ``.grad``
-  when it was declared; under DDP the ranks' average of that difference (whatever the loop synced in
+  after its first forward; under DDP the ranks' average of that difference (whatever the loop synced in
   between: the average of an average is itself, so a synced and a ``no_sync`` backward both count
   right), under FSDP this rank's shard (reduce-scattered, averaged).
 * e_w where autograd sees the parameters (one process, DDP): in a probed trajectory the interior
@@ -36,17 +36,11 @@ from typing import Any, Sequence
 import torch
 
 from .._compat import fsdp_gradient_slots, run_after_backward, tree_flatten
-from ..runtime.guard_probe import _flat, local_module
+from ..runtime.guard_probe import _flat, local_module, sharded_backward, sharded_grads, slots_dtype
 from ..runtime.guard_stats import ProbeResult, ShardedSum, local_sum, range_of
 from ..runtime.param_grads import parameter_grads
-from ..runtime.sharded_grads import ShardedGradBuffer
 from ..runtime.weights import noise_levels
 from .slicing import take_rows
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
 
 
 class TrajectoryProbe:
@@ -57,14 +51,15 @@ class TrajectoryProbe:
         self.sharded = bool(owner.fsdp)
         if self.sharded:
             self.slots = fsdp_gradient_slots(owner.module)
-            self.dtype = torch.float64 if any(_local(s.shard()).dtype == torch.float64 for s in self.slots) \
-                else torch.float32
+            self.dtype = slots_dtype(self.slots)
         else:
             self.local = local_module(owner.module)
             self.params = [p for p in self.local.parameters() if p.requires_grad]
             self.names = {id(p): n for n, p in self.local.named_parameters()}
             self.dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
-        self.before = self._grads()
+        # read at the trajectory's first forward, not now: FSDP1 with use_orig_params=True clears
+        # its flat gradient (left from before the loop's zero_grad) in its forward
+        self.before: torch.Tensor | None = None
         self.after: torch.Tensor | None = None
         self.errors: dict[int, torch.Tensor] = {}
         self.windows: list[tuple[int, float, float]] = []
@@ -81,14 +76,12 @@ class TrajectoryProbe:
     def _grads(self) -> torch.Tensor:
         if not self.sharded:
             return _flat([p.grad for p in self.params], self.params, self.dtype)
-        parts = []
-        for slot in self.slots:
-            shard = _local(slot.shard())
-            held = slot.held()
-            g = _local(held[0]) if held else None
-            parts.append(torch.zeros(shard.numel(), dtype=self.dtype, device=shard.device) if g is None
-                         else g.reshape(-1).to(self.dtype))
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=self.dtype)
+        return sharded_grads(self.slots, self.dtype)
+
+    def read_before(self) -> None:
+        """The trajectory's first DiT forward has run (run.py)."""
+        if self.before is None:
+            self.before = self._grads()
 
     def read_after(self) -> None:
         """The trajectory's last backward finished (run.py queues this after it)."""
@@ -160,7 +153,7 @@ class TrajectoryProbe:
         if self.finished:
             return
         self.finished = True
-        if self.after is None or self.owner.counts.fallbacks != self.fallbacks:
+        if self.after is None or self.before is None or self.owner.counts.fallbacks != self.fallbacks:
             why = "its last backward never finished" if self.after is None else "the loop disturbed a window"
             self.owner.note_once("probe-dropped", f"the guard's probe of trajectory {self.index} was dropped: {why}")
             return
@@ -194,15 +187,9 @@ class TrajectoryProbe:
         self.owner.counts.probe_forwards += len(kept)
         if not roots:
             return
-        buffer = ShardedGradBuffer(self.owner.module)
-        buffer.backward(roots, cotangents, what=f"jaggc guard: the probe of window {win.planned.index}")
         self.owner.counts.probe_backwards += 1
-        parts = []
-        for slot, b in zip(buffer.slots, buffer.buffer):
-            shard = _local(slot.shard())
-            parts.append(torch.zeros(shard.numel(), dtype=self.dtype, device=shard.device) if b is None
-                         else _local(b).reshape(-1).to(self.dtype))
-        self._add(win, torch.cat(parts))
+        self._add(win, sharded_backward(self.owner.module, roots, cotangents, self.dtype,
+                                        what=f"jaggc guard: the probe of window {win.planned.index}"))
 
     def _average(self, jagg: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """DDP: the ranks' average of J and of each σ range's error (module docstring); one all-reduce."""

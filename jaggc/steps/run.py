@@ -125,6 +125,8 @@ class TrajectoryRun:
             out = self._forward_held(visit, forward) if hold else self._forward_without_grad(call, forward)
         if exact_now:
             self.owner.counts.exact_steps += 1
+        if self.probe is not None:
+            self.probe.read_before()
         tapped, visit.index = tap_output(out, lambda grads, v=visit: self.on_grads(v, grads))
         return tapped
 
@@ -212,6 +214,8 @@ class TrajectoryRun:
         out = forward(*call.args, **call.kwargs)
         self.owner.counts.grad_forwards += 1
         self.owner.counts.exact_steps += 1
+        if self.probe is not None:
+            self.probe.read_before()
         leaves, _, index = float_leaves(out)
         grad_leaves = [leaves[i] for i in index if leaves[i].requires_grad]
         for k, leaf in enumerate(grad_leaves):
