@@ -105,7 +105,8 @@ class ErrorMoments:
         self.reduce = reduce
 
     def add(self, e: torch.Tensor) -> None:
-        self.sum = e.clone() if self.sum is None else self.sum.add_(e)
+        # a block loaded from a checkpoint may hold its sums on the CPU (accelerate loads them there)
+        self.sum = e.clone() if self.sum is None else self.sum.to(e.device).add_(e)
         self.sq += dot(e, e, self.reduce)
 
     def bias_and_floor(self, n: int, mean_exact_norm: float) -> tuple[float, float]:
@@ -155,7 +156,8 @@ class Block:
         self.cosines.append(probe.cosine)
         self.rel_errors.append(probe.rel_error)
         self.whole.add(probe.error)
-        self.exact_sum = probe.exact.clone() if self.exact_sum is None else self.exact_sum.add_(probe.exact)
+        self.exact_sum = (probe.exact.clone() if self.exact_sum is None
+                          else self.exact_sum.to(probe.exact.device).add_(probe.exact))
         for r, moments in enumerate(self.ranges):
             e = probe.range_errors.get(r)
             if e is not None:

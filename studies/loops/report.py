@@ -27,8 +27,8 @@ import jaggc
 from jaggc.runtime.memory import track_saved_tensors
 from jaggc_studies import loops
 from jaggc_studies.bench.device import CudaPeakMemory
-from jaggc_studies.loops.speed import (FORMS, baseline, epoch, loop_setup, on_cuda, quiet, run_on, speed, variants,
-                                       whole_epoch)
+from jaggc_studies.loops.speed import (FORMS, baseline, epoch, guard_overhead, loop_setup, on_cuda, quiet, run_on,
+                                       speed, variants, whole_epoch)
 from jaggc_studies.trainers.sizes import Where
 
 
@@ -134,7 +134,8 @@ def run_loops(names=loops.LOOPS, *, size: str = "10m", rounds: int = 5, where: W
 
 def format_loops(results: dict) -> str:
     lines = ["the trainers' own loops with jaggc.stepwise (W=4, weights='t'; ratios: unchanged / stepwise; "
-             "'/slice': cfg_slice=True, '/cache': on-policy, rollout_cache=True, against the unchanged loop on-policy):"]
+             "'/slice': cfg_slice=True, '/cache': on-policy, rollout_cache=True, against the unchanged loop on-policy; "
+             "'/probe': every trajectory probed by the guard, against the unprobed form):"]
     for name, r in results.items():
         lines.append(f"  {name}: {r['lines_changed']} lines changed")
         m = r["memory"]
@@ -149,6 +150,10 @@ def format_loops(results: dict) -> str:
             for label in s["median"]:
                 extra = (f", sampling {s['rollout_s'][label]:.2f} s (unchanged's {s['rollout_s'][baseline(label)]:.2f})"
                          if label in s["rollout_s"] else "")
+                if label.endswith("/probe"):
+                    extra += (f"; vs {baseline(label)}: Guard(every=8) adds {100 * guard_overhead(s['median'][label]):.1f}% "
+                              f"[{100 * guard_overhead(s['max'][label]):.1f}-{100 * guard_overhead(s['min'][label]):.1f}] "
+                              f"(cost model {100 * guard_overhead(s['cost_model']['ratio'][label]):.1f}%)")
                 lines.append(f"    {label:22s} {s['median'][label]:.2f}x [{s['min'][label]:.2f}-{s['max'][label]:.2f}]"
                              f"  cost model {s['cost_model']['ratio'][label]:.2f}x"
                              f"  {s['seconds_per_trajectory'][label]:.3f} s/trajectory"

@@ -123,11 +123,23 @@ def variants(loop: LoopSetup, forms=FORMS) -> dict[str, tuple[dict | None, bool]
         if loop.cfg:
             out[f"{form}/slice"] = (dict(base, cfg_slice=True), False)
         out[f"{form}/cache"] = (dict(base, cfg_slice=loop.cfg, rollout_cache=True), True)
+        if form == "joint":
+            # every trajectory probed by the guard: what a probed trajectory costs beside an unprobed
+            # one (at Guard(every=8) an eighth of it, amortised)
+            out[f"{form}/probe"] = (dict(base, guard=jaggc.Guard(every=1, probes=10**9)), False)
     return out
 
 
 def baseline(label: str) -> str:
+    if label.endswith("/probe"):
+        return label.rsplit("/", 1)[0]
     return "unchanged/on-policy" if label.endswith("/cache") else "unchanged"
+
+
+def guard_overhead(ratio: float, every: int = 8) -> float:
+    """The amortised time a ``Guard(every=every)`` adds to a trajectory, from the measured ratio
+    unprobed / probed: (t_probed - t) / (every t)."""
+    return (1.0 / ratio - 1.0) / every
 
 
 def quiet():
@@ -296,8 +308,13 @@ def cost_model(name: str, where: Where, forms=FORMS, units: dict | None = None) 
         return total
 
     labels = variants(loop, forms)
-    return dict(units=u, ratio={label: trajectory(baseline(label)) / trajectory(label)
-                                for label in labels if not label.startswith("unchanged")})
+    # a probed trajectory adds one backward of each JAGG window's W steps (in-window probe: steps/probe.py)
+    probe = sum(w * b for w in loop.windows if w > 2)
+    ratio = {label: trajectory(baseline(label)) / trajectory(label) for label in labels
+             if not label.startswith("unchanged") and not label.endswith("/probe")}
+    ratio.update({label: trajectory(baseline(label)) / (trajectory(baseline(label)) + probe)
+                  for label in labels if label.endswith("/probe")})
+    return dict(units=u, ratio=ratio)
 
 
 def _one_call(name: str, run, half: bool = False) -> Callable:
@@ -323,5 +340,5 @@ def _one_call(name: str, run, half: bool = False) -> Callable:
     return call
 
 
-__all__ = ["FORMS", "LoopSetup", "baseline", "clock", "whole_epoch", "cost_model", "epoch", "loop_setup", "on_cuda", "run_on", "speed",
+__all__ = ["FORMS", "LoopSetup", "baseline", "clock", "guard_overhead", "whole_epoch", "cost_model", "epoch", "loop_setup", "on_cuda", "run_on", "speed",
            "unit_costs", "variants"]

@@ -196,3 +196,32 @@ def test_load_refuses_other_sigma_ranges():
     state = jaggc.Guard(every=1).state_dict()
     with pytest.raises(jaggc.JaggInputError, match="sigma_edges"):
         jaggc.Guard(every=1, sigma_edges=(0.5,)).load_state_dict(state)
+
+
+def test_accelerate_checkpoints_the_guard(tmp_path):
+    """``accelerator.register_for_checkpointing(guard)``: ``save_state`` / ``load_state`` carry it."""
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+
+    guard = jaggc.Guard(every=1, probes=4, on_drift="adapt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        drifting_run(guard, 10)[0].close()
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = accelerate.Accelerator(cpu=True)
+    accelerator.register_for_checkpointing(guard)
+    accelerator.save_state(str(tmp_path / "ckpt"))
+    fresh = jaggc.Guard(every=1, probes=4, on_drift="adapt")
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = accelerate.Accelerator(cpu=True)
+    accelerator.register_for_checkpointing(fresh)
+    accelerator.load_state(str(tmp_path / "ckpt"))
+    assert (fresh.calls, fresh.probed, fresh.exact_ranges, fresh.block.n) == (10, 10, {0}, 2)
+    assert torch.equal(fresh.block.whole.sum, guard.block.whole.sum)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        jagg, cosines = drifting_run(fresh, 2, start=10)
+    assert len(fresh.history) == 3 and jagg.report.windows[1]["mode"] == "exact"
+    jagg.close()

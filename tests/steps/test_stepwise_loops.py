@@ -221,7 +221,9 @@ def test_the_loop_report_measures_each_loop():
     r = results["mix_grpo"]
     assert r["lines_changed"] == 2
     forms = {"joint", "lowmem", "per_window"}
-    assert set(r["speed"]["median"]) == forms | {f"{f}/cache" for f in forms}        # no CFG: no slice variant
+    # no CFG: no slice variant; the guard's probed trajectory beside the joint form
+    assert set(r["speed"]["median"]) == forms | {f"{f}/cache" for f in forms} | {"joint/probe"}
+    assert r["speed"]["counts"]["joint/probe"]["probe_backwards"] > 0
     assert all(v > 0 for v in r["speed"]["median"].values())
     assert set(r["speed"]["cost_model"]["ratio"]) == set(r["speed"]["median"])
     # the cache variants trained on-policy: every interior step and knot came from the rollout
