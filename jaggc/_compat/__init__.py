@@ -40,7 +40,7 @@ from .modules import (
     module_hook_keys)
 from .tensors import dispatch_mode_base, version_counter, written_arguments
 from .autograd import (
-    backward_accumulates_everywhere, in_backward, queue_backward_callback, rng_states, rng_states_restored,
+    backward_accumulates_everywhere, backward_task_id, in_backward, queue_backward_callback, rng_states, rng_states_restored,
     run_after_backward)
 from .fsdp_slots import GradSlot, fsdp_gradient_slots, fsdp_version, reshard_fully_sharded
 
@@ -51,7 +51,7 @@ __all__ = [
     "dispatch_mode_base", "dynamo_real_stack", "dynamo_recompile_limits", "dynamo_unique_graphs",
     "dynamo_unsupported_types", "fake_mode_accepts_real_tensors", "fake_mode_suspended",
     "flat_apply_function", "flat_apply_inputs", "fsdp_gradient_slots", "fsdp_version", "fx_patches_reverted",
-    "in_backward", "is_fake", "is_flat_apply_node", "keystr", "lookup_dynamo_backend", "module_call_impl",
+    "backward_task_id", "in_backward", "is_fake", "is_flat_apply_node", "keystr", "lookup_dynamo_backend", "module_call_impl",
     "module_hook_keys", "new_fake_mode", "nonstrict_trace", "queue_backward_callback",
     "recompile_limit_types", "recompile_reason", "reshard_fully_sharded", "rng_states", "rng_states_restored", "run_after_backward",
     "traced_input_value", "tree_flatten", "tree_flatten_with_path", "tree_map", "tree_unflatten",

@@ -60,6 +60,12 @@ def backward_accumulates_everywhere() -> bool:
     return torch.autograd.Variable._execution_engine.is_checkpoint_valid()
 
 
+def backward_task_id() -> int:
+    """An id of the backward pass this thread runs inside now (-1 outside any): one end-of-backward
+    callback per pass (``_current_graph_task_id``, no public name)."""
+    return torch._C._current_graph_task_id()
+
+
 def in_backward() -> bool:
     """Whether this thread runs inside an autograd backward now (a checkpoint's recomputation, a
     backward hook): what FSDP2 asks torch too (``_current_graph_task_id``, no public name)."""

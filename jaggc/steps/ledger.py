@@ -1,26 +1,38 @@
 """What jaggc must notice between a trainer's steps: parameters and ``.grad`` changed by someone else.
 
-A window's joint backward runs when its last step's gradient arrives; until then its earlier steps
-have contributed nothing to ``.grad``, and its knot graphs hold the parameters they were computed
-with. So between two steps of an open window nothing may change the parameters (a knot's graph
-would backpropagate through other values than its forward saw, an interior step re-run would
-compute another function) or ``.grad`` (a ``zero_grad`` drops the earlier steps' gradient in the
-unchanged loop; a ``clip_grad_norm_`` or a GradScaler's ``unscale_`` reads a gradient that lacks
-them). The ledger keeps the state both were in after the last thing jaggc saw, and says what
-changed since:
+A window's joint backward runs when its last step's gradient arrives; until then the steps whose
+backward already ran have contributed nothing to ``.grad`` (their gradient is *withheld*), and its
+knot graphs hold the parameters they were computed with. So between two steps of an open window
+nothing may change the parameters (a knot's graph would backpropagate through other values than its
+forward saw, an interior step re-run would compute another function), and while a gradient is
+withheld whatever the loop does to ``.grad`` must be known: a ``zero_grad`` drops the withheld steps
+in the unchanged loop; a ``clip_grad_norm_``, a GradScaler's ``unscale_`` or a hand-written scaling
+reads or scales a gradient that lacks them.
+
+The ledger keeps the state both were in when jaggc last looked (before each step, and at the end of
+every backward of the loop: ``Stepwise.after_backward``), and says what changed since:
 
 * parameters: each one's in-place version and storage (an optimizer step, ``p.add_``,
   ``load_state_dict``). A write through ``p.data`` bumps no version and is not seen;
-* ``.grad``: each trainable parameter's gradient tensor identity and version. Gradients that all
-  became None (``zero_grad()``, torch's default ``set_to_none=True``) or were all zeroed in place
-  (``set_to_none=False``) are a ``zero_grad``; any other change is a foreign write (a clip or a
-  GradScaler's unscale scales every gradient in place, another tensor put in a ``.grad``). A backward of a step jaggc runs exactly (its own
-  DiT graph, ``mark_exact_backward``) also writes ``.grad``: until the next snapshot nothing is
-  concluded from it.
+* ``.grad``: each trainable parameter's gradient by its storage (the tensor, or the tensor a view
+  was taken of: FSDP1 with ``use_orig_params=True`` hands out new views of one flat gradient in
+  every forward, which is no write), address and in-place version. A change is a *reset* when every
+  trainable gradient is then empty (None, or zero in every bit: ``zero_grad`` with
+  ``set_to_none`` True or False), else a *write*.
+
+A reset of gradients that were None already, or a clip of gradients that are zero, changes nothing
+one can see. So while a gradient is withheld, every trainable gradient is made visible
+(``GradMarks``): a None becomes a tensor of negative zeros, an all-zero gradient is negated in place
+to negative zeros. Negative zero adds as zero (``-0.0 + x == x`` bit for bit, ``+0.0`` included), so
+whatever accumulates into a mark gives what it gives into None or zeros; but ``zero_grad`` empties
+it (None, or ``+0.0``), while any scaling (a clip's, ``unscale_``'s, a hand-written ``mul_``) keeps
+the sign bit: a write. When nothing is withheld any more, the marks nothing wrote into are taken back
+(None again, or ``+0.0``), so the loop's ``.grad`` is the unchanged loop's, None where it has None.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -38,32 +50,47 @@ class GradChange:
     name: str
 
 
+class GradKey:
+    """One gradient as the ledger last saw it: its storage's owner (weakly), address and version."""
+
+    __slots__ = ("root", "ptr", "version")
+
+    def __init__(self, grad: torch.Tensor):
+        local = _local(grad)
+        root = local._base if local._base is not None and grad is local else grad
+        self.root = weakref.ref(root)
+        self.ptr = local.data_ptr()
+        self.version = version_counter(grad)
+
+    def same(self, grad: torch.Tensor | None) -> bool:
+        if grad is None:
+            return False
+        now = GradKey(grad)
+        root = self.root()
+        return root is not None and root is now.root() and (self.ptr, self.version) == (now.ptr, now.version)
+
+
 class Ledger:
     def __init__(self, module: nn.Module):
         self.named = list(module.named_parameters())
         self.trainable = [(n, p) for n, p in self.named if p.requires_grad]
+        self.marks = GradMarks(self.trainable)
         self.params = self._param_state()
         self.grads = self._grad_state()
-        self.exact_backward = False       # a step's own DiT backward may have written .grad since
 
     def _param_state(self):
         return [(version_counter(p), _local(p).data_ptr()) for _, p in self.named]
 
-    def _grad_state(self):
-        return [None if p.grad is None else (id(p.grad), version_counter(p.grad)) for _, p in self.trainable]
+    def _grad_state(self) -> list[GradKey | None]:
+        return [None if p.grad is None else GradKey(p.grad) for _, p in self.trainable]
 
     def snapshot(self) -> None:
         """Accept the parameters and gradients as they are now."""
         self.params = self._param_state()
         self.grads = self._grad_state()
-        self.exact_backward = False
 
     def snapshot_grads(self) -> None:
         self.grads = self._grad_state()
-        self.exact_backward = False
-
-    def mark_exact_backward(self) -> None:
-        self.exact_backward = True
 
     def changed_parameter(self) -> str | None:
         """The name of the first parameter written since the snapshot, or None."""
@@ -71,24 +98,106 @@ class Ledger:
         return next((n for (n, _), a, b in zip(self.named, self.params, now) if a != b), None)
 
     def grad_change(self) -> GradChange | None:
-        """How ``.grad`` changed since the snapshot (module docstring), or None; None also when a
-        step's own backward may have written it (nothing can be concluded then). A ``zero_grad``
-        empties every gradient it touches; anything else that wrote one (a clip scales them all,
-        zero ones included) is a foreign write."""
-        if self.exact_backward:
-            return None
-        changed = []
-        for (name, p), before in zip(self.trainable, self.grads):
-            now = None if p.grad is None else (id(p.grad), version_counter(p.grad))
-            if now != before:
-                changed.append((name, p, before, now))
+        """How ``.grad`` changed since the snapshot (module docstring), or None. A reset empties
+        every trainable gradient; any other change (a clip, a scaling, a reset of some gradients
+        only, another tensor put in a ``.grad``) is a write."""
+        changed = [name for (name, p), before in zip(self.trainable, self.grads)
+                   if not (p.grad is None and before is None) and not (before is not None and before.same(p.grad))]
         if not changed:
             return None
-        for name, p, before, now in changed:
-            emptied = now is None or (before is not None and now[0] == before[0] and not bool(_local(p.grad).any()))
-            if not emptied:
-                return GradChange("written", name)
-        return GradChange("reset", changed[0][0])
+        full = next((name for name, p in self.trainable if p.grad is not None and not _all_bits_zero(p.grad)), None)
+        return GradChange("reset", changed[0]) if full is None else GradChange("written", changed[0])
+
+    # --- while a gradient is withheld ---------------------------------------------------------
+    def withholding(self, withheld: bool) -> None:
+        """Mark every trainable gradient while some step's gradient is withheld, take the marks back
+        once none is (module docstring); then accept ``.grad`` as it is."""
+        if withheld:
+            self.marks.mark()
+        else:
+            self.marks.unmark()
+        self.snapshot_grads()
+
+
+class GradMarks:
+    """The negative-zero marks on the trainable gradients (module docstring)."""
+
+    def __init__(self, trainable: list[tuple[str, torch.Tensor]]):
+        self.trainable = trainable
+        self.made: dict[int, tuple[torch.Tensor, int]] = {}      # a None made a mark: (mark, its version)
+        self.negated: dict[int, tuple[torch.Tensor, int]] = {}   # an all-zero gradient negated in place
+        self.seen: dict[int, GradKey] = {}                       # gradients known to hold a nonzero bit
+
+    @torch.no_grad()
+    def mark(self) -> None:
+        unknown = []
+        for i, (_, p) in enumerate(self.trainable):
+            g = p.grad
+            if g is None:
+                p.grad = mark = torch.full_like(p, -0.0)
+                self.made[i] = (mark, version_counter(mark))
+            elif not self._is_mark(i, g) and not (i in self.seen and self.seen[i].same(g)):
+                unknown.append((i, g))
+        # one host read for every gradient written since the last look (not one per parameter)
+        for (i, g), zero in zip(unknown, _all_bits_zero_each([g for _, g in unknown])):
+            if zero:
+                g.neg_()
+                self.negated[i] = (g, version_counter(g))
+            else:
+                self.seen[i] = GradKey(g)
+
+    @torch.no_grad()
+    def unmark(self) -> None:
+        """Take back the marks nothing wrote into since they were made."""
+        for i, (mark, version) in self.made.items():
+            p = self.trainable[i][1]
+            if p.grad is mark and version_counter(mark) == version:
+                p.grad = None
+        for i, (g, version) in self.negated.items():
+            p = self.trainable[i][1]
+            if p.grad is g and version_counter(g) == version:
+                g.neg_()
+        self.made.clear()
+        self.negated.clear()
+        self.seen.clear()
+
+    def _is_mark(self, i: int, g: torch.Tensor) -> bool:
+        for table in (self.made, self.negated):
+            entry = table.get(i)
+            if entry is not None and entry[0] is g and version_counter(g) == entry[1]:
+                return True
+        return False
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _all_bits_zero(grad: torch.Tensor) -> bool:
+    """Whether every element is ``+0.0`` (a negative zero has its sign bit set)."""
+    return _all_bits_zero_each([grad])[0]
+
+
+def _all_bits_zero_each(grads: list[torch.Tensor]) -> list[bool]:
+    """``_all_bits_zero`` of each gradient, in one host read per device."""
+    if not grads:
+        return []
+    flags = []
+    for g in grads:
+        local = _local(g)
+        if local.numel() == 0:
+            flags.append(torch.zeros((), dtype=torch.bool, device=local.device))
+        elif local.is_complex() or local.element_size() not in _BITS:
+            flags.append(local.ne(0).any())
+        else:
+            flags.append(local.view(_BITS[local.element_size()]).ne(0).any())
+    by_device: dict = {}
+    for k, f in enumerate(flags):
+        by_device.setdefault(f.device, []).append(k)
+    out = [False] * len(grads)
+    for ks in by_device.values():
+        for k, nonzero in zip(ks, torch.stack([flags[k] for k in ks]).tolist()):
+            out[k] = not nonzero
+    return out
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -98,4 +207,4 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
-__all__ = ["GradChange", "Ledger"]
+__all__ = ["GradChange", "GradKey", "GradMarks", "Ledger"]

@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .._compat import rng_states, tree_flatten, tree_map, version_counter
+from .._compat import backward_accumulates_everywhere, backward_task_id, rng_states, run_after_backward, tree_flatten, tree_map, version_counter
 from ..backward_modes import BackwardMode
 from ..errors import JaggInputError
 from ..runtime.aggregate import knot_composites
@@ -76,6 +76,10 @@ class TrajectoryRun:
         self.checked_placement = False               # device/dtype of the calls' inputs: checked once
         self.probe = None                            # the guard's probe of this trajectory (steps/probe.py)
         self.backward_steps = 0                      # steps whose backward began
+        self.dropped = False                         # refused: the owner forgot it (Stepwise.drop)
+        # the tap's parameter inputs (tap.py), where no DDP/FSDP hooks their gradient accumulators
+        self.tap_params = [] if owner.distributed else [p for p in owner.module.parameters() if p.requires_grad]
+        self._after_task = None                      # the backward pass an after_backward is queued in
 
     def window(self, step: int) -> WindowRun:
         return self.windows[self.plan.window_of[step].index]
@@ -127,7 +131,7 @@ class TrajectoryRun:
             self.owner.counts.exact_steps += 1
         if self.probe is not None:
             self.probe.read_before()
-        tapped, visit.index = tap_output(out, lambda grads, v=visit: self.on_grads(v, grads))
+        tapped, visit.index = tap_output(out, lambda grads, v=visit: self.on_grads(v, grads), self.tap_params)
         return tapped
 
     def _slice(self, call: DitCall) -> RowSlice | None:
@@ -219,16 +223,16 @@ class TrajectoryRun:
         leaves, _, index = float_leaves(out)
         grad_leaves = [leaves[i] for i in index if leaves[i].requires_grad]
         for k, leaf in enumerate(grad_leaves):
-            # its backward writes .grad through the DiT's own graph: the ledger must not read that
-            # as a foreign write (ledger.py); the CFG slice learns from its cotangent
+            # its backward writes .grad through the DiT's own graph: the ledger looks again when that
+            # backward has finished (ledger.py); the CFG slice learns from its cotangent
             leaf.register_hook(functools.partial(self._exact_backward_hook, batch_size(call), k == 0))
         return out
 
     def _exact_backward_hook(self, batch: int, first: bool, grad):
         if first:
-            self.owner.ledger.mark_exact_backward()
             self.owner.counts.backwards += 1
             self._step_backward_done()
+            self.after_this_backward()
         if self.owner.slicer is not None:
             self.owner.slicer.observe(batch, grad)
         return grad
@@ -248,6 +252,11 @@ class TrajectoryRun:
     # --- a step's gradient arrives ----------------------------------------------------------------
     def on_grads(self, visit: StepVisit, grads: Sequence[torch.Tensor | None]) -> None:
         win = self.window(visit.step)
+        if not backward_accumulates_everywhere():
+            raise self.owner.safety.refuse(self, (
+                f"step {visit.step}'s loss went through torch.autograd.grad or backward(inputs=...): its gradient "
+                f"reaches .grad only through its JAGG window's joint backward, which those forms do not run (they "
+                f"return or accumulate a gradient of their own). Call loss.backward() once per step"), where=visit.where)
         if win.done or visit.exact:
             raise self.owner.safety.refuse(self, (
                 f"step {visit.step}'s output got a second gradient after its window's joint backward "
@@ -257,6 +266,7 @@ class TrajectoryRun:
             batch = batch_size(visit.call)
             for g in grads:
                 self.owner.slicer.observe(batch, g)
+        self.after_this_backward()
         if visit.grads is None:
             visit.grads = list(grads)
             self._step_backward_done()
@@ -270,6 +280,29 @@ class TrajectoryRun:
             visit.exact = True
         elif all(s in win.visits and win.visits[s].grads is not None for s in win.planned.steps):
             self.complete(win)
+
+    def after_this_backward(self) -> None:
+        """When the loop's backward running now has finished (after DDP's and FSDP's own end of
+        backward): the ledger marks ``.grad`` while a gradient is withheld, takes the marks back when
+        none is, and looks at ``.grad`` again (ledger.py). Once per backward pass."""
+        task = backward_task_id()
+        if task == -1 or task == self._after_task:
+            return
+        self._after_task = task
+        run_after_backward(self._after_backward)
+
+    def _after_backward(self) -> None:
+        self._after_task = None
+        if not self.dropped:
+            self.owner.ledger.withholding(self.withheld())
+
+    def withheld(self) -> bool:
+        """Whether some step's backward ran and its gradient is not in ``.grad`` yet (its window's
+        joint backward has not run)."""
+        return any(v.grads is not None for w in self.windows if not w.done for v in w.pending())
+
+    def withheld_steps(self) -> list[int]:
+        return sorted(v.step for w in self.windows if not w.done for v in w.pending() if v.grads is not None)
 
     def _step_backward_done(self) -> None:
         """A step's backward began; after the trajectory's last one, a guard probe reads ``.grad``

@@ -9,8 +9,9 @@ inputs) and nothing has read ``.grad`` in between; otherwise it raises.
 | case | detected | what happens |
 |---|---|---|
 | a step visited twice | at its second call | its window runs exactly (warning) |
-| ``zero_grad()`` between two steps of a window | at the next step (ledger) | the earlier steps' gradient is dropped, as ``zero_grad`` drops it in the loop; the window runs exactly (warning) |
-| ``.grad`` written otherwise (``clip_grad_norm_``, ``unscale_``) inside a window | at the next step | error |
+| ``zero_grad()`` between two steps of a window, or after the last step and before the trajectory ends | at the next step or the end (ledger: ``.grad`` is marked while a step's gradient is held back, so a reset of gradients that were None is seen too) | the earlier steps' gradient is dropped, as ``zero_grad`` drops it in the loop; the window runs exactly (warning) |
+| ``.grad`` written otherwise (``clip_grad_norm_``, ``unscale_``, a hand-written scaling) while a step's gradient is held back | at the next step or the end | error |
+| either of the two while no step's gradient is held back (the window's steps so far have not run their backward) | | nothing to do: ``.grad`` is the unchanged loop's |
 | a parameter written between two steps of a window | at the next step, or before the window's backward | error |
 | ``optimizer.step()`` while a window is open | in a pre-hook on every optimizer step, before any parameter moves | error |
 | a trajectory ending early: the ``steps()`` loop left by ``break`` or an exception, fewer steps than declared, a new ``trajectory()`` before the last one finished, ``Stepwise.close()`` | at that moment | open windows run exactly (warning), unless ``.grad`` was written since: error |
@@ -65,19 +66,22 @@ class Safety:
                 f"ran before step {step}: an optimizer step or an in-place write). The window's gradient needs the "
                 f"parameters its steps ran with; {FIX_STEP}"), where=where)
         change = ledger.grad_change()
-        if change is None:
+        if change is None or not run.withheld():
+            # no step's gradient is held back: .grad is what the unchanged loop has, whatever read or reset it
             ledger.snapshot_grads()
             return
         if change.kind == "reset":
-            self._zero_grad(run, open_windows, step)
+            self._zero_grad(run, open_windows, f"before step {step}")
             return
         raise self.refuse(run, (
             f"the .grad of {change.name!r} was written between the steps of an open JAGG window (before "
-            f"step {step}: clip_grad_norm_, a GradScaler's unscale_ or another write read a gradient that still "
-            f"lacks the window's steps). {FIX_STEP}"), where=where)
+            f"step {step}, while the gradient of steps {run.withheld_steps()} was held back for the window's joint "
+            f"backward: clip_grad_norm_, a GradScaler's unscale_ or another write read or scaled a gradient that "
+            f"lacks them). {FIX_STEP}"), where=where)
 
-    def _zero_grad(self, run: "TrajectoryRun", open_windows: list["WindowRun"], step: int) -> None:
-        """A zero_grad before ``step``: the loop would have dropped what the earlier steps contributed."""
+    def _zero_grad(self, run: "TrajectoryRun", open_windows: list["WindowRun"], when: str) -> list[int]:
+        """A zero_grad ``when``: the loop would have dropped what the steps whose backward ran
+        contributed; their windows run exactly from now on. Returns the dropped steps."""
         dropped = []
         for win in open_windows:
             for visit in list(win.pending()):
@@ -87,9 +91,10 @@ class Safety:
                     del win.visits[visit.step]
                     visit.held = visit.grads = None
             self.demote(run, win)
-        self.owner.ledger.snapshot_grads()
-        self._warn(f"zero_grad() ran between the steps of a JAGG window (before step {step}): the gradient of steps "
+        self.owner.ledger.withholding(run.withheld())
+        self._warn(f"zero_grad() ran between the steps of a JAGG window ({when}): the gradient of steps "
                    f"{sorted(dropped)} was dropped, as the loop drops it, and the window runs exactly. {FIX_STEP}")
+        return dropped
 
     def visited_twice(self, run: "TrajectoryRun", win: "WindowRun", step: int, where: str) -> None:
         if not win.exact:
@@ -142,12 +147,18 @@ class Safety:
             return
         ledger = self.owner.ledger
         name = ledger.changed_parameter()
-        change = ledger.grad_change()
+        change = ledger.grad_change() if run.withheld() else None
         if name is not None or (change is not None and change.kind == "written"):
             what = f"parameter {name!r}" if name is not None else f"the .grad of {change.name!r}"
             raise self.refuse(run, (
                 f"the trajectory ended {reason} with JAGG windows open, and {what} was written since its last step "
                 f"(a clip or optimizer step read a partial gradient); {FIX_STEP}"))
+        if change is not None:
+            # a zero_grad after the last step's backward: the loop dropped what the steps before it gave
+            self._zero_grad(run, open_windows, f"after step {run.visited[-1]}, before the trajectory ended {reason}")
+            open_windows = run.open_windows()
+            if not open_windows:
+                return
         if run.deferred and run.ready():
             run.complete_all()              # the deferred schedule's end: as planned, no warning
             return

@@ -296,6 +296,7 @@ class Stepwise:
             return
         self._run = None
         self.safety.close(run, reason, raised=raised)
+        self.ledger.withholding(False)     # every window ran: the marks nothing wrote into go
         if self.slicer is not None:
             self.slicer.end()
         if run.probe is not None:
@@ -313,6 +314,8 @@ class Stepwise:
         if run.probe is not None:
             run.probe.after = None          # a refused trajectory gives no probe (finish() notes it)
             run.probe.finish()
+        run.dropped = True
+        self.ledger.withholding(False)
         self.ledger.snapshot()
 
     def holds_graphs(self, run: TrajectoryRun) -> bool:

@@ -49,14 +49,14 @@ def setup(problem):
     jagg.close()
 
 
-def clean_trajectory_after(model, batch, m, jagg):
+def clean_trajectory_after(model, batch, m, jagg, weights="t"):
     """The next trajectory is right: .grad from zero equals whole-loss JAGG at m's parameters."""
     m.zero_grad()
     for j in jagg.steps(range(T), batch["timesteps"]):
         step_loss(m, batch, j).backward()
     ref = copy.deepcopy(m)
     ref.zero_grad()
-    jaggc.jagg_compile(whole_loss, window=4, weights="t")(ref, batch).backward()
+    jaggc.jagg_compile(whole_loss, window=4, weights=weights)(ref, batch).backward()
     assert rel_err(grads(m), grads(ref)) < 1e-13
 
 
@@ -119,7 +119,7 @@ def test_a_clip_inside_a_window_is_refused(setup):
     """clip_grad_norm_ after step 5 reads window 0's gradient without window 1's steps 4, 5."""
     model, batch, m, jagg = setup
     with pytest.raises(jaggc.JaggUnsupportedError, match=LINE + r": the .grad of '.*' was written between the steps of "
-                                                                 r"an open JAGG window \(before step 6: clip_grad_norm_"):
+                                                                 r"an open JAGG window \(before step 6, while the gradient of steps \[4, 5\] was held back.*clip_grad_norm_"):
         for j in jagg.steps(range(T), batch["timesteps"]):
             step_loss(m, batch, j).backward()
             if j == 5:
@@ -183,26 +183,42 @@ def test_a_second_trajectory_before_the_first_finished(setup):
     clean_trajectory_after(model, batch, m, jagg)
 
 
-@pytest.mark.parametrize("form", ["inputs", "autograd.grad"])
+@pytest.mark.parametrize("form", ["inputs", "autograd.grad", "autograd.grad allow_unused"])
 def test_backward_forms_that_skip_jaggc_are_refused(setup, form):
-    """``backward(inputs=params)`` and ``torch.autograd.grad`` do not enter jaggc's node, so a step's
-    gradient never reaches its window: refused when the trajectory ends, naming the steps. Left by
-    ``break``, Python swallows what a generator raises as it closes: the refusal is warned then and
-    raised at the next optimizer step (before any parameter moves)."""
+    """``backward(inputs=params)`` and ``torch.autograd.grad`` (torch's default ``allow_unused=False``
+    too, which torch itself would refuse first: the parameters are inputs of jaggc's node) cannot
+    serve a JAGG step, whose gradient reaches ``.grad`` only through its window's joint backward:
+    refused at that step's backward, naming the step and its line, with no gradient written."""
+    model, batch, m, jagg = setup
+    params = list(m.parameters())
+    with pytest.raises(jaggc.JaggUnsupportedError, match=LINE + r": step 0's loss went through torch.autograd.grad or "
+                                                                 r"backward\(inputs=\.\.\.\).*loss.backward\(\) once per step"):
+        for j in jagg.steps(range(T), batch["timesteps"]):
+            loss = step_loss(m, batch, j)
+            if form == "inputs":
+                loss.backward(inputs=params)
+            else:
+                torch.autograd.grad(loss, params, allow_unused=form.endswith("allow_unused"))
+    assert all(p.grad is None for p in params)
+    clean_trajectory_after(model, batch, m, jagg)
+
+
+def test_a_step_whose_backward_never_comes_is_refused_at_the_next_optimizer_step(setup):
+    """A step's loss left without backward, then the loop left by ``break``: Python swallows what a
+    generator raises as it closes, so the refusal is warned then and raised at the next optimizer
+    step (before any parameter moves)."""
     model, batch, m, jagg = setup
     params = list(m.parameters())
     opt = torch.optim.SGD(params, lr=0.1)
-    refusal = LINE + r": step\(s\) \[0, 1\] of this trajectory never got a gradient.*backward\(inputs=\.\.\.\)"
+    refusal = LINE + r": step\(s\) \[1\] of this trajectory never got a gradient"
     before = [p.detach().clone() for p in params]
     with pytest.warns(UserWarning, match=refusal):
         for j in jagg.steps(range(T), batch["timesteps"]):
             loss = step_loss(m, batch, j)
             if j == 2:
                 break
-            if form == "inputs":
-                loss.backward(inputs=params)
-            else:
-                torch.autograd.grad(loss, params, allow_unused=True)
+            if j == 0:
+                loss.backward()
     with pytest.raises(jaggc.JaggUnsupportedError, match=refusal):
         opt.step()
     assert all(torch.equal(a, p) for a, p in zip(before, params))
