@@ -9,7 +9,8 @@ Checked:
   * interior steps (and, with the CFG slice, the uncond rows of knots and exact steps) are served from
     the rollout: the forwards counted, the on-policy ratio of every cached step exactly 1;
   * ``.grad`` at each optimizer step equals the same loop without the cache (float64 <= 1e-12; fp32
-    <= 1e-6) and at W=2 the unchanged loop's (<= 1e-6);
+    <= 5e-6 once an epoch's roundoff moved the parameters) and at W=2 the unchanged loop's (fp32 <= 5e-6:
+    the sliced calls' split batch rounds otherwise; measured 1.9e-6 on this machine's CPU);
   * never a stale velocity: an optimizer step, a parameter written, an adapter toggled, train/eval
     of a module with live dropout, autocast changed between rollout and training, a sample missing
     from the rollout: each misses (the forward runs) and the gradient stays right; train/eval of a
@@ -63,7 +64,9 @@ def flow_runs(dtype=torch.float32, window=4, **cache):
             fg.setup(**FLOW, dtype=dtype, config=ON_POLICY, stepwise=settings))
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.float64, 1e-12)])
+# fp32: the second epoch starts from parameters the first epoch's roundoff moved (measured up to 1.8e-6
+# on this machine's CPU); float64 is the exactness check
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 5e-6), (torch.float64, 1e-12)])
 def test_flow_grpo_on_policy_epoch_from_the_rollout(dtype, tol):
     cached, plain = flow_runs(dtype)
     for epoch in range(2):        # the second epoch: the slice learned, the rollout at the new parameters
@@ -94,7 +97,8 @@ def test_window_two_with_the_cache_and_the_slice_is_the_unchanged_loop():
         on_each_step(unchanged.optimizer.optimizer, lambda: seen.append(grads(flow_model(unchanged)).clone()))
         rollouts.flow_grpo_epoch(unchanged, seed=epoch)
         fg.train_unchanged(unchanged)
-        assert rel_err(got[0], seen[0]) <= 1e-6
+        # fp32: the sliced calls' split batch rounds otherwise (measured 1.9e-6 on this machine's CPU)
+        assert rel_err(got[0], seen[0]) <= 5e-6
     # W=2: no interior step; the uncond rows of every sliced step are served (the slice learned in
     # the first trajectory: 3 trajectories of 6 steps after it)
     assert jaggc.stepwise(cached.transformer).counts.cached_forwards == 18

@@ -6,10 +6,12 @@ second on runs them without grad: the knots' and exact steps' calls become a no-
 uncond rows and a call with grad on the cond rows. Checked:
 
   * W=2: the parameters after every optimizer step are the unchanged loop's (<= 1e-6; measured: equal
-    bit for bit on this CPU), every value the loop sees within 1e-6 (the split batch's roundoff;
-    measured: 0 here), under accelerate's bf16 forward and fp16 GradScaler too;
+    bit for bit on one CPU, 1e-8 apart on another), every log-prob and ratio the loop sees within
+    1e-6 and its loss within 1e-7 (the split batch's roundoff: measured up to 1.2e-7 and 1.5e-8),
+    under accelerate's bf16 forward and fp16 GradScaler too;
   * W=4: ``.grad`` at each optimizer step equals the same loop without the slice (float64 <= 1e-12)
-    and ``@jagg_compile`` on the trajectory's whole loss with the same windows (fp32 <= 1e-6), for
+    and ``@jagg_compile`` on the trajectory's whole loss with the same windows (fp32 <= 5e-6: the
+    sums run in another order; measured 1e-6 to 2e-6 on this machine's CPU, less on another), for
     every backward form, in σ order and in a random order;
   * a row block learned zero whose cotangent is NOT zero later (the loop stops detaching the uncond
     half) is recovered exactly: counted, warned once, ``.grad`` equal to the unsliced run's; the
@@ -57,9 +59,12 @@ def test_window_two_with_the_slice_is_the_unchanged_loop(precision):
     fg.train_jaggc(b)
     assert rel_err(trained_params(flow_model(b)), trained_params(flow_model(a))) <= 1e-6
     assert len(a.seen) == len(b.seen) == 18
-    worst = max(float(((x - y).abs() / y.abs().clamp_min(1e-30)).max()) for sa, sb in zip(a.seen, b.seen)
-                for x, y in zip(sa, sb))
-    assert worst <= 1e-6, worst
+    # after the first optimizer step the fp32 parameters are 1e-8 apart (the split batch's roundoff):
+    # log-prob and ratio (both ~1) then differ by an ulp or two; the loss, a mean of advantage x
+    # (ratio - 1)-sized terms, inherits that absolute error (1e-8 on values of 1e-7 after cancellation)
+    worst_logprob_ratio = max(float((x - y).abs().max()) for sa, sb in zip(a.seen, b.seen) for x, y in zip(sa[:2], sb[:2]))
+    worst_loss = max(float((sa[2] - sb[2]).abs()) for sa, sb in zip(a.seen, b.seen))
+    assert worst_logprob_ratio <= 1e-6 and worst_loss <= 1e-7, (worst_logprob_ratio, worst_loss)
     c = jaggc.stepwise(b.transformer).counts
     # the first trajectory learns, the next two run every step sliced (W=2: every window exact)
     assert (c.sliced_steps, c.recoveries, c.exact_steps, c.backwards) == (12, 0, 18, 18)
@@ -67,7 +72,7 @@ def test_window_two_with_the_slice_is_the_unchanged_loop(precision):
     jaggc.stepwise(b.transformer).close()
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.float64, 1e-12)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 5e-6), (torch.float64, 1e-12)])
 def test_window_four_with_the_slice_is_jagg(dtype, tol):
     """Each trajectory's .grad at its optimizer step: against the loop without the slice and
     against jagg_compile on its whole loss (each knot its own call, as the loop makes it)."""
@@ -94,7 +99,7 @@ def test_window_four_with_the_slice_is_jagg(dtype, tol):
         fg.train_jaggc(run)
     assert len(seen[True]) == len(seen[False]) == 3
     assert max(rel_err(a, b) for a, b in zip(seen[True], seen[False])) <= tol
-    assert max(compiled) <= max(tol, 1e-6), compiled
+    assert max(compiled) <= max(tol, 5e-6), compiled
     c = jaggc.stepwise(runs[True].transformer).counts
     # windows of 4 (knots 0 and 3) and 2 (exact): 4 sliced calls per trajectory after the first
     assert (c.sliced_steps, c.recoveries, c.jagg_windows) == (8, 0, 3)
