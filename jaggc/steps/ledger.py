@@ -60,7 +60,7 @@ class GradKey:
         root = local._base if local._base is not None and grad is local else grad
         self.root = weakref.ref(root)
         self.ptr = local.data_ptr()
-        self.version = version_counter(grad)
+        self.version = version_counter(local)
 
     def same(self, grad: torch.Tensor | None) -> bool:
         if grad is None:
@@ -135,14 +135,14 @@ class GradMarks:
             g = p.grad
             if g is None:
                 p.grad = mark = torch.full_like(p, -0.0)
-                self.made[i] = (mark, version_counter(mark))
+                self.made[i] = (mark, _version(mark))
             elif not self._is_mark(i, g) and not (i in self.seen and self.seen[i].same(g)):
                 unknown.append((i, g))
         # one host read for every gradient written since the last look (not one per parameter)
         for (i, g), zero in zip(unknown, _all_bits_zero_each([g for _, g in unknown])):
             if zero:
                 g.neg_()
-                self.negated[i] = (g, version_counter(g))
+                self.negated[i] = (g, _version(g))
             else:
                 self.seen[i] = GradKey(g)
 
@@ -151,11 +151,11 @@ class GradMarks:
         """Take back the marks nothing wrote into since they were made."""
         for i, (mark, version) in self.made.items():
             p = self.trainable[i][1]
-            if p.grad is mark and version_counter(mark) == version:
+            if p.grad is mark and _version(mark) == version:
                 p.grad = None
         for i, (g, version) in self.negated.items():
             p = self.trainable[i][1]
-            if p.grad is g and version_counter(g) == version:
+            if p.grad is g and _version(g) == version:
                 g.neg_()
         self.made.clear()
         self.negated.clear()
@@ -164,7 +164,7 @@ class GradMarks:
     def _is_mark(self, i: int, g: torch.Tensor) -> bool:
         for table in (self.made, self.negated):
             entry = table.get(i)
-            if entry is not None and entry[0] is g and version_counter(g) == entry[1]:
+            if entry is not None and entry[0] is g and _version(g) == entry[1]:
                 return True
         return False
 
@@ -198,6 +198,12 @@ def _all_bits_zero_each(grads: list[torch.Tensor]) -> list[bool]:
         for k, nonzero in zip(ks, torch.stack([flags[k] for k in ks]).tolist()):
             out[k] = not nonzero
     return out
+
+
+def _version(grad: torch.Tensor) -> int:
+    """A gradient's in-place version: its local shard's for a DTensor (FSDP2 accumulates into the
+    local tensor, which bumps no version of the DTensor around it)."""
+    return version_counter(_local(grad))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,8 @@ inputs) and nothing has read ``.grad`` in between; otherwise it raises.
 | a parameter written between two steps of a window | at the next step, or before the window's backward | error |
 | ``optimizer.step()`` while a window is open | in a pre-hook on every optimizer step, before any parameter moves | error |
 | a trajectory ending early: the ``steps()`` loop left by ``break`` or an exception, fewer steps than declared, a new ``trajectory()`` before the last one finished, ``Stepwise.close()`` | at that moment | open windows run exactly (warning), unless ``.grad`` was written since: error |
-| a step's gradient never arriving (``backward(inputs=...)``, ``torch.autograd.grad``: neither enters jaggc's node) | when the trajectory ends | error |
+| ``backward(inputs=...)``, ``torch.autograd.grad`` through a JAGG step (the parameters are inputs of its node, tap.py) | at that step's backward | error |
+| a step's gradient never arriving (an exception or a loss left without backward) | when the trajectory ends | it adds nothing, as in the loop; its window runs exactly (warning); under DDP/FSDP, where the forms above do not enter jaggc's node, error |
 | DDP/FSDP, steps out of σ order (the deferred schedule, ranks.py): ``optimizer.step()`` before the trajectory ended | in the optimizer pre-hook | error (iterate with ``steps()``: the windows' backward runs when the loop ends) |
 
 After an error the trajectory is dropped: the next one starts clean.
@@ -165,20 +166,31 @@ class Safety:
         no_grad = [v for w in open_windows for v in w.pending() if v.grads is None]
         # the step an exception left its loop in never reached its backward(), as in the loop itself
         unexplained = [v for v in no_grad if not (raised and run.visited and v.step == run.visited[-1])]
-        if unexplained:
+        if unexplained and self.owner.distributed:
+            # under DDP/FSDP backward(inputs=...) and torch.autograd.grad do not enter jaggc's node (tap.py):
+            # a step without its gradient may have been backpropagated so
             raise self.refuse(run, (
                 f"step(s) {sorted(v.step for v in unexplained)} of this trajectory never got a "
                 f"gradient: no backward() went through their DiT output, or it went through backward(inputs=...) "
                 f"or torch.autograd.grad, which jaggc's stepwise JAGG cannot serve (each step's gradient reaches "
                 f".grad only through its window's joint backward). Call loss.backward() once per step"),
                 where=unexplained[0].where)
+        indices = [w.planned.index for w in open_windows]
+        for v in no_grad:
+            # no backward reached it (an exception, a loss left unused): it adds nothing, as in the loop
+            win = run.window(v.step)
+            del win.visits[v.step]
+            win.dropped.add(v.step)
+            v.held = v.probe_graph = None
         for win in open_windows:
             self.demote(run, win)
         missing = run.missing()
+        unused = sorted(v.step for v in no_grad)
         self._warn(
             f"the trajectory ended {reason} ({len(run.visited)} of {len(run.plan)} declared steps ran"
-            + (f"; steps {missing} did not" if missing else "") + f"): JAGG window(s) "
-            f"{[w.planned.index for w in open_windows]} ran exactly")
+            + (f"; steps {missing} did not" if missing else "")
+            + (f"; steps {unused} ran no backward and add nothing, as in the loop" if unused else "")
+            + f"): JAGG window(s) {indices} ran exactly")
 
 
 __all__ = ["FIX_STEP", "Safety"]

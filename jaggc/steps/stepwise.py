@@ -43,7 +43,8 @@ from ..runtime.guard import Guard
 from ..runtime.guard_stats import range_label
 from ..runtime.calls import DitCall, batch_size
 from ..runtime.module_state import module_chain, unwrap
-from ..runtime.optimizer_hook import register_before_optimizer_step, unregister_before_optimizer_step
+from ..runtime.optimizer_hook import (register_before_optimizer_step, steps_parameters_of,
+                                      unregister_before_optimizer_step)
 from ..runtime.rollout_cache import RolloutCache
 from ..runtime.weights import DEFAULT_WEIGHTS, resolve_basis
 from ..runtime.window import check_window_size
@@ -274,9 +275,12 @@ class Stepwise:
             raise
         handle.end("when its loop ended")
 
-    def before_optimizer_step(self) -> None:
-        """Before any optimizer step (runtime/optimizer_hook.py): a refusal kept from a loop left
-        early is raised; an open window refuses the step before any parameter moves."""
+    def before_optimizer_step(self, optimizer) -> None:
+        """Before an optimizer step of this module's parameters (runtime/optimizer_hook.py): a
+        refusal kept from a loop left early is raised; an open window refuses the step before any
+        parameter moves. Another model's optimizer steps freely."""
+        if not steps_parameters_of(optimizer, self.module):
+            return
         self.raise_deferred()
         if self._run is not None:
             self.safety.optimizer_step(self._run)

@@ -215,3 +215,25 @@ def test_the_marks_never_show(problem):
     reached = torch.cat([p.grad.reshape(-1) for n, p in m.named_parameters() if n != "unreached"])
     assert rel_err(reached, jagg_grad(model, batch, range(4)) + jagg_grad(model, batch, range(4, 8))) < 1e-13
     jagg.close()
+
+
+def test_another_models_optimizer_steps_freely(problem):
+    """An open window refuses an optimizer step of its module's parameters only: another model's
+    optimizer in the same process (a reward model's, a plain loop's) steps."""
+    model, batch, m, jagg = stepwise_on(problem)
+    other = torch.nn.Linear(2, 2)
+    other(torch.ones(1, 2)).sum().backward()
+    opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for j in jagg.steps(range(T), batch["timesteps"]):
+            step_loss(m, batch, j).backward()
+            if j == 1:
+                opt.step()
+    assert jagg.counts.jagg_windows == 2
+    with pytest.raises(jaggc.JaggUnsupportedError, match=r"optimizer.step\(\) ran while JAGG window\(s\) \[0\]"):
+        for j in jagg.steps(range(T), batch["timesteps"]):
+            step_loss(m, batch, j).backward()
+            if j == 1:
+                torch.optim.SGD(m.parameters(), lr=0.1).step()
+    jagg.close()
