@@ -25,7 +25,7 @@ import itertools
 import os
 import random
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 DITS = ("affine", "curved", "sd3")
 CONTAINERS = ("dict_bt", "dict_tb", "list", "args")
@@ -34,6 +34,10 @@ MUTATIONS = ("none", "undetached", "grad_write", "forward", "nan")
 # module-state calls: "top_*" before the loop, "between_*" at step K0 inside it, "end_*" before the
 # return, "give_back": dit.eval() at the top and dit.train() before the return
 STATE_OPS = ("none", "top_eval", "top_train", "between_eval", "between_train", "end_eval", "end_train", "give_back")
+# how a "between_*" state call is written (issue 42): the method, an attribute write (the top module's
+# flag only, as eager sets it), nn.Module.train called unbound (it sets the flag on the object it is
+# given, then recurses): on the intercept path the last two once landed on the recording proxy
+STATE_HOW = ("method", "attribute", "unbound")
 AUTOCAST = ("none", "call", "step", "loss", "nested_off")
 CHECKPOINT = ("none", "non_reentrant", "reentrant")
 BACKWARD_FORMS = ("plain", "scaled", "inputs", "autograd_grad", "sum2", "accumulate", "scaler", "retain")
@@ -62,6 +66,7 @@ class Program:
     weights: str = "t"            # "t" or "default" (jagg_compile's default: σ-aware placement)
     entry_train: bool = True      # the module state the loss is called in
     state_op: str = "none"        # STATE_OPS
+    state_how: str = "method"     # STATE_HOW: how a "between_*" state call is written
     autocast: str = "none"        # AUTOCAST
     checkpoint: str = "none"      # CHECKPOINT
     guard: bool = False           # jagg_compile(guard=jaggc.Guard(every=1)): every call probed
@@ -159,7 +164,10 @@ def _dit_calls(p: Program) -> list[str]:
 def _step(p: Program) -> list[str]:
     body = []
     if p.state_op in ("between_eval", "between_train"):
-        body += [f"if k == {p.k0}:", f"    dit.{'eval' if p.state_op == 'between_eval' else 'train'}()"]
+        flag = p.state_op == "between_train"
+        body += [f"if k == {p.k0}:", "    " + {"method": f"dit.{'train' if flag else 'eval'}()",
+                                              "attribute": f"dit.training = {flag}",
+                                              "unbound": f"torch.nn.Module.train(dit, {flag})"}[p.state_how]]
     clone = p.in_place in ("detached_write", "recompute") or p.mutation in ("grad_write", "undetached")
     body.append(f"z = {_read(p, 'k')}" + (".clone()" if clone else ""))
     if p.in_place == "scale_states" and p.container == "list":
@@ -321,7 +329,7 @@ def programs(long: bool = False, lowmem: bool = False, salt: int = 0):
         steps = draw(st.integers(2, 3 if dit == "sd3" else (12 if long else 6)))
         window = draw(st.integers(2, min(6, steps)))
         mutation = rng.choice(MUTATIONS[1:]) if rng.random() < 0.12 else "none"
-        return Program(
+        program = Program(
             dit=dit, steps=steps, window=window, container=draw(st.sampled_from(CONTAINERS)),
             time="tensor" if dit == "sd3" else draw(st.sampled_from(("tensor", "tensor", "float"))),
             schedule=draw(st.sampled_from(("tensor", "float", "item", "math"))),
@@ -336,6 +344,11 @@ def programs(long: bool = False, lowmem: bool = False, salt: int = 0):
             entry_train=rng.random() < 0.5, state_op=sometimes(rng, STATE_OPS, 40),
             autocast=sometimes(rng, AUTOCAST, 30), checkpoint=sometimes(rng, CHECKPOINT, 8),
             guard=rng.random() < 0.15, backward_form=sometimes(rng, BACKWARD_FORMS, 45),
-            returns=rng.choice(RETURNS), seed=seed)
+            returns=rng.choice(RETURNS), seed=seed, state_how=sometimes(rng, STATE_HOW, 35))
+        # issue 42: a guarded call under torch.autograd.grad / backward(inputs=) (drawn last: the
+        # fields above keep their draws)
+        if program.guard and rng.random() < 0.35:
+            program = replace(program, backward_form=rng.choice(("inputs", "autograd_grad")))
+        return program
 
     return draw_program()

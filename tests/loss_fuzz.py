@@ -36,6 +36,7 @@ fuzzer then fails on every one of them.
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from collections import Counter
@@ -47,7 +48,8 @@ from torch import nn
 
 import jaggc
 from fuzz_grammar import (AUTOCAST, BACKWARD_FORMS, CHECKPOINT, CONTAINERS, DATA_IF, DITS, IN_PLACE,  # noqa: F401
-                          MUTATIONS, RETURNS, STATE_OPS, Program, describe, load, programs, source, windows_of)
+                          MUTATIONS, RETURNS, STATE_HOW, STATE_OPS, Program, describe, load, programs, source,
+                          windows_of)
 from fuzz_inputs import copy_inputs, leaves, make_dit, make_inputs
 from jaggc import JaggCaptureError, JaggError, jagg_compile
 
@@ -92,7 +94,8 @@ class FuzzFailure(AssertionError):
 
 STATS: Counter = Counter()
 FEATURES: Counter = Counter()             # (issue 36 field, value, outcome kind) -> cases
-NEW_FIELDS = ("entry_train", "state_op", "autocast", "checkpoint", "guard", "backward_form", "data_if", "returns")
+NEW_FIELDS = ("entry_train", "state_op", "state_how", "autocast", "checkpoint", "guard", "backward_form", "data_if",
+              "returns")
 KNOWN_OPEN_SEEN: Counter = Counter()      # (class, first line of the failure) -> cases
 
 
@@ -357,7 +360,7 @@ def _run_case(p: Program, capture: str, backward: str) -> str:
             raise FuzzFailure(f"a loss that must be refused ran ({p.mutation}, checkpoint {p.checkpoint})\n{what}")
         _check(p, call, outs, got, refs, args, dit, vtol, gtol, compiled, what)
         if unguarded is not None:
-            _check_guard_bit_identity(p, call, unguarded, dit, sets, outs, got, what)
+            _check_guard_bit_identity(p, call, unguarded, dit, sets, outs, got, what, compiled._guard)
     return f"right ({compiled.report.path})"
 
 
@@ -384,7 +387,7 @@ def _check(p, call, outs, got, refs, args, dit, vtol, gtol, compiled, what) -> N
             f"path {compiled.report.path if compiled.report else '?'}\n{what}")
 
 
-def _check_guard_bit_identity(p, call, unguarded, dit, sets, outs, got, what) -> None:
+def _check_guard_bit_identity(p, call, unguarded, dit, sets, outs, got, what, guard=None) -> None:
     """The guard measures, it does not change: the same values and ``.grad`` bit for bit."""
     for q in dit.parameters():
         q.grad = None
@@ -394,6 +397,14 @@ def _check_guard_bit_identity(p, call, unguarded, dit, sets, outs, got, what) ->
                                            for a, b in zip(outs, plain_outs))
     if not same:
         raise FuzzFailure(f"call {call + 1}: the guard changed the result (gradient {_rel(got, plain):.1e})\n{what}")
+    # issue 42: the guard reads a call's JAGG gradient from .grad, which these forms do not (all) write:
+    # such a call gives no probe (never figures made of a .grad nobody wrote); others give finite ones
+    if guard is not None and p.backward_form in ("inputs", "autograd_grad"):
+        if guard.probed or not guard.skipped:
+            raise FuzzFailure(f"call {call + 1}: a probe under backward form {p.backward_form!r} (probed "
+                              f"{guard.probed}, skipped {guard.skipped})\n{what}")
+    elif guard is not None and guard.last is not None and not math.isfinite(guard.last.rel_error):
+        raise FuzzFailure(f"call {call + 1}: the guard's figures are not finite ({guard.last})\n{what}")
 
 
 def _documented_decline(p: Program, backward: str, e: BaseException) -> str:

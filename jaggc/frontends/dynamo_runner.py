@@ -17,11 +17,13 @@ from torch import fx
 from .. import _compat
 from ..errors import JaggCaptureError, JaggInputError
 from ..runtime.autocast import current_autocast
+from ..runtime.module_state import difference, module_state
 from ..source import stack_location
 from .contract import Captured, Session
 from .dynamo import STATE_CHANGE_MARK, opaque_modules
 from .dynamo_backend import copy_graph_module, running_loss, shared_backend
 from .epilogue import aliasing_holds, check_ran, modes_restored, traced_aliasing
+from .fx_module_states import restore_entry_states
 
 RECOMPILE_FIX = (
     "If that value changes on purpose (a new subset of trained steps per sample, as in DanceGRPO), use "
@@ -63,8 +65,10 @@ class DynamoFrontend:
             self._graph_ran = False
             self._entry_autocast = current_autocast()   # the backend's graph is entered in it
             traces = self.session.traces
+            entry = {id(m): module_state(m) for m in candidates}
             with opaque_modules(candidates), running_loss(self):
                 out = self._compiled(*args, **kwargs)
+            self._refuse_replayed_state_change(candidates, entry)
             if not self._graph_ran:
                 # Dynamo built no graph for these inputs (an empty trajectory: no DiT call, no tensor
                 # op): the loss is a Python constant of its inputs, and it is what Dynamo returned
@@ -83,6 +87,25 @@ class DynamoFrontend:
                 f"Dynamo's recompile limit for {self.qualname} was hit: each new value of "
                 f"{changing} compiled another graph of its code. "
                 f"{RECOMPILE_FIX} Dynamo says: {first_lines(e, 3)}", path="dynamo") from e
+
+    def _refuse_replayed_state_change(self, candidates, entry: dict) -> None:
+        """A state change the refusers of ``dynamo.opaque_modules`` do not see (an attribute write,
+        ``dit.training = False``; ``nn.Module.train(dit)`` called unbound) is a side effect Dynamo
+        replays after its graph: every DiT call of the graph ran in the entry state, the eager loss
+        runs the later ones in the new state. Refused as the methods are (issue 42), the module put
+        back in its entry state first, so that the next path (``capture="auto"``) starts from it.
+        (A change the loss undoes before it returns leaves no trace here.)"""
+        changed = [m for m in candidates if module_state(m) != entry[id(m)]]
+        if not changed:
+            return
+        m = changed[0]
+        what = difference(entry[id(m)], module_state(m))
+        restore_entry_states(changed, entry)
+        raise JaggCaptureError(
+            f"{self.qualname} changes the DiT's state ({what}) in a way Dynamo replays after its graph "
+            f"(an attribute write such as `dit.training = ...`), so every DiT call in the graph ran in the state "
+            f"the loss was entered in. The FX capture replays such changes (capture='fx'), the intercept path "
+            f"records each call's state (capture='intercept')", path="dynamo")
 
     def _unsupported(self, e: BaseException, candidates, args, kwargs) -> Exception:
         """The error to raise for a loss Dynamo cannot take in one graph."""

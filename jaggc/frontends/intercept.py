@@ -27,8 +27,16 @@ Every recorded call keeps the DiT's module state and the thread's autocast state
 block around the DiT call stays a bf16 call, never a silent fp32 one); windows never mix calls of
 different states, the recording cache keys rows by state (a reference call under
 ``disable_adapter()`` has the policy call's inputs, not its output), and the replay refuses a call
-whose state differs from the recording's. A loss that makes no grad-enabled DiT call (an empty
-trajectory) has nothing to rewrite: its first run is returned as its value.
+whose state differs from the recording's. A state change inside a window (``dit.train()`` at step k
+of a window entered in ``eval()``, or the other way) therefore splits it there, each part a window of
+its own (<= 2 steps: exact), and the cut is announced with its cost; a change at a window boundary
+costs nothing. The whole module state decides (every train flag), not ``function_state.py``'s reading
+of which modules compute differently: a change that leaves the function as it is (SD3, whose dropouts
+have p = 0) still cuts, since a ``self.training`` read that reading misses would otherwise pair
+Jacobians of two functions silently. Attribute writes on the proxy (``dit.training = True``,
+``nn.Module.train(dit)`` called unbound) go to the DiT (issue 42), and ``run_trajectory`` refuses any
+window of two states. A loss that makes no grad-enabled DiT call (an empty trajectory) has nothing to
+rewrite: its first run is returned as its value.
 """
 
 from __future__ import annotations
@@ -74,6 +82,17 @@ class DitProxy:
             step = getattr(self._on_call, "next_step", None)
             raise direct_forward_error(f"step {step()}" if step is not None else "", self._dit)
         return getattr(self._dit, name)
+
+    # an attribute the loss writes is the DiT's: ``dit.training = True``, or ``nn.Module.train(dit)``
+    # (which sets ``self.training`` on the object it is given, then recurses into the children),
+    # would otherwise land on the proxy, the real module would stay in its state, and the calls
+    # after it would be recorded (and run as windows) in the old state while the eager loss runs
+    # them in the new one (issue 42)
+    def __setattr__(self, name, value):
+        setattr(self._dit, name, value)
+
+    def __delattr__(self, name):
+        delattr(self._dit, name)
 
 
 def _grad_leaves(call: DitCall) -> list[str]:

@@ -28,7 +28,11 @@ the errors are all-reduced once per probe; under FSDP each window is measured th
 backward after the call's (guard_probe.py). A per-step loop's guard is ``jaggc.stepwise(...,
 guard=...)`` (steps/probe.py): the same statistics and policy, one probed trajectory in ``every``.
 ``state_dict()`` / ``load_state_dict()`` carry it across a checkpoint. The probe call's loss must be backpropagated on its own (one backward
-per call, as the trainers do): the JAGG figure is what that backward adds to ``.grad``.
+per call, as the trainers do): the JAGG figure is what that backward adds to ``.grad``. A probed call
+backpropagated with ``torch.autograd.grad`` or ``backward(inputs=...)`` (no ``.grad``, or only the
+inputs') gives no probe: the loss's own backward node sees the form first and switches the probe off
+for that backward (no window measures), so the gradient is the unguarded one bit for bit; a warning
+says so once, ``guard.skipped`` counts such calls.
 """
 
 from __future__ import annotations
@@ -88,6 +92,8 @@ class Guard:
         self.active: CallProbe | None = None      # the probe of the call running now
         self._pending: CallProbe | None = None
         self._unfinished = 0
+        self.skipped = 0                  # probed calls backpropagated in a form that gives no probe
+        self._skip_warned = False
 
     # --- the compiled loss calls these ---------------------------------------------------------
     def call(self, run: Callable, exact_fn: Callable, args, kwargs):
@@ -104,7 +110,7 @@ class Guard:
             warnings.warn(f"jaggc guard: the probe of call {self._pending.index} never saw its backward finish "
                           f"(the loss was not backpropagated, or not on its own); it is dropped", stacklevel=3)
         probe = CallProbe(index, sigma_edges=self.sigma_edges, num_ranges=len(self.ranges),
-                          on_finished=self._finished)
+                          on_finished=self._finished, on_skipped=self._skipped)
         self.active = probe
         try:
             out = run(*args, **kwargs)
@@ -123,6 +129,15 @@ class Guard:
     def runs_exact(self, times: torch.Tensor) -> bool:
         """Whether a window call with these (S, B) timesteps runs exactly because its σ range drifted."""
         return bool(self.exact_ranges) and range_of(float(noise_levels(times).min()), self.sigma_edges) in self.exact_ranges
+
+    def _skipped(self, probe: CallProbe) -> None:
+        """A probed call whose backward cannot be measured (guard_probe.SKIPPED_BACKWARD): counted,
+        said once per guard; its gradient is the unguarded loss's."""
+        self.skipped += 1
+        if not self._skip_warned:
+            self._skip_warned = True
+            warnings.warn(f"jaggc guard: no probe of call {probe.index} (nor of later calls backpropagated the "
+                          f"same way; guard.skipped counts them): {probe.skipped}", stacklevel=2)
 
     def _finished(self, probe: CallProbe) -> None:
         result = probe.finish()
@@ -192,7 +207,7 @@ class Guard:
         return dict(version=1, every=self.every, probes=self.probes, sigma_edges=self.sigma_edges,
                     calls=self.calls, probed=self.probed, exact_ranges=sorted(self.exact_ranges),
                     jagg_off=self.jagg_off, history=list(self.history), block=self.block.state_dict(),
-                    unfinished=self._unfinished)
+                    unfinished=self._unfinished, skipped=self.skipped)
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state_dict()``: the next probe adds to the saved block, the adapted ranges
@@ -204,6 +219,7 @@ class Guard:
                 f"probes={state['probes']}; this one {self.sigma_edges}, {self.probes}. Build the Guard with the "
                 f"saved settings to continue its statistics")
         self.calls, self.probed, self._unfinished = state["calls"], state["probed"], state.get("unfinished", 0)
+        self.skipped = state.get("skipped", 0)
         self.exact_ranges = set(state["exact_ranges"])
         self.jagg_off = bool(state["jagg_off"])
         self.history = list(state["history"])

@@ -38,7 +38,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from .._compat import fsdp_gradient_slots, fsdp_version, run_after_backward, tree_flatten
+from .._compat import (backward_accumulates_everywhere, fsdp_gradient_slots, fsdp_version, run_after_backward,
+                       tree_flatten)
 from ..errors import JaggUnsupportedError
 from .aggregate import knot_composites
 from .autocast import current_autocast
@@ -166,7 +167,12 @@ class WindowProbe:
 
     def measure(self, per_leaf: dict[int, Sequence[torch.Tensor | None]]) -> None:
         """e_w from the upstream gradients, ``{output leaf index: [g_s per window position]}``.
-        Under FSDP they are kept, and e_w measured once the call's backward has finished."""
+        Under FSDP they are kept, and e_w measured once the call's backward has finished. Nothing
+        runs in a backward whose probe was skipped (``CallProbe.skip``): that backward computes
+        exactly what the unguarded loss's does."""
+        if self.call.skipped is not None:
+            self.knot_leaves = self.interior_leaves = None
+            return
         if self.call.sharded:
             kept = {i: [None if g is None else g.detach().clone() for g in grads] for i, grads in per_leaf.items()}
             self.call.kept.append((self, kept))
@@ -204,10 +210,12 @@ class CallProbe:
     """One probed call of the guarded loss (module docstring)."""
 
     def __init__(self, index: int, *, sigma_edges: tuple[float, ...], num_ranges: int,
-                 on_finished: Callable[[CallProbe], None]):
+                 on_finished: Callable[[CallProbe], None], on_skipped: Callable[[CallProbe], None] | None = None):
         # what the guard's settings say (its σ ranges), and whom to hand the finished probe to:
         # given, so that this module never reaches back into guard.py
         self.index, self.sigma_edges, self.num_ranges, self.on_finished = index, sigma_edges, num_ranges, on_finished
+        self.on_skipped = on_skipped
+        self.skipped: str | None = None               # why this call gives no probe (``skip``)
         self.dit: nn.Module | None = None
         self.local: nn.Module | None = None
         self.params: list[torch.Tensor] = []
@@ -278,6 +286,15 @@ class CallProbe:
                 return tree_unflatten(leaves, spec)
         return out
 
+    def skip(self, why: str) -> None:
+        """This call gives no probe (``why``): nothing more is measured, nothing recorded."""
+        if self.finished:
+            return
+        self.skipped, self.finished, self.kept = why, True, []
+        self.range_errors, self.windows, self.snapshot = {}, [], None
+        if self.on_skipped is not None:
+            self.on_skipped(self)
+
     def finish(self) -> ProbeResult | None:
         """Reduce the windows' errors (DDP), read the call's gradient from ``.grad``: the probe."""
         if self.finished or self.dit is None:
@@ -313,8 +330,18 @@ class CallProbe:
         self.range_errors = {r: parts[r].clone() for r in ranges if float(seen[r]) > 0}
 
 
+SKIPPED_BACKWARD = (
+    "the loss was backpropagated with torch.autograd.grad(...) or backward(inputs=...), which write no "
+    ".grad (or only the inputs'), and the probe reads the call's JAGG gradient from what its backward adds "
+    "to .grad; the gradient is the unguarded loss's, bit for bit. Probed calls are measured under a plain "
+    "loss.backward() (a scaled one, a GradScaler's)")
+
+
 class _FinishProbe(torch.autograd.Function):
-    """Identity on the loss; its backward asks for the probe to finish once the backward is done."""
+    """Identity on the loss; its backward asks for the probe to finish once the backward is done.
+    The loss's node is the first one its backward runs, so it is also where the form of the backward
+    is known: under ``torch.autograd.grad`` or ``backward(inputs=...)`` the probe is skipped before
+    any window's backward could measure (``SKIPPED_BACKWARD``)."""
 
     @staticmethod
     def forward(ctx, loss, probe):
@@ -324,5 +351,8 @@ class _FinishProbe(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         probe = ctx.probe
-        run_after_backward(lambda: probe.on_finished(probe))
+        if not backward_accumulates_everywhere():
+            probe.skip(SKIPPED_BACKWARD)
+        elif not probe.finished:
+            run_after_backward(lambda: probe.on_finished(probe))
         return grad, None

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 from torch import nn
 
+from ..errors import JaggGraphError
 from .calls import DitCall
 from .deferred import BackwardGroup
 from .grouping import group_calls
@@ -34,6 +35,8 @@ def run_trajectory(dit: nn.Module, calls: Sequence[DitCall], windows: Sequence[S
     ``states`` (one ``CallState`` per call) puts the DiT and the thread in each window's module and
     autocast state while it runs (routing needs one state: its windows are scored together)."""
     outs: list[Any] = [None] * len(calls)
+    if states is not None:
+        check_one_state_per_window(windows, states)
 
     def put(idx, window_outs):
         for k, o in zip(idx, window_outs):
@@ -64,6 +67,20 @@ def run_trajectory(dit: nn.Module, calls: Sequence[DitCall], windows: Sequence[S
         with in_state(idx):
             put(idx, run_window(dit, [calls[k] for k in idx], steps=list(idx), options=options, group=group))
     return outs, None
+
+
+def check_one_state_per_window(windows: Sequence[Sequence[int]], states: Sequence[CallState]) -> None:
+    """Never JAGG across two module or autocast states: a window pairs its calls' Jacobians, and runs
+    in its first call's state. The grouping rule cuts runs at every state change (grouping.py), so a
+    window that mixes states is refused here, naming the steps, instead of running silently wrong."""
+    for idx in windows:
+        for k in idx[1:]:
+            if states[k] != states[idx[0]]:
+                raise JaggGraphError(
+                    f"internal: a JAGG window (steps {list(idx)}) holds DiT calls made in two states: step {idx[0]} "
+                    f"and step {k} differ in {states[idx[0]].difference(states[k])}. Keep the trained calls of "
+                    f"a window in one module state (call dit.train()/dit.eval() outside the loss) and report this",
+                    where=f"step {k}")
 
 
 def jagg_calls(dit: nn.Module, calls: Sequence[DitCall], *, window: int = 4,

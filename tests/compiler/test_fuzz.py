@@ -115,6 +115,7 @@ def test_fuzz_quick_covers_the_grammar(quick_stats):
     assert seen["in_place"] == set(fuzz.IN_PLACE)
     assert seen["mutation"] == set(fuzz.MUTATIONS)
     assert seen["state_op"] == set(fuzz.STATE_OPS)
+    assert seen["state_how"] == set(fuzz.STATE_HOW)
     assert seen["autocast"] == set(fuzz.AUTOCAST)
     assert seen["checkpoint"] == set(fuzz.CHECKPOINT)
     assert seen["backward_form"] == set(fuzz.BACKWARD_FORMS)

@@ -273,3 +273,129 @@ def test_D_the_guard_probes_in_the_calls_state(capture, backward):
     torch.testing.assert_close(grad, jagg, rtol=1e-12, atol=1e-14)
     assert guard.probed == 1 and guard.last.rel_error > 1e-3     # so the probe can tell the states apart
     torch.testing.assert_close(guard.last.exact, want[1], rtol=1e-12, atol=1e-14)
+
+
+# ----------------------------------------------------------------------------- issue 42
+# A state change inside a window, written so that it never reaches a recording proxy's methods: an
+# attribute write, or ``nn.Module.train`` called unbound (it sets ``training`` on the object it is
+# given). On intercept these once landed on the proxy (the real DiT stayed in its state, JAGG ran
+# across the change: 0.88 off, no refusal), on Dynamo they were replayed after the graph.
+
+def _set_attribute(dit, flag):
+    dit.training = flag
+
+
+def _unbound_train(dit, flag):
+    torch.nn.Module.train(dit, flag)
+
+
+def _method(dit, flag):
+    dit.train(flag)
+
+
+def _changes_at_step_3(how, flag):
+    def loss(dit, zs, ts, gs):
+        total = 0
+        for k in range(zs.shape[0]):
+            if k == 3:
+                how(dit, flag)
+            total = total + (dit(zs[k], ts[k]) * gs[k]).sum()
+        return total
+    return loss
+
+
+@pytest.mark.parametrize("entry", [False, True], ids=["eval_then_train", "train_then_eval"])
+@pytest.mark.parametrize("how", [_method, _set_attribute, _unbound_train], ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize("window", [2, 4])
+@pytest.mark.parametrize("backward", MODES)
+@pytest.mark.parametrize("capture", PATHS)
+def test_issue42_a_state_change_inside_a_window_splits_it_or_is_refused(capture, backward, window, how, entry):
+    """Entered in one state, the other from step 3 (inside the window [0-3] of W=4): intercept (and
+    auto, which lands there) splits the window at the change ([0-2] | [3-6] | [7]: states on those
+    chords, so JAGG is exact) and equals eager; FX and Dynamo refuse; never JAGG across two states."""
+    loss = _changes_at_step_3(how, not entry)
+    dit = TrainingField(D, seed=7)
+    windows = [[0, 1, 2], [3, 4, 5, 6], [7]] if window == 4 else None
+    args = chord_inputs(5, window=window, windows=windows)
+    want = eager(loss, dit, args, entry)
+    compiled = _compile(loss, capture, backward, window)
+    try:
+        got = _run_or_refused(compiled, dit, args, entry)
+    except (JaggCaptureError, JaggUnsupportedError) as e:
+        if capture in ("fx", "dynamo"):
+            assert isinstance(e, JaggCaptureError), repr(e)
+        else:
+            refusal_expected("intercept", backward, e)
+        assert dit.training == entry        # refused before anything ran as a window: entry state kept
+        return
+    assert capture in ("intercept", "auto") and compiled.report.path == "intercept", compiled.report.path
+    assert_equal_to_eager(got, want, f"{capture}/{backward}")
+    if window == 4:
+        assert [w.steps for w in compiled.report.windows] == windows, compiled.report.windows
+
+
+@pytest.mark.parametrize("how", [_method, _set_attribute], ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize("backward", ["joint", "per_window"])
+def test_issue42_a_state_change_between_two_windows_costs_nothing(backward, how):
+    """At a window boundary (step 4 at W=4) the change cuts nowhere new: [0-3] eval, [4-7] train,
+    each on its chord, exact; no cut announced."""
+    def loss(dit, zs, ts, gs):
+        total = 0
+        for k in range(zs.shape[0]):
+            if k == 4:
+                how(dit, True)
+            total = total + (dit(zs[k], ts[k]) * gs[k]).sum()
+        return total
+
+    dit = TrainingField(D, seed=8)
+    args = chord_inputs(6, window=4)
+    want = eager(loss, dit, args, False)
+    compiled = _compile(loss, "intercept", backward, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)     # no cut announcement
+        got = compiled_run(compiled, dit, args, False)
+    assert_equal_to_eager(got, want, backward)
+    assert [w.steps for w in compiled.report.windows] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_issue42_a_state_change_that_changes_no_function_still_cuts_and_says_so():
+    """A DiT whose output does not depend on train/eval (the plain affine field: no dropout, no batch
+    norm, no ``self.training``): the window is still cut at the change (the module state decides, not
+    function_state.py's reading of the source, which a helper method reading ``self.training`` would
+    escape), and the cut is announced with its cost. Values and gradient are eager's."""
+    def loss(dit, zs, ts, gs):
+        total = 0
+        for k in range(zs.shape[0]):
+            if k == 3:
+                dit.train()
+            total = total + (dit(zs[k], ts[k]) * gs[k]).sum()
+        return total
+
+    windows = [[0, 1, 2], [3, 4, 5, 6], [7]]
+    dit = AffineJacobianField(D, seed=9)
+    args = chord_inputs(7, windows=windows)
+    want = eager(loss, dit, args, False)
+    compiled = _compile(loss, "intercept", "joint", 4)
+    with pytest.warns(UserWarning, match="windows were cut between steps 2 and 3.*train/eval mode"):
+        got = compiled_run(compiled, dit, args, False)
+    assert_equal_to_eager(got, want, "intercept")
+    assert [w.steps for w in compiled.report.windows] == windows
+
+
+def test_issue42_a_window_of_two_states_is_refused_naming_the_step():
+    """The runtime's own guarantee, whatever formed the windows: run_trajectory refuses a window whose
+    calls were made in two states, naming the step, before any DiT call."""
+    from jaggc import JaggError
+    from jaggc.runtime.calls import DitCall
+    from jaggc.runtime.module_state import CallState
+    from jaggc.runtime.trajectory import run_trajectory
+
+    dit = TrainingField(D, seed=1)
+    zs, ts, _ = chord_inputs(0)
+    calls = [DitCall((zs[k], ts[k]), {}) for k in range(4)]
+    dit.eval()
+    states = [CallState.of(dit)] * 2
+    dit.train()
+    states += [CallState.of(dit)] * 2
+    with pytest.raises(JaggError, match=r"step 2.*train/eval"):
+        run_trajectory(dit, calls, [[0, 1, 2, 3]], states=states)
