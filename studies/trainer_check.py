@@ -361,7 +361,11 @@ def main(args) -> int:
     if args.speed_size == "published" and names:
         raise SystemExit("jaggc trainers: --speed-size published applies to --loops only; add --names none")
     if loop_names:
-        results["loops"] = loop_report.run_loops(loop_names, where=where, rounds=args.rounds)
+        backwards = tuple(b for b in args.backwards.split(",") if b)
+        if not backwards or any(b not in loop_report.FORMS for b in backwards):
+            raise SystemExit(f"jaggc trainers: --backwards {args.backwards!r}: a comma-separated subset of "
+                             f"{', '.join(loop_report.FORMS)}")
+        results["loops"] = loop_report.run_loops(loop_names, where=where, rounds=args.rounds, forms=backwards)
     if names:
         print(format_table(results))
     if loop_names:
@@ -398,4 +402,7 @@ def add_arguments(p) -> None:
     p.add_argument("--loops", default=",".join(loops.LOOPS),
                    help="the trainers' own per-step loops with jaggc.stepwise to measure (lines changed, CPU time, "
                         "peak activations, collectives); '' to skip")
+    p.add_argument("--backwards", default="joint,lowmem,per_window",
+                   help="--loops: the stepwise backward forms to measure (each with its CFG-slice, rollout-cache and "
+                        "guard-probe variants); fewer forms, a shorter run")
     p.add_argument("--json", default=None, help="write the results as JSON")

@@ -28,7 +28,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .._compat import backward_accumulates_everywhere, backward_task_id, rng_states, run_after_backward, tree_flatten, tree_map, version_counter
+from .._compat import (backward_accumulates_everywhere, backward_task_id, rng_states, run_after_backward, tree_flatten,
+                       tree_map, version_counter)
 from ..backward_modes import BackwardMode
 from ..errors import JaggInputError
 from ..runtime.aggregate import knot_composites

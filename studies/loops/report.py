@@ -110,19 +110,19 @@ def collectives(name: str, *, size: str = "tiny", window: int = 4, world: int = 
 
 
 def run_loops(names=loops.LOOPS, *, size: str = "10m", rounds: int = 5, where: Where | None = None,
-              progress: Callable[[str], None] = print) -> dict:
-    """Every loop's lines, memory, speed and (on the CPU) collectives; ``where`` (trainers/sizes.py)
-    overrides ``size`` with a size, a device and a dtype."""
+              progress: Callable[[str], None] = print, forms=FORMS) -> dict:
+    """Every loop's lines, memory, speed and (on the CPU) collectives, for the backward ``forms``;
+    ``where`` (trainers/sizes.py) overrides ``size`` with a size, a device and a dtype."""
     where = where if where is not None else Where(size)
     results = {}
     for name in names:
         progress(f"{name} loop: lines changed, memory ...")
         row = dict(lines_changed=loops.lines_changed(name), diff=loops.user_diff(name))
-        row["memory"] = memory(name, where)
+        row["memory"] = memory(name, where, forms=forms)
         if rounds:
             progress(f"{name} loop: time against the unchanged loop, {rounds} rounds ({where.size}, {where.device}, "
                      f"{str(where.dtype).removeprefix('torch.')}) ...")
-            row["speed"] = speed(name, where, rounds=rounds)
+            row["speed"] = speed(name, where, rounds=rounds, forms=forms)
             progress(f"{name} loop: a whole epoch as the trainer runs it, sampling included ...")
             row["epoch"] = whole_epoch(name, where, rounds=rounds)
         if name != "flow_grpo" and not on_cuda(where):
