@@ -105,8 +105,8 @@ class Ledger:
                    if not (p.grad is None and before is None) and not (before is not None and before.same(p.grad))]
         if not changed:
             return None
-        full = next((name for name, p in self.trainable if p.grad is not None and not _all_bits_zero(p.grad)), None)
-        return GradChange("reset", changed[0]) if full is None else GradChange("written", changed[0])
+        emptied = all(_all_bits_zero_each([p.grad for _, p in self.trainable if p.grad is not None]))
+        return GradChange("reset" if emptied else "written", changed[0])
 
     # --- while a gradient is withheld ---------------------------------------------------------
     def withholding(self, withheld: bool) -> None:
@@ -172,13 +172,9 @@ class GradMarks:
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _all_bits_zero(grad: torch.Tensor) -> bool:
-    """Whether every element is ``+0.0`` (a negative zero has its sign bit set)."""
-    return _all_bits_zero_each([grad])[0]
-
-
 def _all_bits_zero_each(grads: list[torch.Tensor]) -> list[bool]:
-    """``_all_bits_zero`` of each gradient, in one host read per device."""
+    """Whether every element of each gradient is ``+0.0`` (a negative zero has its sign bit set), in
+    one host read per device."""
     if not grads:
         return []
     flags = []
