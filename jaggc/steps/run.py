@@ -81,6 +81,7 @@ class TrajectoryRun:
         # the tap's parameter inputs (tap.py), where no DDP/FSDP hooks their gradient accumulators
         self.tap_params = [] if owner.distributed else [p for p in owner.module.parameters() if p.requires_grad]
         self._after_task = None                      # the backward pass an after_backward is queued in
+        self._exact_task = None                      # the backward pass an exact step's DiT backward ran in
 
     def window(self, step: int) -> WindowRun:
         return self.windows[self.plan.window_of[step].index]
@@ -230,6 +231,7 @@ class TrajectoryRun:
         return out
 
     def _exact_backward_hook(self, batch: int, first: bool, grad):
+        self._exact_task = backward_task_id()
         if first:
             self.owner.counts.backwards += 1
             self._step_backward_done()
@@ -263,6 +265,10 @@ class TrajectoryRun:
                 f"step {visit.step}'s output got a second gradient after its window's joint backward "
                 f"ran (a second backward() through the same step, retain_graph=True). jaggc's stepwise JAGG takes "
                 f"one backward per step: sum the step's losses and call backward() once"), where=visit.where)
+        if self._exact_task != backward_task_id():
+            # a reset or write since the step's forward; not where this backward ran an exact step's
+            # DiT backward before reaching here (its own accumulation cannot be told from a write)
+            self.owner.safety.before_grads(self, visit)
         if self.owner.slicer is not None:
             batch = batch_size(visit.call)
             for g in grads:

@@ -11,9 +11,10 @@ inputs) and nothing has read ``.grad`` in between; otherwise it raises.
 | a step visited twice | at its second call | its window runs exactly (warning) |
 | ``zero_grad()`` between two steps of a window, or after the last step and before the trajectory ends | at the next step or the end (ledger: ``.grad`` is marked while a step's gradient is held back, so a reset of gradients that were None is seen too) | the earlier steps' gradient is dropped, as ``zero_grad`` drops it in the loop; the window runs exactly (warning) |
 | ``.grad`` written otherwise (``clip_grad_norm_``, ``unscale_``, a hand-written scaling) while a step's gradient is held back | at the next step or the end | error |
+| either of the two between a step's forward and its backward | when its gradient reaches jaggc's node (unless that backward ran an exact step's DiT backward first) | as above |
 | either of the two while no step's gradient is held back (the window's steps so far have not run their backward) | | nothing to do: ``.grad`` is the unchanged loop's |
 | a parameter written between two steps of a window | at the next step, or before the window's backward | error |
-| ``optimizer.step()`` while a window is open | in a pre-hook on every optimizer step, before any parameter moves | error |
+| ``optimizer.step()`` while a step's gradient is held back | in a pre-hook on every optimizer step of the module's parameters, before any parameter moves | error |
 | a trajectory ending early: the ``steps()`` loop left by ``break`` or an exception, fewer steps than declared, a new ``trajectory()`` before the last one finished, ``Stepwise.close()`` | at that moment | open windows run exactly (warning), unless ``.grad`` was written since: error |
 | ``backward(inputs=...)``, ``torch.autograd.grad`` through a JAGG step (the parameters are inputs of its node, tap.py) | at that step's backward | error |
 | a step's gradient never arriving (an exception or a loss left without backward) | when the trajectory ends | it adds nothing, as in the loop; its window runs exactly (warning); under DDP/FSDP, where the forms above do not enter jaggc's node, error |
@@ -55,7 +56,11 @@ class Safety:
     # --- before a step runs ------------------------------------------------------------------
     def before_step(self, run: "TrajectoryRun", step: int, where: str) -> None:
         ledger = self.owner.ledger
-        open_windows = run.open_windows()
+        if not run.open_windows():
+            ledger.snapshot()
+            return
+        self._grads_changed(run, f"before step {step}", where)
+        open_windows = run.open_windows()       # a zero_grad may have dropped what was held back
         if not open_windows:
             ledger.snapshot()
             return
@@ -66,17 +71,27 @@ class Safety:
                 f"parameter {name!r} was written between the steps of an open JAGG window (steps {steps} "
                 f"ran before step {step}: an optimizer step or an in-place write). The window's gradient needs the "
                 f"parameters its steps ran with; {FIX_STEP}"), where=where)
+
+    def before_grads(self, run: "TrajectoryRun", visit: "StepVisit") -> None:
+        """A step's gradient arrives (its backward reached jaggc's node, before any joint backward of
+        that backward ran): what the loop did to ``.grad`` since its forward, as before a step."""
+        self._grads_changed(run, f"between step {visit.step}'s forward and its backward", visit.where)
+
+    def _grads_changed(self, run: "TrajectoryRun", when: str, where: str) -> None:
+        """What the loop did to ``.grad`` while a step's gradient was held back: a reset drops it, as
+        the loop drops it; any other write is refused (it read or scaled a gradient that lacks it)."""
+        ledger = self.owner.ledger
         change = ledger.grad_change()
         if change is None or not run.withheld():
             # no step's gradient is held back: .grad is what the unchanged loop has, whatever read or reset it
             ledger.snapshot_grads()
             return
         if change.kind == "reset":
-            self._zero_grad(run, open_windows, f"before step {step}")
+            self._zero_grad(run, run.open_windows(), when)
             return
         raise self.refuse(run, (
-            f"the .grad of {change.name!r} was written between the steps of an open JAGG window (before "
-            f"step {step}, while the gradient of steps {run.withheld_steps()} was held back for the window's joint "
+            f"the .grad of {change.name!r} was written between the steps of an open JAGG window ({when}, "
+            f"while the gradient of steps {run.withheld_steps()} was held back for the window's joint "
             f"backward: clip_grad_norm_, a GradScaler's unscale_ or another write read or scaled a gradient that "
             f"lacks them). {FIX_STEP}"), where=where)
 
@@ -126,9 +141,12 @@ class Safety:
 
     # --- an optimizer step ------------------------------------------------------------------------
     def optimizer_step(self, run: "TrajectoryRun") -> None:
-        open_windows = run.open_windows()
-        if not open_windows:
+        """An optimizer step while a step's gradient is held back would step without it: refused. A
+        window whose visited steps ran no backward yet holds nothing back (``.grad`` is the loop's);
+        a later step or backward of it then meets the moved parameters and is refused there."""
+        if not run.withheld():
             return
+        open_windows = run.open_windows()
         visits = [v for w in open_windows for v in w.pending()]
         waiting = [s for w in open_windows for s in w.planned.steps
                    if s not in w.visits or w.visits[s].grads is None]
@@ -147,19 +165,23 @@ class Safety:
         if not open_windows:
             return
         ledger = self.owner.ledger
-        name = ledger.changed_parameter()
         change = ledger.grad_change() if run.withheld() else None
-        if name is not None or (change is not None and change.kind == "written"):
-            what = f"parameter {name!r}" if name is not None else f"the .grad of {change.name!r}"
+        if change is not None and change.kind == "written":
             raise self.refuse(run, (
-                f"the trajectory ended {reason} with JAGG windows open, and {what} was written since its last step "
-                f"(a clip or optimizer step read a partial gradient); {FIX_STEP}"))
+                f"the trajectory ended {reason} with JAGG windows open, and the .grad of {change.name!r} was written "
+                f"since its last step (a clip or optimizer step read a partial gradient); {FIX_STEP}"))
         if change is not None:
             # a zero_grad after the last step's backward: the loop dropped what the steps before it gave
             self._zero_grad(run, open_windows, f"after step {run.visited[-1]}, before the trajectory ended {reason}")
             open_windows = run.open_windows()
             if not open_windows:
                 return
+        name = ledger.changed_parameter()
+        if name is not None and run.withheld():
+            raise self.refuse(run, (
+                f"the trajectory ended {reason} with JAGG windows open, and parameter {name!r} was written since "
+                f"its last step (an optimizer step or an in-place write) while the gradient of steps "
+                f"{run.withheld_steps()} was held back; {FIX_STEP}"))
         if run.deferred and run.ready():
             run.complete_all()              # the deferred schedule's end: as planned, no warning
             return

@@ -237,3 +237,70 @@ def test_another_models_optimizer_steps_freely(problem):
             if j == 1:
                 torch.optim.SGD(m.parameters(), lr=0.1).step()
     jagg.close()
+
+
+@pytest.mark.parametrize("between", ["zero_grad", "clip"])
+def test_between_a_steps_forward_and_its_backward(problem, between):
+    """Step 1's forward, then the loop resets (or clips) .grad, then step 1's backward: the reset drops
+    step 0's held-back gradient (window 0 runs steps 1-3 exactly), the clip is refused at step 1's
+    backward, before the window's joint backward could add to a clipped gradient."""
+    model, batch, m, jagg = stepwise_on(problem)
+    if between == "zero_grad":
+        with pytest.warns(UserWarning, match=r"\(between step 1's forward and its backward\): the gradient of steps \[0\]"):
+            for j in jagg.steps(range(T), batch["timesteps"]):
+                loss = step_loss(m, batch, j)
+                if j == 1:
+                    m.zero_grad()
+                loss.backward()
+        assert rel_err(grads(m), exact_grad(model, batch, [1, 2, 3]) + jagg_grad(model, batch, range(4, 8))) < 1e-13
+    else:
+        with pytest.raises(jaggc.JaggUnsupportedError, match=LINE + r": the .grad of '.*' was written between the steps "
+                                                                     r"of an open JAGG window \(between step 1's forward"):
+            for j in jagg.steps(range(T), batch["timesteps"]):
+                loss = step_loss(m, batch, j)
+                if j == 1:
+                    torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3)
+                loss.backward()
+        m.zero_grad()
+        clean_trajectory_after(model, batch, m, jagg)
+    jagg.close()
+
+
+def test_what_a_reset_dropped_no_longer_holds_the_parameters(problem):
+    """zero_grad after step 0, then a parameter written: nothing of the window is held back any more,
+    so the write is the loop's business (steps 1-3 run exactly with the new parameters)."""
+    model, batch, m, jagg = stepwise_on(problem)
+    with pytest.warns(UserWarning, match=r"the gradient of steps \[0\] was dropped"):
+        for j in jagg.steps(range(T), batch["timesteps"]):
+            step_loss(m, batch, j).backward()
+            if j == 0:
+                m.zero_grad()
+                with torch.no_grad():
+                    next(m.parameters()).mul_(1.01)
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        next(ref.parameters()).mul_(1.01)
+    assert rel_err(grads(m), exact_grad(ref, batch, [1, 2, 3]) + jagg_grad(ref, batch, range(4, 8))) < 1e-13
+    jagg.close()
+
+
+def test_an_optimizer_step_with_nothing_held_back_is_the_loops(problem):
+    """trajectory(), step 0's forward raises (caught), then optimizer.step(): step 0 ran no backward, so
+    nothing is held back and the step is taken; the trajectory ends at the next declaration, where
+    step 0 adds nothing, as in the loop."""
+    model, batch, m, jagg = stepwise_on(problem)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    m(hidden_states=batch["latents"][:, 0], timestep=batch["timesteps"][:, 0], encoder_hidden_states=batch["prompt_embeds"],
+      pooled_projections=batch["pooled_prompt_embeds"], return_dict=False)[0].sum().backward()     # some .grad
+    jagg.trajectory(batch["timesteps"])
+    try:
+        step_loss(m, batch, 0)
+        raise RuntimeError("a NaN reward")
+    except RuntimeError:
+        pass
+    before = [p.detach().clone() for p in m.parameters()]
+    opt.step()
+    assert not all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
+    with pytest.warns(UserWarning, match=r"steps \[0\] ran no backward and add nothing"):
+        jagg.trajectory(batch["timesteps"])
+    jagg.close()
