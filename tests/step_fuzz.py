@@ -136,9 +136,12 @@ class Reference(Plain):
     def __init__(self, p: Program, fallback: bool = False, optional: bool = True):
         super().__init__(p)
         self.fallback, self.optional, self.windows, self.window_of = fallback, optional, None, {}
+        self.due_grad = self.due_param = None     # a refusal due where jaggc looks next (``_check_due``)
+        self.plans = 0                            # trajectories declared: the CFG slice is learned from the last
 
     def _plan(self, declared, rows_of):
         p, self.window_of = self.p, {}
+        self.plans += 1
         scale = 1000.0 if p.dit == "sd3" else 1.0
         order = sorted(declared, key=lambda k: -float(rows_of[k].max()))
         self.windows = []
@@ -163,6 +166,8 @@ class Reference(Plain):
             self._pending = (declared, rows)
 
     def call(self, j, fn):
+        if torch.is_grad_enabled():
+            self._check_due()
         out, t = fn()
         if self.windows is not None and torch.is_grad_enabled():
             w = self.window_of[j]
@@ -172,7 +177,7 @@ class Reference(Plain):
 
     def backward(self, j, loss, form, scaler, params, side):
         w = self.window_of[j] if self.windows is not None else None
-        if form != "plain" and self.optional and self.p.cfg_slice and w is not None:
+        if form != "plain" and self.optional and self.p.cfg_slice and self.p.cfg and self.plans > 1 and w is not None:
             # the CFG slice runs exact steps through jaggc's node too (docs/stepwise.md): the
             # per-step forms may be refused there; a result must then be the unchanged loop's
             raise Expected(f"optional: {form} at step {j} under the CFG slice")
@@ -206,22 +211,52 @@ class Reference(Plain):
     def _open(self):
         return [w for w in self.windows if w.open] if self.windows is not None else []
 
+    def _held(self) -> bool:
+        """Some step's gradient is held back: it ran its backward, its window has not landed."""
+        return any(w.stored for w in self._open())
+
     def event(self, kind):
         opened = self._open()
-        if not opened:
+        if kind == "zero_grad":
+            # the loop drops what the held-back steps gave; their windows run exactly; a write before
+            # it (a clip) is moot now
+            self.due_grad = None
+            if self._held():
+                for w in opened:
+                    w.stored, w.exact = {}, True
+                self.warned = True
             return
-        if kind == "zero_grad":          # the loop drops the earlier steps; the windows run exactly
-            for w in opened:
-                w.stored, w.exact = {}, True
-            self.warned = True
-        elif self.fallback:
+        if kind == "optimizer step":          # refused in the optimizer's pre-hook, before it moves anything
+            self._check_due()
+            if self._held():
+                if not self.fallback:
+                    raise Expected("optimizer step while a step's gradient is held back")
+                for w in opened:
+                    self._land_exactly(w)
+            return
+        if not opened or (kind != "parameter write" and not self._held()):
+            return                            # .grad is the unchanged loop's: a read or write of it is the loop's
+        if self.fallback:
             for w in opened:
                 self._land_exactly(w)
+        elif kind == "parameter write":
+            self.due_param = kind
         else:
-            raise Expected(f"{kind} while JAGG windows are open")
+            self.due_grad = kind
+
+    def _check_due(self, at_end: bool = False) -> None:
+        """jaggc sees a write into .grad or a parameter where it looks next (before a step, at the
+        trajectory's end, before an optimizer step), not when it happens: the refusal is due there, if
+        a step's gradient is still held back (a parameter: before a step, while a window is open)."""
+        grad, param, self.due_grad, self.due_param = self.due_grad, self.due_param, None, None
+        if grad and self._held():
+            raise Expected(f"{grad} while a step's gradient is held back")
+        if param and (self._held() if at_end else self._open()):
+            raise Expected(f"{param} while JAGG windows are open")
 
     def _end(self, raised):
         # a visited step whose backward never came adds nothing, as in the loop; the rest land exactly
+        self._check_due(at_end=True)
         for w in self._open():
             self._land_exactly(w)
         self.windows = None

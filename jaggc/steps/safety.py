@@ -146,6 +146,10 @@ class Safety:
         a later step or backward of it then meets the moved parameters and is refused there."""
         if not run.withheld():
             return
+        # a zero_grad just before the step dropped what was held back (the loop steps on its own .grad)
+        self._grads_changed(run, "before optimizer.step()", run.latest.where if run.latest else "")
+        if not run.withheld():
+            return
         open_windows = run.open_windows()
         visits = [v for w in open_windows for v in w.pending()]
         waiting = [s for w in open_windows for s in w.planned.steps
