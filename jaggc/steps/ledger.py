@@ -74,7 +74,7 @@ class Ledger:
     def __init__(self, module: nn.Module):
         self.named = list(module.named_parameters())
         self.trainable = [(n, p) for n, p in self.named if p.requires_grad]
-        self.marks = GradMarks(self.trainable)
+        self.marks = GradMarks(self.trainable, _canaries(module, self.trainable))
         self.params = self._param_state()
         self.grads = self._grad_state()
 
@@ -120,10 +120,15 @@ class Ledger:
 
 
 class GradMarks:
-    """The negative-zero marks on the trainable gradients (module docstring)."""
+    """The negative-zero marks on the trainable gradients (module docstring). Not every gradient
+    needs one: ``zero_grad``, a clip, ``unscale_`` and a scaling loop touch every gradient of the
+    modules they cover, so one canary per module (the smallest trainable parameter it owns: a bias,
+    a norm's weight, a LoRA matrix) shows them, at a fraction of the model's gradient memory and
+    time (a full model's marks cost a memset of every gradient per trajectory)."""
 
-    def __init__(self, trainable: list[tuple[str, torch.Tensor]]):
+    def __init__(self, trainable: list[tuple[str, torch.Tensor]], canaries: list[int] | None = None):
         self.trainable = trainable
+        self.canaries = list(range(len(trainable))) if canaries is None else canaries
         self.made: dict[int, tuple[torch.Tensor, int]] = {}      # a None made a mark: (mark, its version)
         self.negated: dict[int, tuple[torch.Tensor, int]] = {}   # an all-zero gradient negated in place
         self.seen: dict[int, GradKey] = {}                       # gradients known to hold a nonzero bit
@@ -131,7 +136,8 @@ class GradMarks:
     @torch.no_grad()
     def mark(self) -> None:
         unknown = []
-        for i, (_, p) in enumerate(self.trainable):
+        for i in self.canaries:
+            p = self.trainable[i][1]
             g = p.grad
             if g is None:
                 p.grad = mark = torch.full_like(p, -0.0)
@@ -169,6 +175,17 @@ class GradMarks:
         return False
 
 
+def _canaries(module: nn.Module, trainable: list[tuple[str, torch.Tensor]]) -> list[int]:
+    """Per module that owns trainable parameters, the index (in ``trainable``) of its smallest."""
+    index = {id(p): i for i, (_, p) in enumerate(trainable)}
+    out = set()
+    for m in module.modules():
+        own = [p for p in m._parameters.values() if p is not None and id(p) in index]
+        if own:
+            out.add(index[id(min(own, key=lambda p: p.numel()))])
+    return sorted(out) or list(range(len(trainable)))
+
+
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -185,7 +202,7 @@ def _all_bits_zero_each(grads: list[torch.Tensor]) -> list[bool]:
         elif local.is_complex() or local.element_size() not in _BITS:
             flags.append(local.ne(0).any())
         else:
-            flags.append(local.view(_BITS[local.element_size()]).ne(0).any())
+            flags.append(local.view(_BITS[local.element_size()]).any())
     by_device: dict = {}
     for k, f in enumerate(flags):
         by_device.setdefault(f.device, []).append(k)

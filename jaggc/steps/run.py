@@ -428,6 +428,10 @@ class TrajectoryRun:
             self.probe.window_errors(jagg, parts_of, {id(v): g for v, g in entries})
         if roots:
             self.owner.safety.before_backward(self, entries)
+            # the marks nothing wrote into go before jaggc's own backward writes: autograd then takes
+            # its gradients as they come instead of adding them to -0.0 (ledger.py; marked again
+            # after the loop's backward if a step's gradient is still held back)
+            self.owner.ledger.marks.unmark()
             torch.autograd.backward(roots, root_grads)
             self.owner.counts.backwards += 1
         self.owner.ledger.snapshot_grads()
