@@ -21,9 +21,9 @@ every backward of the loop: ``Stepwise.after_backward``), and says what changed 
   ``set_to_none`` True or False), else a *write*.
 
 A reset of gradients that were None already, or a clip of gradients that are zero, changes nothing
-one can see. So while a gradient is withheld, every trainable gradient is made visible
-(``GradMarks``): a None becomes a tensor of negative zeros, an all-zero gradient is negated in place
-to negative zeros. Negative zero adds as zero (``-0.0 + x == x`` bit for bit, ``+0.0`` included), so
+one can see. So while a gradient is withheld, one gradient per module (its smallest trainable
+parameter's: a canary) is made visible (``GradMarks``): a None becomes a tensor of negative zeros,
+an all-zero gradient is negated in place to negative zeros. Negative zero adds as zero (``-0.0 + x == x`` bit for bit, ``+0.0`` included), so
 whatever accumulates into a mark gives what it gives into None or zeros; but ``zero_grad`` empties
 it (None, or ``+0.0``), while any scaling (a clip's, ``unscale_``'s, a hand-written ``mul_``) keeps
 the sign bit: a write. When nothing is withheld any more, the marks nothing wrote into are taken back
