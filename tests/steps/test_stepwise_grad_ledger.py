@@ -304,3 +304,23 @@ def test_an_optimizer_step_with_nothing_held_back_is_the_loops(problem):
     with pytest.warns(UserWarning, match=r"steps \[0\] ran no backward and add nothing"):
         jagg.trajectory(batch["timesteps"])
     jagg.close()
+
+
+def test_an_optimizer_step_right_after_a_zero_grad_steps(problem):
+    """After step 0's backward, zero_grad(set_to_none=False) then optimizer.step(), before any other DiT
+    call: the optimizer's pre-hook reads the reset first (step 0's held-back gradient is dropped, as
+    the loop drops it), so nothing is held back and the step is taken (a found campaign case)."""
+    model, batch, m, jagg = stepwise_on(problem)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match=r"\(before optimizer.step\(\)\): the gradient of steps \[0\] was dropped"):
+        for j in jagg.steps(range(T), batch["timesteps"]):
+            step_loss(m, batch, j).backward()
+            if j == 0:
+                m.zero_grad(set_to_none=False)
+                before = [p.detach().clone() for p in m.parameters()]
+                opt.step()
+                assert all(torch.equal(a, p) for a, p in zip(before, m.parameters()))    # zero gradients
+                with torch.no_grad():
+                    ref = copy.deepcopy(m)
+    assert rel_err(grads(m), exact_grad(ref, batch, [1, 2, 3]) + jagg_grad(ref, batch, range(4, 8))) < 1e-13
+    jagg.close()
