@@ -133,6 +133,10 @@ class TrajectoryRun:
             self.owner.counts.exact_steps += 1
         if self.probe is not None:
             self.probe.read_before()
+        # before the step the ledger looked at .grad; what the module's own forward did to it since
+        # (FSDP1 writes original parameters' gradients back into its flat gradient and hands out new
+        # views) is no write of the loop's (on_grads looks again when the step's gradient arrives)
+        self.owner.ledger.snapshot_grads()
         tapped, visit.index = tap_output(out, lambda grads, v=visit: self.on_grads(v, grads), self.tap_params)
         return tapped
 
