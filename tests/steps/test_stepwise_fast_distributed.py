@@ -126,10 +126,11 @@ def test_flow_grpo_under_accelerate_ddp_on_policy(rank_results):
     for res in rank_results:
         unchanged, w2, w4 = res[("flow", "unchanged", 2)], res[("flow", "jaggc", 2)], res[("flow", "jaggc", 4)]
         assert len(w4["errors"]) == len(unchanged["errors"]) == 2
-        assert max(unchanged["errors"] + w2["errors"]) <= 1e-6, (unchanged["errors"], w2["errors"])
-        # W=4 against the reference JAGG sums the windows in another order: fp32 measured up to 1.3e-6 on
-        # this machine's CPU (the float64 checks of test_stepwise_cache.py are the exactness check)
-        assert max(w4["errors"]) <= 5e-6, w4["errors"]
+        assert max(unchanged["errors"]) <= 1e-6, unchanged["errors"]
+        # with the slice and the cache, W=2 runs split batches and W=4 sums the windows in another order
+        # than the references: fp32 measured up to 1.3e-6 on this machine's CPU (the float64 checks of
+        # test_stepwise_cache.py are the exactness check)
+        assert max(w4["errors"] + w2["errors"]) <= 5e-6, (w4["errors"], w2["errors"])
         assert _rel(w2["params"], unchanged["params"]) <= 1e-6
         for counts in (w2["counts"], w4["counts"]):
             # recorded through the peft model inside DDP; the slice learned in the first trajectory
