@@ -82,7 +82,9 @@ class Safety:
         the loop drops it; any other write is refused (it read or scaled a gradient that lacks it)."""
         ledger = self.owner.ledger
         change = ledger.grad_change()
-        if change is None or not run.withheld():
+        if change is None:
+            return                          # the snapshot already holds .grad as it is
+        if not run.withheld():
             # no step's gradient is held back: .grad is what the unchanged loop has, whatever read or reset it
             ledger.snapshot_grads()
             return
