@@ -45,6 +45,12 @@ settings.load_profile(os.environ.get("JAGGC_HYPOTHESIS_PROFILE", "ci"))
 # compiles a loss (passes/pipeline.py); set JAGGC_CHECK_PASSES=0 to time compiles without them
 os.environ.setdefault("JAGGC_CHECK_PASSES", "1")
 
+# README's test command runs the suite on pytest-xdist workers, one per core: each worker takes one
+# intra-op thread, else two workers' threads spin-wait on each other's cores (the tiny DiTs'
+# ops are far too small to gain from a second thread anyway; see ``one_thread``)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="module")
 def one_thread():

@@ -173,3 +173,11 @@ def test_every_public_name_has_a_docstring_of_its_own():
     bare = [name for name in jaggc.__all__
             if not (doc := (getattr(jaggc, name).__doc__ or "").strip()) or doc.startswith(f"{name}(")]
     assert not bare, f"public names without a docstring: {bare}"
+
+
+def test_ci_runs_the_readme_test_command():
+    """CI must run the command README gives for the tests (the quick start's second line), as written."""
+    quick_start = blocks(ROOT / "README.md", "bash")[0].strip().splitlines()
+    assert len(quick_start) == 2 and quick_start[1].startswith(".venv/bin/python -m pytest"), quick_start
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert quick_start[1] in ci, (quick_start[1], ci)
