@@ -120,7 +120,7 @@ def run_seed(base, kwargs: dict, eval_fns: dict, options: FewStepsOptions, seed:
         history = trainer.history
         entry = dict(
             schedule=asdict(trainer.schedule), iterations_run=len(history),
-            backward_passes=statistics.fmean(h["backward_passes"] for h in history),
+            backward_work=statistics.fmean(h["backward_work"] for h in history),
             trained_steps=statistics.fmean(len(h["train_steps"]) for h in history),
             cpu_per_iteration=statistics.fmean(h["cpu_s"] for h in history),
             rollout_reward=[h["reward_mean"] for h in history],
@@ -145,7 +145,7 @@ def combine(per_seed: list[dict]) -> dict:
     for name in per_seed[0]:
         runs = [r[name] for r in per_seed]
         entry = dict(schedule=runs[0]["schedule"], per_seed=runs)
-        scalars = {"backward_passes": [r["backward_passes"] for r in runs],
+        scalars = {"backward_work": [r["backward_work"] for r in runs],
                    "trained_steps": [r["trained_steps"] for r in runs],
                    "cpu_per_iteration": [r["cpu_per_iteration"] for r in runs],
                    "iterations_run": [r["iterations_run"] for r in runs]}
@@ -210,13 +210,13 @@ def _fmt(stat: dict, digits: int = 3) -> str:
 def format_table(result: dict) -> str:
     opts = result["options"]
     budget, iters = opts["budget"], opts["iterations"]
-    rows = [f"| schedule | trained steps | backward / iter | CPU s / iter | reward at {budget:g} CPU s (ODE) "
+    rows = [f"| schedule | trained steps | backward passes / iter | CPU s / iter | reward at {budget:g} CPU s (ODE) "
             f"| reward at {GOAL_FRACTION * budget:g} CPU s | reward at iteration {iters} (CPU s) | grad cosine to own exact (held-out batch) |",
             "|---|---|---|---|---|---|---|---|"]
     for name, e in result["strategies"].items():
         cos = f"{e['grad_cosine']:.3f}" if "grad_cosine" in e else "—"
         goal = _fmt(e["goal.reward"]) if "goal.reward" in e else "—"
-        rows.append(f"| {name} | {e['trained_steps']['mean']:.1f} | {e['backward_passes']['mean']:.1f} | "
+        rows.append(f"| {name} | {e['trained_steps']['mean']:.1f} | {e['backward_work']['mean']:.1f} | "
                     f"{e['cpu_per_iteration']['mean']:.3f} | {_fmt(e['budget.reward'])} ({e['budget.reward_ode']['mean']:.3f}) | "
                     f"{goal} | {_fmt(e['iterations.reward'])} ({e['iterations.cpu_s']['mean']:.1f}) | {cos} |")
     base = result["base_eval"]

@@ -10,6 +10,7 @@ gradient goes through JAGG windows and the first minibatch's interior forwards c
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +73,22 @@ class FewStepTrainer(GRPOTrainer):
 
     def train_steps(self, iteration: int) -> tuple[int, ...]:
         return self.schedule.train_steps(self.config.num_steps, iteration, self.config.seed)
+
+    def step(self) -> dict:
+        """One iteration (``GRPOTrainer.step``) plus ``backward_work``: the DiT backward work in
+        per-step backward passes of one minibatch: one per exact step, two per JAGG window (its one
+        joint pass runs on the two knots' rows). Without JAGG it is ``backward_passes``."""
+        before = self._stepwise_counts()
+        log = super().step()
+        after = self._stepwise_counts()
+        log["backward_work"] = (log["backward_passes"] if after is None else
+                                (after.exact_steps - before.exact_steps) + 2 * (after.jagg_windows - before.jagg_windows))
+        return log
+
+    def _stepwise_counts(self):
+        if self.stepwise is None:
+            return None
+        return copy.copy(self.stepwise.report.counts)
 
     def _optimize(self, minibatch: dict) -> dict:
         self.optimizer.zero_grad(set_to_none=True)
