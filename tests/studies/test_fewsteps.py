@@ -137,7 +137,7 @@ def test_trainer_trains_the_schedules_steps_with_one_backward_each():
     for _ in range(3):
         log = trainer.step()
         assert log["train_steps"] == list(trainer.schedule.train_steps(8, log["iteration"], 0))
-        assert log["backward_passes"] == 2 * trainer.config.minibatches
+        assert log["backward_passes"] == log["backward_work"] == 2 * trainer.config.minibatches
         assert torch.isfinite(torch.tensor(log["loss"]))
 
 
@@ -159,7 +159,8 @@ def test_a_two_step_window_is_all_knots_so_the_composition_is_the_peers_gradient
 
 def test_fast4_with_jagg4_runs_one_jagg_window_served_by_the_rollout_cache():
     trainer = _trainer("fast4+jagg4", num_steps=10)
-    trainer.step()
+    log = trainer.step()
+    assert log["backward_work"] == 2                                      # one joint pass over the two knots' rows
     report = str(trainer.stepwise.report)
     assert "1 trajectories, 1 JAGG windows, 0 exact steps" in report      # minibatches=1: one trajectory
     assert "(0 hits" not in report and "hits" in report                   # the on-policy interior came from the rollout
