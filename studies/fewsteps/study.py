@@ -37,15 +37,15 @@ SNAPSHOTS = ("goal", "budget", "iterations")
 class FewStepsOptions:
     base: str = "digits"
     schedules: tuple = DEFAULT_SCHEDULES
-    budget: float = 16.0          # training CPU seconds per schedule
-    iterations: int = 40          # and at least this many iterations
+    budget: float = 10.0          # training CPU seconds per schedule
+    iterations: int = 25          # and at least this many iterations
     seeds: int = 3
     seed: int = 0
     num_steps: int = 10
     classes_per_iter: int = 2
     group_size: int = 16
     lr: float = 3e-4
-    eval_per_class: int = 16
+    eval_per_class: int = 12
     random_init: bool = False     # smoke runs: an untrained DiT
     progress: bool = True
 
