@@ -187,3 +187,22 @@ def test_study_fewsteps_quick_runs_and_reports_each_schedule(tmp_path, capsys):
     assert result["strategies"]["fast2+jagg2"]["grad_cosine"] == pytest.approx(1.0, abs=1e-5)
     assert set(result["pareto_iterations"]) <= set(names) and result["pareto_iterations"]
     assert "goal" in out
+
+
+def test_pareto_front_and_goal_check_on_made_up_results():
+    from jaggc_studies.fewsteps.study import goal_check, pareto_front
+
+    def entry(kind, k, jagg, cpu, reward, goal_reward, budget_reward):
+        stat = lambda v: dict(mean=v, min=v, max=v)     # noqa: E731
+        return {"schedule": dict(kind=kind, k=k, jagg=jagg), "iterations.cpu_s": stat(cpu),
+                "iterations.reward": stat(reward), "goal.reward": stat(goal_reward), "budget.reward": stat(budget_reward)}
+
+    strategies = {"exact": entry("exact", 0, None, 10.0, 0.5, 0.3, 0.4),
+                  "fast2": entry("fast", 2, None, 4.0, 0.3, 0.35, 0.45),
+                  "fast4": entry("fast", 4, None, 6.0, 0.3, 0.3, 0.4),        # dominated by fast2
+                  "fast4+jagg4": entry("fast", 4, 4, 5.0, 0.4, 0.44, 0.5)}
+    assert pareto_front(strategies) == ["fast2", "fast4+jagg4", "exact"]
+    goal = goal_check(strategies)
+    assert goal["best_peer"] == "fast2" and goal["best_composition"] == "fast4+jagg4" and not goal["met"]
+    strategies["fast4+jagg4"]["goal.reward"]["mean"] = 0.45
+    assert goal_check(strategies)["met"]
