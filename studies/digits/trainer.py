@@ -16,7 +16,8 @@ Strategies (all use ``grpo_loss`` below, unchanged):
 - ``dance``: a random 60% of the trained steps each iteration (DanceGRPO's timestep_fraction).
 - ``mix``: a 4-step window that slides one step per iteration along the trajectory and wraps
   around (MixGRPO's sliding window; MixGRPO also samples with the ODE outside the window, which we
-  do not: all strategies share the same SDE rollout so their rewards are comparable).
+  do not: all strategies share the same SDE rollout so their rewards are comparable; the
+  ``jaggc_studies.fewsteps`` schedules sample as MixGRPO and Flow-GRPO-Fast do, through ``sde_steps``).
 - ``jagg``: ``jaggc.jagg_compile(grpo_loss, window=W, weights=..., routing=Routing(jagg_frac=...))`` over every
   trained step; with ``rollout_cache=True`` the rollout is recorded in a ``jaggc.RolloutCache``, so
   on the first minibatch (parameters still the rollout's) the windows' interior outputs come from
