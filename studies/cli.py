@@ -306,6 +306,15 @@ def add_commands(sub) -> None:
     p.add_argument("--json", default=None, help="write the settings, subsample baselines and recommendation here")
     p.set_defaults(func=cmd_calibrate)
 
+    p = sub.add_parser("study", help="research studies; fewsteps: JAGG vs training fewer steps (Flow-GRPO-Fast, "
+                                     "MixGRPO, DanceGRPO) at equal CPU budgets")
+    studies = p.add_subparsers(dest="study", required=True, metavar="STUDY", help="the study to run: fewsteps")
+    from jaggc_studies.fewsteps import cli as fewsteps_cli
+    q = studies.add_parser("fewsteps", help="the few-step schedules and their JAGG compositions, side by side "
+                                            "(docs/fewsteps.md)")
+    fewsteps_cli.add_arguments(q)
+    q.set_defaults(func=fewsteps_cli.main)
+
     p = sub.add_parser("trainers", help="the trainers' own loss shapes (Flow-GRPO, DanceGRPO, the JAGG author) "
                                         "through @jagg_compile: capture path, first call, gradients, speed")
     from jaggc_studies import trainer_check

@@ -16,7 +16,8 @@ Strategies (all use ``grpo_loss`` below, unchanged):
 - ``dance``: a random 60% of the trained steps each iteration (DanceGRPO's timestep_fraction).
 - ``mix``: a 4-step window that slides one step per iteration along the trajectory and wraps
   around (MixGRPO's sliding window; MixGRPO also samples with the ODE outside the window, which we
-  do not: all strategies share the same SDE rollout so their rewards are comparable).
+  do not: all strategies share the same SDE rollout so their rewards are comparable; the
+  ``jaggc_studies.fewsteps`` schedules sample as MixGRPO and Flow-GRPO-Fast do, through ``sde_steps``).
 - ``jagg``: ``jaggc.jagg_compile(grpo_loss, window=W, weights=..., routing=Routing(jagg_frac=...))`` over every
   trained step; with ``rollout_cache=True`` the rollout is recorded in a ``jaggc.RolloutCache``, so
   on the first minibatch (parameters still the rollout's) the windows' interior outputs come from
@@ -248,10 +249,14 @@ def _generator(seed: int, iteration: int, purpose: int) -> torch.Generator:
 
 @torch.no_grad()
 def rollout(dit, labels: torch.Tensor, config: TrainerConfig, generator: torch.Generator, *,
-            image_shape: tuple = IMAGE_SHAPE, conditioning=None) -> dict:
+            image_shape: tuple = IMAGE_SHAPE, conditioning=None, sde_steps=None) -> dict:
     """T Flow-GRPO SDE steps from N(0, I) for ``labels``; the stored trajectory as a loss batch
     (every sampled step; ``train_steps`` selects) plus ``images`` (the final states).
-    ``image_shape`` / ``conditioning`` (labels -> DiT kwargs): the digits' unless another base's."""
+    ``image_shape`` / ``conditioning`` (labels -> DiT kwargs): the digits' unless another base's.
+    ``sde_steps`` (step indices; None: all): the steps sampled by the SDE; the others take the
+    deterministic Euler step (the SDE at noise level 0, as Flow-GRPO-Fast and MixGRPO sample outside
+    their window), draw no noise and store a NaN log-prob (a step with no density: training one fails
+    loudly)."""
     sigmas = grpo.flow_match_sigmas(config.num_steps, config.shift).to(torch.float32)
     bsz = labels.shape[0]
     cond = (conditioning or class_conditioning)(labels)
@@ -260,12 +265,16 @@ def rollout(dit, labels: torch.Tensor, config: TrainerConfig, generator: torch.G
     for k in range(config.num_steps):
         s, s_next = sigmas[k].expand(bsz), sigmas[k + 1].expand(bsz)
         v = dit(hidden_states=z, timestep=1000 * s, **cond, return_dict=False)[0]
-        step = grpo.flow_grpo_sde_step(v, z, s, s_next, noise_level=config.noise_level,
-                                       sigma_max=float(sigmas[1]), generator=generator)
         states.append(z)
-        next_states.append(step.prev_sample)
-        log_probs.append(step.log_prob)
-        z = step.prev_sample
+        if sde_steps is None or k in sde_steps:
+            step = grpo.flow_grpo_sde_step(v, z, s, s_next, noise_level=config.noise_level,
+                                           sigma_max=float(sigmas[1]), generator=generator)
+            z = step.prev_sample
+            log_probs.append(step.log_prob)
+        else:
+            z = z + (s_next - s).view(-1, *([1] * (z.ndim - 1))) * v
+            log_probs.append(torch.full((bsz,), float("nan"), dtype=z.dtype))
+        next_states.append(z)
     sigma_grid = sigmas[:-1].expand(bsz, -1).contiguous()
     return dict(
         latents=torch.stack(states, 1), next_latents=torch.stack(next_states, 1),
@@ -345,11 +354,19 @@ class GRPOTrainer:
         labels = classes.repeat_interleave(cfg.group_size)
         with self._recording():
             batch = rollout(self.dit, labels, cfg, _generator(cfg.seed, iteration, 2), image_shape=self.image_shape,
-                            conditioning=self.conditioning)
+                            conditioning=self.conditioning, sde_steps=self.sde_steps(iteration))
         rewards = self.reward_fn(batch["images"].clamp(-1, 1), labels).float()
         batch["rewards"] = rewards
         batch["advantages"] = grpo.flow_grpo_advantages(rewards, labels, global_std=cfg.global_std).float()
         return batch
+
+    def sde_steps(self, iteration: int):
+        """The steps the rollout of ``iteration`` samples by the SDE (None: all of them)."""
+        return None
+
+    def train_steps(self, iteration: int) -> tuple[int, ...]:
+        """The steps ``iteration`` trains, in the order the loss visits them."""
+        return select_steps(self.config, iteration)
 
     def _recording(self):
         if self.config.strategy == "jagg" and self.config.rollout_cache:
@@ -362,7 +379,7 @@ class GRPOTrainer:
         cache = rollout_cache_for(self.dit) if cfg.strategy == "jagg" and cfg.rollout_cache else None
         hits = cache.stats.hits if cache is not None else 0
         batch = self.collect(self.iteration)
-        batch["train_steps"] = select_steps(cfg, self.iteration)
+        batch["train_steps"] = self.train_steps(self.iteration)
         rollout_s = time.perf_counter() - start
         stats = []
         with count_dit_passes(self.dit) as counts:
