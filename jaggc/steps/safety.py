@@ -72,6 +72,11 @@ class Safety:
                 f"ran before step {step}: an optimizer step or an in-place write). The window's gradient needs the "
                 f"parameters its steps ran with; {FIX_STEP}"), where=where)
 
+    def before_outside_call(self, run: "TrajectoryRun", where: str) -> None:
+        """The loop calls the module outside a step (run.py's ``outside_step``): as before a step."""
+        if run.open_windows():
+            self._grads_changed(run, "before a no-grad call of the DiT", where)
+
     def before_grads(self, run: "TrajectoryRun", visit: "StepVisit") -> None:
         """A step's gradient arrives (its backward reached jaggc's node, before any joint backward of
         that backward ran): what the loop did to ``.grad`` since its forward, as before a step."""

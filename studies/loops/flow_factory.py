@@ -168,6 +168,25 @@ class FlowFactoryRun:
     def transformer(self):
         return self.adapter.transformer
 
+    def autocast(self):
+        """``BaseTrainer.autocast``: accelerate's autocast (bf16 on the CPU); under fp16 mixed precision,
+        which accelerate has not on a CPU, the fp16 autocast a GPU's would be."""
+        if self.accelerator.scaler is not None:
+            return torch.autocast("cpu", torch.float16)
+        return self.accelerator.autocast()
+
+
+def fsdp1_wrap(model):
+    """FSDP1 (``use_orig_params``: a LoRA's trained and frozen parameters share flat parameters),
+    each transformer block a unit, as accelerate's FSDP plugin wraps a DiT by its block class."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({type(base.transformer_blocks[0])}),
+                                    sharding_strategy=ShardingStrategy.FULL_SHARD, use_orig_params=True,
+                                    device_id=torch.device("cpu"))
+
 
 def fsdp2_wrap(model):
     """FSDP2 as Flow-Factory's ``fsdp2.yaml`` shards a DiT: each transformer block, then the root."""
@@ -186,14 +205,16 @@ def setup(*, num_inference_steps: int = 10, sde_steps=(1, 2, 3, 4, 5, 6, 7, 8), 
           size: str = "tiny") -> FlowFactoryRun:
     """A Flow-Factory run on a tiny SD3: a LoRA (peft) or every parameter trained, a rollout of
     ``samples_per_rank`` samples per rank stored in ``latent_dtype``, an Accelerator on the CPU with
-    ``mixed_precision`` (its live CPU bf16 autocast). ``engine``: "accelerate" (one process, or DDP
-    when torch.distributed is initialized) or "fsdp2" (``fully_shard`` before ``prepare``, which then
-    prepares the optimizer only). ``stepwise``: the keywords of the user's added line."""
+    ``mixed_precision`` (its live CPU bf16 autocast; "fp16": an fp16 autocast forward and a
+    GradScaler, ``flow_grpo.fp16_on_cpu``). ``engine``: "accelerate" (one process, or DDP
+    when torch.distributed is initialized), "fsdp1" or "fsdp2" (the model wrapped before ``prepare``,
+    which then prepares the optimizer only: accelerate's FSDP plugin does not start on a CPU group;
+    its ``accumulate`` then syncs FSDP2 every step and runs FSDP1's ``no_sync`` off-sync). ``stepwise``: the keywords of the user's added line."""
     import peft
     from accelerate import Accelerator
 
-    if engine == "fsdp2" and not lora:
-        raise ValueError("the full fine-tune's .data swap of sharded FSDP2 parameters is not modelled here; use lora=True")
+    if engine in ("fsdp1", "fsdp2") and not lora:
+        raise ValueError("the full fine-tune's .data swap of sharded parameters is not modelled here; use lora=True")
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(True)
@@ -212,13 +233,18 @@ def setup(*, num_inference_steps: int = 10, sde_steps=(1, 2, 3, 4, 5, 6, 7, 8), 
     samples = _rollout(transformer, scheduler, samples_per_rank * world, latent_dtype, seed, args)[rank::world]
     ref = None if lora else [p.detach().clone() for p in transformer.parameters() if p.requires_grad]
     off_policy_step(transformer, seed, (lambda name: "lora_" in name) if lora else (lambda name: True))
-    accelerator = Accelerator(cpu=True, mixed_precision=mixed_precision,
+    accelerator = Accelerator(cpu=True, mixed_precision="no" if mixed_precision == "fp16" else mixed_precision,
                               gradient_accumulation_steps=args.gradient_accumulation_steps * num_sde_steps)
-    if engine == "fsdp2":
-        transformer = fsdp2_wrap(transformer)
+    if mixed_precision == "fp16":
+        # a GPU's fp16 mixed precision on the CPU: fp16 autocast forward, GradScaler (flow_grpo.py)
+        from jaggc_studies.loops.flow_grpo import fp16_on_cpu
+
+        fp16_on_cpu(accelerator, transformer)
+    if engine in ("fsdp1", "fsdp2"):
+        transformer = (fsdp1_wrap if engine == "fsdp1" else fsdp2_wrap)(transformer)
     params = [p for p in transformer.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate)
-    if engine == "fsdp2":
+    if engine in ("fsdp1", "fsdp2"):
         optimizer = accelerator.prepare(optimizer)
     else:
         transformer, optimizer = accelerator.prepare(transformer, optimizer)
@@ -244,7 +270,8 @@ def _rollout(transformer, scheduler: FlowSDEScheduler, n: int, latent_dtype, see
     T = len(scheduler.timesteps)
     timesteps = scheduler.timesteps.expand(n, T)
     lat, lps = [z], []
-    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+    half = torch.float16 if latent_dtype == torch.float16 else torch.bfloat16
+    with torch.no_grad(), torch.autocast("cpu", half):
         for i in range(T):
             t = timesteps[:, i]
             t_next = timesteps[:, i + 1] if i + 1 < T else torch.zeros(n)
@@ -290,7 +317,7 @@ def train_unchanged(run: FlowFactoryRun) -> list[dict]:
                           for i in range(0, len(shuffled_samples), args.per_device_batch_size)]
         adapter.train()
         loss_info = defaultdict(list)
-        with accelerator.autocast():
+        with run.autocast():
             for batch_idx, batch in enumerate(sample_batches):
                 latents_index_map = batch["latent_index_map"]
                 log_probs_index_map = batch["log_prob_index_map"]
@@ -353,7 +380,7 @@ def train_jaggc(run: FlowFactoryRun) -> list[dict]:
                           for i in range(0, len(shuffled_samples), args.per_device_batch_size)]
         adapter.train()
         loss_info = defaultdict(list)
-        with accelerator.autocast():
+        with run.autocast():
             for batch_idx, batch in enumerate(sample_batches):
                 latents_index_map = batch["latent_index_map"]
                 log_probs_index_map = batch["log_prob_index_map"]
@@ -423,7 +450,7 @@ def reference_loss(run: FlowFactoryRun, batch: dict, transformer) -> torch.Tenso
     adapter = SD3Adapter(fp32_outputs, run.adapter.scheduler, lora=True, unwrap=lambda m: m)
     total = 0.0
     T = batch["timesteps"].shape[1]
-    with run.accelerator.autocast():
+    with run.autocast():
         for timestep_index in sorted(run.adapter.scheduler.train_timesteps):
             t = batch["timesteps"][:, timestep_index]
             t_next = batch["timesteps"][:, timestep_index + 1] if timestep_index + 1 < T else torch.tensor(0.0)
@@ -437,5 +464,5 @@ def reference_loss(run: FlowFactoryRun, batch: dict, transformer) -> torch.Tenso
     return total / run.accelerator.gradient_accumulation_steps
 
 
-__all__ = ["FlowFactoryRun", "FlowSDEScheduler", "SD3Adapter", "TrainingArguments", "fsdp2_wrap", "reference_loss",
+__all__ = ["FlowFactoryRun", "FlowSDEScheduler", "SD3Adapter", "TrainingArguments", "fsdp1_wrap", "fsdp2_wrap", "reference_loss",
            "setup", "stack", "train_jaggc", "train_unchanged"]
