@@ -210,3 +210,28 @@ def reference_loss(engine: Engine, data: dict, transformer) -> torch.Tensor:
 
 __all__ = ["Engine", "flow_grpo_loss", "micro_batches", "reference_loss", "setup", "train_batch", "train_jaggc",
            "train_unchanged"]
+
+
+def saved_activations(stepwise: dict | None, **kwargs) -> dict:
+    """Saved activations (bytes, ``track_saved_tensors``) of one training pass: the peak, and what is
+    still alive when the pass returns while its ``meta_info`` outputs are kept (attached), and after
+    they are dropped. ``stepwise`` None: the unchanged loop."""
+    import gc
+
+    from jaggc.runtime.memory import track_saved_tensors
+
+    engine, data = setup(stepwise=stepwise, **kwargs)
+    loop = train_unchanged if stepwise is None else train_jaggc
+    old = loop(engine, data, None, True)
+    data = dict(data, old_log_probs=torch.cat([torch.stack([o["log_probs"] for o in m["model_output"]], 1)
+                                               for m in old]))
+    with track_saved_tensors() as stats:
+        outputs = loop(engine, data, flow_grpo_loss, False)
+        gc.collect()
+        kept = stats.live_bytes
+        del outputs
+        gc.collect()
+        dropped = stats.live_bytes
+    if stepwise is not None:
+        jaggc.stepwise(engine.module).close()
+    return dict(peak=stats.peak_bytes, kept=kept, dropped=dropped)

@@ -104,3 +104,61 @@ def test_flow_factory_window_four_is_jagg(lora):
     c = jaggc.stepwise(run.transformer).counts
     assert (c.jagg_windows, c.exact_steps, c.backwards) == (2, 4, 6)
     jaggc.stepwise(run.transformer).close()
+
+
+# --- verl-omni's engine loop ------------------------------------------------------------------------
+
+def test_verl_omni_the_change_is_two_lines():
+    assert loops.lines_changed("verl_omni") == 2
+
+
+def test_verl_omni_window_two_is_the_unchanged_loop():
+    from jaggc_studies.loops import verl_omni as vo
+
+    (ea, da), (eb, db) = vo.setup(), vo.setup(stepwise=dict(window=2))
+    seen = {}
+    ea.optimizer.register_step_pre_hook(lambda o, a, k: seen.__setitem__("a", grads(ea.module)))
+    eb.optimizer.register_step_pre_hook(lambda o, a, k: seen.__setitem__("b", grads(eb.module)))
+    ra, rb = vo.train_batch(ea, da, vo.train_unchanged), vo.train_batch(eb, db, vo.train_jaggc)
+    assert torch.equal(seen["a"], seen["b"])
+    assert all(torch.equal(p, q) for p, q in zip(ea.module.parameters(), eb.module.parameters()))
+    assert ra["loss"] == rb["loss"] and torch.equal(ra["old_log_probs"], rb["old_log_probs"])
+    jaggc.stepwise(eb.module).close()
+
+
+def test_verl_omni_window_four_is_jagg():
+    """Two micro-batches of 2 rows, 4 steps each, every row its own SDE window (per-sample timesteps)."""
+    from jaggc_studies.loops import verl_omni as vo
+
+    engine, data = vo.setup(stepwise=dict(window=4, weights="t"), max_grad_norm=1e12)
+    assert not torch.equal(data["all_timesteps"][0], data["all_timesteps"][1])
+    errors, old = [], {}
+
+    def spy(self, d, loss_function, forward_only):
+        if not forward_only:
+            old["data"] = d
+        return vo.train_jaggc(self, d, loss_function, forward_only)
+
+    def check(opt, a, k):
+        ref = copy.deepcopy(engine.module)
+        _, g = reference_jagg(lambda m: vo.reference_loss(engine, old["data"], m), (ref,), ref, 4)
+        errors.append(rel_err(grads(engine.module), g))
+
+    engine.optimizer.register_step_pre_hook(check)
+    vo.train_batch(engine, data, spy)
+    assert len(errors) == 1 and errors[0] <= 1e-5, errors
+    c = jaggc.stepwise(engine.module).counts
+    assert (c.jagg_windows, c.backwards, c.trajectories) == (2, 2, 4)     # the old-log-prob pass: 2 more
+    jaggc.stepwise(engine.module).close()
+
+
+def test_verl_omni_kept_outputs_keep_no_activations():
+    """The engine keeps each step's log-prob and sample mean attached in ``meta_info`` until the batch
+    ends: nothing of jaggc's windows stays alive through them (saved activations when the pass
+    returns: none, as in the unchanged loop); the peak is the joint form's two knots' graphs."""
+    from jaggc_studies.loops import verl_omni as vo
+
+    unchanged = vo.saved_activations(None, num_timesteps=8)
+    joint = vo.saved_activations(dict(window=4), num_timesteps=8)
+    assert unchanged["kept"] == joint["kept"] == 0
+    assert unchanged["peak"] < joint["peak"] <= 2 * unchanged["peak"]

@@ -1,4 +1,5 @@
-"""Flow-Factory's ``optimize`` on 2 gloo ranks: accelerate DDP and FSDP2, with the user's two lines.
+"""The frameworks' loops on 2 gloo ranks with the user's two lines: Flow-Factory's ``optimize`` under
+accelerate DDP, FSDP1 and FSDP2; verl-omni's engine loop on FSDP2.
 
 The loop (``jaggc_studies.loops.flow_factory``) trains a random subset of steps in ``randperm``
 order, the same on every rank, and clips, steps and zeroes the gradients at ``sync_gradients``
@@ -18,7 +19,10 @@ then a bf16-storage run under accelerate's live CPU bf16 autocast. Checked:
   * W=4: the gathered gradient equals the ranks' average of each rank's JAGG computed apart from
     jaggc (``reference_jagg``) to 1e-5 (the reduction across ranks and the summation order: ~1e-7);
   * bf16 latent storage (the dtype cast of the timestep) under the bf16 autocast: no refusal, every
-    window ran (JAGG windows counted).
+    window ran (JAGG windows counted);
+  * verl-omni (FSDP2, full fine-tune in float32, micro-batches x timesteps, per-row SDE windows, the
+    old-log-prob pass under no_grad through the same loop): W=2 = the unchanged loop (gradient and
+    parameters to 1e-6, the losses and old log-probs bit-equal), W=4 = the ranks' average JAGG (1e-5).
 """
 
 from __future__ import annotations
@@ -176,3 +180,71 @@ def test_window_four_is_the_ranks_average_jagg(results):
 def test_bf16_latent_storage_runs(results):
     _, ranks = results
     assert all(r["bf16_counts"] == (2, 2) for r in ranks)
+
+
+# --- verl-omni's engine loop on FSDP2 ---------------------------------------------------------------
+
+def _verl_case(rank: int, stepwise) -> dict:
+    from jaggc_studies.loops import verl_omni as vo
+
+    engine, data = vo.setup(shard=(rank, WORLD), fsdp2=True, stepwise=stepwise, max_grad_norm=1e12)
+    seen = {}
+
+    def at_step(opt, a, k):
+        seen["grad"] = full_grads(engine.module, "fsdp2")
+
+    engine.optimizer.register_step_pre_hook(at_step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = vo.train_batch(engine, data, vo.train_unchanged if stepwise is None else vo.train_jaggc)
+    result = dict(grad=seen["grad"], params=_params(engine.module, "fsdp2"), loss=out["loss"],
+                  old=out["old_log_probs"], data=data)
+    if stepwise is not None:
+        c = jaggc.stepwise(engine.module).counts
+        result["counts"] = (c.jagg_windows, c.backwards)
+        jaggc.stepwise(engine.module).close()
+    return result
+
+
+def _verl_reference(rank: int, data: dict) -> dict:
+    """The ranks' average of each rank's JAGG (W=4, "t") of its batch, apart from jaggc."""
+    from jaggc_studies.loops import verl_omni as vo
+
+    engine, _ = vo.setup(shard=(rank, WORLD))
+    model = engine.module
+    _, flat = reference_jagg(lambda m: vo.reference_loss(engine, data, m), (model,), model, 4)
+    dist.all_reduce(flat, op=dist.ReduceOp.AVG)
+    out, start = {}, 0
+    for n, p in model.named_parameters():
+        out[clean(n)] = flat[start:start + p.numel()].view_as(p)
+        start += p.numel()
+    return out
+
+
+def verl_body(rank: int, world: int) -> dict:
+    unchanged = _verl_case(rank, None)
+    two = _verl_case(rank, dict(window=2))
+    four = _verl_case(rank, dict(window=4, weights="t"))
+    reference = _verl_reference(rank, dict(four["data"], old_log_probs=four["old"]))
+    return dict(w2_grad=_rel(two["grad"], unchanged["grad"]), w2_params=_rel(two["params"], unchanged["params"]),
+                w2_loss=two["loss"] == unchanged["loss"], w2_old=torch.equal(two["old"], unchanged["old"]),
+                w2_counts=two["counts"], w4_grad=_rel(four["grad"], reference), w4_counts=four["counts"])
+
+
+@pytest.fixture(scope="module")
+def verl_results(tmp_path_factory):
+    return run_ranks(verl_body, WORLD, tmp_path_factory, name="verl_omni_fsdp2", timeout_s=TIMEOUT_S)
+
+
+def test_verl_omni_window_two_is_the_unchanged_loop(verl_results):
+    """Each micro-batch's 4 steps: two exact windows of 2 in σ order (no deferred schedule), each
+    step its own backward and reduce-scatter as in the loop; fp32's bound for the reduction order."""
+    for r in verl_results:
+        assert r["w2_grad"] <= 1e-6 and r["w2_params"] <= 1e-6, r
+        assert r["w2_loss"] and r["w2_old"]
+
+
+def test_verl_omni_window_four_is_the_ranks_average_jagg(verl_results):
+    for r in verl_results:
+        assert r["w4_grad"] <= 1e-5, r["w4_grad"]
+        assert r["w4_counts"] == (2, 2)        # one JAGG window per micro-batch, one backward each
