@@ -396,9 +396,10 @@ class TrajectoryRun:
         self.owner.ledger.withholding(self.withheld())
 
     def complete_all(self) -> None:
-        """The deferred schedule's end (ranks.py), when the trajectory ends, outside any backward
-        (FSDP2 takes a forward inside a backward for a checkpoint's recomputation and would not
-        reshard after it): every window's backward, in window order, the same on every rank. Held
+        """The deferred schedule's end (ranks.py): at the end of the backward that brought the last
+        declared step's gradient (``_complete_deferred``, a callback after DDP's and FSDP's own end of
+        that backward), or when the trajectory ends if a step's gradient never came: every window's
+        backward, in window order, the same on every rank. Held
         graphs go in ONE backward (under FSDP1 a graph whose forward was not the latest is
         backpropagated only along with a fresh one, whose hooks unshard the parameters); re-run
         calls one window (an exact window: one step) at a time, at one window's memory."""

@@ -18,7 +18,7 @@ inputs) and nothing has read ``.grad`` in between; otherwise it raises.
 | a trajectory ending early: the ``steps()`` loop left by ``break`` or an exception, fewer steps than declared, a new ``trajectory()`` before the last one finished, ``Stepwise.close()`` | at that moment | open windows run exactly (warning), unless ``.grad`` was written since: error |
 | ``backward(inputs=...)``, ``torch.autograd.grad`` through a JAGG step (the parameters are inputs of its node, tap.py) | at that step's backward | error |
 | a step's gradient never arriving (an exception or a loss left without backward) | when the trajectory ends | it adds nothing, as in the loop; its window runs exactly (warning); under DDP/FSDP, where the forms above do not enter jaggc's node, error |
-| DDP/FSDP, steps out of σ order (the deferred schedule, ranks.py): ``optimizer.step()`` before the trajectory ended | in the optimizer pre-hook | error (iterate with ``steps()``: the windows' backward runs when the loop ends) |
+| DDP/FSDP, steps out of σ order (the deferred schedule, ranks.py): ``optimizer.step()`` (or a clip) before every declared step's backward ran | in the optimizer pre-hook (the ledger) | error (the windows' backward runs at the end of the last declared step's backward: step in or after that step's body) |
 
 After an error the trajectory is dropped: the next one starts clean.
 """

@@ -162,3 +162,14 @@ def test_verl_omni_kept_outputs_keep_no_activations():
     joint = vo.saved_activations(dict(window=4), num_timesteps=8)
     assert unchanged["kept"] == joint["kept"] == 0
     assert unchanged["peak"] < joint["peak"] <= 2 * unchanged["peak"]
+
+
+def test_docs_show_each_framework_loop_s_diff_as_measured():
+    """docs/trainers.md's diff blocks after the trainers' three are ``user_diff`` of the frameworks' loops."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "trainers.md").read_text()
+    shown = re.findall(r"^```diff\n(.*?)^```", text, re.M | re.S)
+    n = len(loops.LOOPS)
+    assert [b.rstrip("\n") for b in shown[n:n + 2]] == ["\n".join(loops.user_diff(k)) for k in loops.FRAMEWORK_LOOPS]
