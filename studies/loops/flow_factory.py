@@ -25,7 +25,6 @@ in that random order, the same on every rank. The accelerator accumulates over
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field

@@ -68,7 +68,7 @@ def _units(model, kwargs: dict, repeats: int = 3) -> dict:
     return dict(F=statistics.median(f), B=statistics.median(b), N=statistics.median(n))
 
 
-def _call_kwargs(model, batch: int, cfg: bool, autocast: bool) -> dict:
+def _call_kwargs(model, batch: int, cfg: bool) -> dict:
     from jaggc import models
 
     cond = models.sd3_conditioning(model, batch * (2 if cfg else 1), seed=1).kwargs
@@ -99,11 +99,11 @@ def measure(size: str = "10m", rounds: int = 5) -> dict:
         if flow:
             model = run.accelerator.unwrap_model(run.transformer)
             with run.autocast():
-                u = _units(model, _call_kwargs(model, 2, True, True))
+                u = _units(model, _call_kwargs(model, 2, True))
             units = W * (u["F"] + u["B"] + u["N"]), 2 * u["F"] + (W - 2) * u["N"] + 2 * u["B"] + W * u["N"]
         else:
             model = run.module
-            u = _units(model, _call_kwargs(model, 2, False, False))
+            u = _units(model, _call_kwargs(model, 2, False))
             units = W * (u["F"] + u["B"]) + W * u["N"], 2 * u["F"] + (W - 2) * u["N"] + 2 * u["B"] + W * u["N"]
         results[name] = dict(median=statistics.median(ratios), min=min(ratios), max=max(ratios),
                              unchanged_s=statistics.median(times["unchanged"]), units=u,

@@ -21,7 +21,7 @@ line; ``jaggc.stepwise(transformer, window=4)`` after the FSDP2 wrap is the othe
 
 from __future__ import annotations
 
-import math
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -85,7 +85,7 @@ def train_unchanged(self: Engine, data: dict, loss_function: Callable | None, fo
     mbs = micro_batches(data, self.micro_batch_size)
     gradient_accumulation_steps = len(mbs) * num_timesteps
     output_lst = []
-    ctx = torch.no_grad() if forward_only else _null()
+    ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
     for micro_batch in mbs:
         micro_batch = dict(micro_batch, gradient_accumulation_steps=gradient_accumulation_steps)
         meta_info_lst = {"model_output": [], "loss": [], "metrics": []}
@@ -107,7 +107,7 @@ def train_jaggc(self: Engine, data: dict, loss_function: Callable | None, forwar
     mbs = micro_batches(data, self.micro_batch_size)
     gradient_accumulation_steps = len(mbs) * num_timesteps
     output_lst = []
-    ctx = torch.no_grad() if forward_only else _null()
+    ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
     for micro_batch in mbs:
         micro_batch = dict(micro_batch, gradient_accumulation_steps=gradient_accumulation_steps)
         meta_info_lst = {"model_output": [], "loss": [], "metrics": []}
@@ -121,12 +121,6 @@ def train_jaggc(self: Engine, data: dict, loss_function: Callable | None, forwar
                     meta_info_lst[key].append(val)
         output_lst.append(meta_info_lst)
     return output_lst
-
-
-def _null():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def train_batch(engine: Engine, data: dict, loop: Callable) -> dict:
