@@ -15,6 +15,14 @@ the declared one (within float32 roundoff), in the units the user declared or, i
 the 0..1000 vs 0..1 convention (DanceGRPO stores ``int(σ * 1000)`` and calls the DiT with
 ``timesteps / 1000``), in noise levels σ. A call whose batch is a multiple of the declared batch
 (classifier-free guidance on ``[uncond; cond]``) matches the declaration tiled.
+
+A loop that casts the timestep to its latents' dtype before the call (Flow-Factory's SD3.5 adapter:
+``t.expand(B).to(latents.dtype)`` with bf16 or fp16 latents) calls the DiT at the declared timestep
+rounded to that dtype (964.29 → 964.0 in bf16), 2.5e-4 and more away from it. Such a call is
+recognised as a cast, not by a wider tolerance: a call whose timestep is a bf16 or fp16 tensor
+matches the declared step whose value, rounded to that dtype, it equals exactly, when exactly one
+declared step rounds to it. Two declared steps that round to the same value are the same call to
+the DiT; jaggc cannot tell which step it makes and refuses (``JaggInputError``).
 """
 
 from __future__ import annotations
@@ -34,6 +42,9 @@ from ..runtime.window import partition
 # tolerance (a float32 timestep of a float64 declaration, `long / 1000` against `σ`); distinct
 # steps of any sampler schedule differ by far more (25 steps at shift 3: Δσ >= 1e-2 near σ = 1)
 MATCH_RTOL = 1e-5
+
+#: the dtypes a loop casts its timestep to (its latents'), whose rounding a call's timestep may carry
+CAST_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -129,9 +140,12 @@ class TrajectoryPlan:
         return self.times.shape[0]
 
     def match(self, call: DitCall) -> int | None:
-        """The declared step ``call`` makes, or None if its timestep is none of the declared ones."""
+        """The declared step ``call`` makes, or None if its timestep is none of the declared ones.
+        A bf16/fp16 timestep that is the declared one rounded to its dtype matches it (a cast: module
+        docstring); one that two declared steps round to is refused."""
         arg = resolve_time_arg(call, self.time_arg)
-        t = per_sample_time(call, arg).detach().to(device="cpu", dtype=torch.float64)
+        observed = per_sample_time(call, arg).detach()
+        t = observed.to(device="cpu", dtype=torch.float64)
         bd = self.times.shape[1]
         if t.shape[0] % bd:
             return None
@@ -141,6 +155,27 @@ class TrajectoryPlan:
             hits = torch.nonzero(close.all(1)).flatten().tolist()
             if len(hits) == 1:
                 return hits[0]
+        if observed.dtype in CAST_DTYPES:
+            return self._match_cast(declared, t, observed.dtype)
+        return None
+
+    def _match_cast(self, declared: torch.Tensor, t: torch.Tensor, dtype: torch.dtype) -> int | None:
+        """The declared step whose timestep, cast to ``dtype`` (in the declared units or as noise
+        levels), is the call's exactly; None if none is; refused if several are."""
+        for candidates, value in ((declared, t), (noise_levels(declared), noise_levels(t))):
+            rounded = candidates.to(dtype).to(torch.float64)
+            hits = torch.nonzero((rounded == value).all(1)).flatten().tolist()
+            if len(hits) == 1:
+                return hits[0]
+            if len(hits) > 1:
+                values = ", ".join(f"{float(self.times[k].max()):.6g}" for k in hits)
+                raise JaggInputError(
+                    f"the DiT is called with a {str(dtype).replace('torch.', '')} timestep "
+                    f"({float(value.max()):.6g}) that declared steps {hits} (timesteps {values}) all round to: the "
+                    f"cast to {str(dtype).replace('torch.', '')} (t.to(latents.dtype)) makes them one call, so jaggc "
+                    f"cannot tell which step it is. Call the DiT with a float32 timestep (cast it after the call "
+                    f"reaches the module, or keep latents in float32), or declare and train steps whose timesteps "
+                    f"stay distinct in {str(dtype).replace('torch.', '')}")
         return None
 
     def describe_call(self, call: DitCall) -> str:
@@ -154,4 +189,4 @@ class TrajectoryPlan:
         return ", ".join(f"{v:g}" for v in values[:8]) + (", ..." if len(values) > 8 else "")
 
 
-__all__ = ["MATCH_RTOL", "PlannedWindow", "TrajectoryPlan", "declared_times"]
+__all__ = ["CAST_DTYPES", "MATCH_RTOL", "PlannedWindow", "TrajectoryPlan", "declared_times"]

@@ -15,7 +15,9 @@ window k completes at the same step on every rank; in a random order (DanceGRPO:
 permutation) it does not, and the loop's own per-step collectives (its ``all_reduce`` of the loss)
 would pair with another rank's backward. Unless every rank declared its steps in σ order, the run
 takes the deferred schedule (``run.py``): every window's backward, exact windows' included, runs in
-the trajectory's last step's backward, in window order. Three small all-reduces per trajectory.
+the backward that brings the last declared step's gradient (at its end, after DDP's and FSDP's own
+end of it), in window order: a clip and an optimizer step in that step's body (Flow-Factory's, at
+accelerate's ``sync_gradients``) read the whole gradient. Three small all-reduces per trajectory.
 """
 
 from __future__ import annotations

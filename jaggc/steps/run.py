@@ -82,6 +82,7 @@ class TrajectoryRun:
         self.tap_params = [] if owner.distributed else [p for p in owner.module.parameters() if p.requires_grad]
         self._after_task = None                      # the backward pass an after_backward is queued in
         self._exact_task = None                      # the backward pass an exact step's DiT backward ran in
+        self._completion_queued = False              # the deferred schedule's end is queued (on_grads)
 
     def window(self, step: int) -> WindowRun:
         return self.windows[self.plan.window_of[step].index]
@@ -139,6 +140,19 @@ class TrajectoryRun:
         self.owner.ledger.snapshot_grads()
         tapped, visit.index = tap_output(out, lambda grads, v=visit: self.on_grads(v, grads), self.tap_params)
         return tapped
+
+    def outside_step(self, forward: Callable, where: str) -> Any:
+        """A no-grad call of an FSDP1 module during the trajectory that is no step (a KL reference
+        forward between a step's forward and its backward): what the loop did to ``.grad`` since
+        the ledger's last look is judged first (a reset drops, a write refuses, as before a step),
+        then what FSDP1's own forward does to it (new views of its flat gradient on the original
+        parameters) is no write of the loop's."""
+        if not self.dropped:
+            self.owner.safety.before_outside_call(self, where)
+        out = forward()
+        if not self.dropped:
+            self.owner.ledger.snapshot_grads()
+        return out
 
     def _slice(self, call: DitCall) -> RowSlice | None:
         """The CFG slice this call runs with (slicing.py), None when off or not learned (yet). Live
@@ -284,7 +298,13 @@ class TrajectoryRun:
         else:
             visit.grads = [a if b is None else b if a is None else a + b for a, b in zip(visit.grads, grads)]
         if self.deferred:
-            return                          # every window's backward runs when the trajectory ends (ranks.py)
+            # every window's backward runs once every declared step has its gradient: at the end of
+            # the backward that brought the last one (ranks.py), so that a clip or optimizer step in
+            # the last step's body (Flow-Factory's, at sync_gradients) reads the whole gradient
+            if self.ready() and not self._completion_queued:
+                self._completion_queued = True
+                run_after_backward(self._complete_deferred)
+            return
         if win.exact:
             # the window had to run exactly after this step's forward: its gradient goes through its own graph
             self.run_backward([(visit, visit.grads)])
@@ -330,10 +350,13 @@ class TrajectoryRun:
     def window_entries(self, win: WindowRun) -> list[tuple[StepVisit, list]]:
         """What the window's backward sends through which call: each knot its composite
         Γ_j = Σ_s Φ[s, j] g_s (an exact window: each step its own g_s)."""
-        visits = [win.visits[s] for s in win.planned.steps]
         win.jagg = False
-        if win.planned.exact:
-            return [(v, v.grads) for v in visits]
+        if win.planned.exact or win.exact:
+            # a window demoted after a zero_grad (safety.py) lacks its dropped steps; its steps that
+            # already went through their own graphs are exact
+            visits = [win.visits[s] for s in win.planned.steps if s in win.visits]
+            return [(v, v.grads) for v in visits if not v.exact and v.grads is not None]
+        visits = [win.visits[s] for s in win.planned.steps]
         if len({tuple(v.index) for v in visits}) != 1:
             raise self.owner.safety.refuse(self, (
                 f"the steps of window {win.planned.index} returned DiT outputs of different "
@@ -362,10 +385,21 @@ class TrajectoryRun:
         """Every declared step ran and got its gradient."""
         return not self.missing() and all(v.grads is not None for w in self.windows for v in w.pending())
 
+    def _complete_deferred(self) -> None:
+        """The deferred schedule's end, at the end of the backward that brought the last declared
+        step's gradient (after the ledger's look at ``.grad`` and DDP's and FSDP's own end of that
+        backward): every window's backward; then ``.grad`` holds every step's gradient."""
+        self._completion_queued = False
+        if self.dropped or not self.ready() or not self.open_windows():
+            return
+        self.complete_all()
+        self.owner.ledger.withholding(self.withheld())
+
     def complete_all(self) -> None:
-        """The deferred schedule's end (ranks.py), when the trajectory ends, outside any backward
-        (FSDP2 takes a forward inside a backward for a checkpoint's recomputation and would not
-        reshard after it): every window's backward, in window order, the same on every rank. Held
+        """The deferred schedule's end (ranks.py): at the end of the backward that brought the last
+        declared step's gradient (``_complete_deferred``, a callback after DDP's and FSDP's own end of
+        that backward), or when the trajectory ends if a step's gradient never came: every window's
+        backward, in window order, the same on every rank. Held
         graphs go in ONE backward (under FSDP1 a graph whose forward was not the latest is
         backpropagated only along with a fresh one, whose hooks unshard the parameters); re-run
         calls one window (an exact window: one step) at a time, at one window's memory."""

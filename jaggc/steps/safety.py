@@ -18,7 +18,7 @@ inputs) and nothing has read ``.grad`` in between; otherwise it raises.
 | a trajectory ending early: the ``steps()`` loop left by ``break`` or an exception, fewer steps than declared, a new ``trajectory()`` before the last one finished, ``Stepwise.close()`` | at that moment | open windows run exactly (warning), unless ``.grad`` was written since: error |
 | ``backward(inputs=...)``, ``torch.autograd.grad`` through a JAGG step (the parameters are inputs of its node, tap.py) | at that step's backward | error |
 | a step's gradient never arriving (an exception or a loss left without backward) | when the trajectory ends | it adds nothing, as in the loop; its window runs exactly (warning); under DDP/FSDP, where the forms above do not enter jaggc's node, error |
-| DDP/FSDP, steps out of σ order (the deferred schedule, ranks.py): ``optimizer.step()`` before the trajectory ended | in the optimizer pre-hook | error (iterate with ``steps()``: the windows' backward runs when the loop ends) |
+| DDP/FSDP, steps out of σ order (the deferred schedule, ranks.py): ``optimizer.step()`` (or a clip) before every declared step's backward ran | in the optimizer pre-hook (the ledger) | error (the windows' backward runs at the end of the last declared step's backward: step in or after that step's body) |
 
 After an error the trajectory is dropped: the next one starts clean.
 """
@@ -71,6 +71,11 @@ class Safety:
                 f"parameter {name!r} was written between the steps of an open JAGG window (steps {steps} "
                 f"ran before step {step}: an optimizer step or an in-place write). The window's gradient needs the "
                 f"parameters its steps ran with; {FIX_STEP}"), where=where)
+
+    def before_outside_call(self, run: "TrajectoryRun", where: str) -> None:
+        """The loop calls the module outside a step (run.py's ``outside_step``): as before a step."""
+        if run.open_windows():
+            self._grads_changed(run, "before a no-grad call of the DiT", where)
 
     def before_grads(self, run: "TrajectoryRun", visit: "StepVisit") -> None:
         """A step's gradient arrives (its backward reached jaggc's node, before any joint backward of

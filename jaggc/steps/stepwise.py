@@ -145,6 +145,7 @@ class Stepwise:
         self.ddp = next((m for m in module_chain(module) if isinstance(m, nn.parallel.DistributedDataParallel)), None)
         self.distributed = distributed(module)
         self.fsdp = fsdp_version(module) is not None
+        self.fsdp1 = fsdp_version(module) == 1
         self.counts = StepwiseCounts()
         self.notes: list[str] = []
         self.cfg_slice, self.rollout_cache = bool(cfg_slice), rollout_cache
@@ -508,6 +509,11 @@ class InstalledForward:
                 or in_backward()):
             # a call inside a backward is a recomputation (activation checkpointing written around
             # the call), which must repeat the original forward's ops, not be a step of its own
+            if owner.fsdp1 and owner._run is not None and not torch.is_grad_enabled() \
+                    and not getattr(owner._local, "through", 0) and not in_backward():
+                # the loop's own no-grad call between steps (a KL reference): FSDP1's forward hands
+                # the original parameters new gradient views (run.py's outside_step)
+                return owner._run.outside_step(lambda: self.original(*args, **kwargs), frame_location(user_frame()))
             return self.original(*args, **kwargs)
         return owner._run.call(DitCall(tuple(args), dict(kwargs)), self.original, frame_location(user_frame()))
 

@@ -2,7 +2,9 @@
 
 One module per trainer: ``flow_grpo`` (accelerate, peft LoRA on SD3, CFG, KL reference),
 ``dance_grpo`` (a random permutation of a random subset of steps, per-step backward, FSDP in its
-multi-GPU runs), ``mix_grpo`` (a moving window of steps). Each has ``train_unchanged`` (the loop as
+multi-GPU runs), ``mix_grpo`` (a moving window of steps); the frameworks' (``FRAMEWORK_LOOPS``):
+``flow_factory`` (Flow-Factory's ``GRPOTrainer.optimize``: a randperm subset, the clip and step in the
+last step's body) and ``verl_omni`` (verl-omni's FSDP engine: micro-batches x timesteps). Each has ``train_unchanged`` (the loop as
 the trainer writes it) and ``train_jaggc`` (the same loop with the user's change) and a ``setup``
 whose ``stepwise=`` keywords are the other changed line, ``INSTALL`` (after the model is wrapped).
 ``user_diff`` is what a user applies: those lines, measured from the two loops' source.
@@ -16,14 +18,15 @@ import inspect
 from types import ModuleType
 
 LOOPS = ("flow_grpo", "dance_grpo", "mix_grpo")
+FRAMEWORK_LOOPS = ("flow_factory", "verl_omni")
 
 # the line a user adds once the model is prepared / wrapped, as setup() runs it
 INSTALL = "jaggc.stepwise(transformer, window=4)"
 
 
 def loop_module(name: str) -> ModuleType:
-    if name not in LOOPS:
-        raise ValueError(f"loop {name!r}: use one of {LOOPS}")
+    if name not in LOOPS + FRAMEWORK_LOOPS:
+        raise ValueError(f"loop {name!r}: use one of {LOOPS + FRAMEWORK_LOOPS}")
     return importlib.import_module(f"jaggc_studies.loops.{name}")
 
 
@@ -50,4 +53,4 @@ def lines_changed(name: str) -> int:
     return max(sum(line.startswith("+") for line in diff), sum(line.startswith("-") for line in diff))
 
 
-__all__ = ["INSTALL", "LOOPS", "lines_changed", "loop_module", "user_diff"]
+__all__ = ["FRAMEWORK_LOOPS", "INSTALL", "LOOPS", "lines_changed", "loop_module", "user_diff"]
