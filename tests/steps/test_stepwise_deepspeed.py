@@ -1,0 +1,190 @@
+"""``jaggc.stepwise`` on a DeepSpeed engine (``deepspeed.initialize``), 2 gloo ranks on the CPU.
+
+The loop is the per-step GRPO shape DeepSpeed users write (Flow-Factory's default config is ZeRO-2
+through accelerate): every step ``out = engine(...)``, ``engine.backward(loss)``, ``engine.step()``,
+with ``gradient_accumulation_steps`` = the steps of one or two trajectories, so the optimizer moves
+at the last step of each accumulation boundary. Each rank its own samples; steps in σ order and in
+a random order per rank (the deferred schedule: every window inside the last step's backward).
+
+* W=2 (every window exact): the parameters after the optimizer step equal the unchanged loop's
+  (fp32, 1e-6: the same per-step backward passes in the same order, the same bucketed reduction),
+  ``gradient_clipping`` 1.0 and 0;
+* W=4 ``weights="t"``: the reduced gradient ZeRO holds at the boundary (``safe_get_full_grad``,
+  before the step) equals the ranks' average of a JAGG computed in the test, independently of
+  jaggc (``reference_jagg`` on an unwrapped copy), to 1e-5 in fp32 (two fp32 summation orders: the
+  joint backward's against the reference's, and ZeRO's bucketed all-reduce against the test's);
+  and the parameters after the step are SGD's step on the clipped reference gradient (1e-5);
+* ZeRO-3 is refused at install with a jaggc error naming ZeRO-3 and what to use instead.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+deepspeed = pytest.importorskip("deepspeed")
+
+import jaggc  # noqa: E402
+from jaggc import models  # noqa: E402
+from jaggc.errors import JaggUnsupportedError  # noqa: E402
+from helpers import reference_jagg  # noqa: E402
+from ranks import run_ranks  # noqa: E402
+
+WORLD = 2
+TIMEOUT_S = 600
+B, T = 2, 6
+LR = 1e-2
+
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
+
+
+def _inputs(dit, rank: int, trajectories: int):
+    """Each rank's own stored states and upstream signals, per trajectory; per-sample timesteps."""
+    cond = models.sd3_conditioning(dit, B, seed=1).kwargs
+    shape = models.sd3_latent_shape(dit, B)
+    g = torch.Generator().manual_seed(100 + rank)
+    sigmas = torch.linspace(1.0, 0.55, T)
+    out = []
+    for _ in range(trajectories):
+        ts = 1000 * (sigmas[None, :] - 0.02 * torch.rand(B, 1, generator=g))      # (batch, steps)
+        zs = [torch.randn(shape, generator=g) for _ in range(T)]
+        gs = [torch.randn(shape, generator=g) for _ in range(T)]
+        out.append((ts, zs, gs))
+    return cond, out
+
+
+def _loss(out, g):
+    return (out * g).sum() / out.shape[0]
+
+
+def _engine(dit, stage: int, trajectories: int, clip: float):
+    config = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": T * trajectories,
+              "zero_optimization": {"stage": stage}, "gradient_clipping": clip,
+              "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+    engine, *_ = deepspeed.initialize(model=dit, optimizer=torch.optim.SGD(dit.parameters(), lr=LR), config=config)
+    return engine
+
+
+def _order(rank: int, order: str, k: int) -> list[int]:
+    if order == "sigma":
+        return list(range(T))
+    return torch.randperm(T, generator=torch.Generator().manual_seed(7 * rank + k)).tolist()
+
+
+def run_loop(base, stage: int, order: str, trajectories: int, clip: float, rank: int, window: int | None) -> dict:
+    """The per-step loop on a fresh engine from ``base``'s weights (``window=None``: unchanged):
+    the reduced gradient just before the boundary's step, the parameters after it."""
+    from deepspeed.utils import safe_get_full_grad
+
+    engine = _engine(copy.deepcopy(base), stage, trajectories, clip)
+    cond, trajs = _inputs(base, rank, trajectories)
+    if window is not None:
+        jaggc.stepwise(engine, window=window, weights="t")
+    grad = None
+    for k, (ts, zs, gs) in enumerate(trajs):
+        order_k = _order(rank, order, k)
+        steps = order_k if window is None else jaggc.stepwise(engine).steps(order_k, ts[:, order_k])
+        for n, j in enumerate(steps):
+            out = engine(hidden_states=zs[j], timestep=ts[:, j], return_dict=False, **cond)[0]
+            engine.backward(_loss(out, gs[j]))
+            if k == trajectories - 1 and n == T - 1:
+                grad = {name: safe_get_full_grad(p).detach().clone() for name, p in engine.module.named_parameters()}
+            engine.step()
+    result = dict(grad=grad, params={n: p.detach().clone() for n, p in engine.module.named_parameters()})
+    if window is not None:
+        result["counts"] = vars(jaggc.stepwise(engine).counts).copy()
+        jaggc.stepwise(engine).close()
+    return result
+
+
+def reference(base, rank: int, trajectories: int, window: int) -> dict:
+    """The ranks' average of each rank's plain JAGG of its summed loss (windows cut in σ order, as
+    jaggc cuts them), over ``gradient_accumulation_steps``: what ZeRO's reduced gradient must be."""
+    model = copy.deepcopy(base)
+    cond, trajs = _inputs(base, rank, trajectories)
+    total = None
+    for ts, zs, gs in trajs:
+        def loss(m):
+            return sum(_loss(m(hidden_states=zs[j], timestep=ts[:, j], return_dict=False, **cond)[0], gs[j])
+                       for j in range(T))
+        _, flat = reference_jagg(loss, (model,), model, window)
+        total = flat if total is None else total + flat
+    total = total.double() / (T * trajectories)
+    dist.all_reduce(total, op=dist.ReduceOp.AVG)
+    sizes = [p.numel() for p in model.parameters()]
+    return {n: g.view_as(p) for (n, p), g in zip(model.named_parameters(), total.split(sizes))}
+
+
+W4_CASES = [(stage, order, trajectories, clip) for stage in (1, 2) for order in ("sigma", "random")
+            for trajectories, clip in ((1, 1.0), (2, 0.0))]
+W2_CASES = [(stage, order, trajectories, clip) for stage in (1, 2) for order, trajectories, clip in
+            (("sigma", 1, 1.0), ("random", 2, 0.0))]
+
+
+def rank_body(rank: int, world: int) -> dict:
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    base = models.sd3("tiny")
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for case in W2_CASES:
+            out[("w2",) + case] = (run_loop(base, *case, rank, None), run_loop(base, *case, rank, 2))
+        refs = {n: reference(base, rank, n, 4) for n in (1, 2)}
+        for case in W4_CASES:
+            out[("w4",) + case] = (run_loop(base, *case, rank, 4), refs[case[2]])
+        out["base"] = {n: p.detach().clone() for n, p in base.named_parameters()}
+        try:
+            _ = jaggc.stepwise(_engine(copy.deepcopy(base), 3, 1, 1.0), window=4)
+            out["zero3"] = None
+        except JaggUnsupportedError as e:
+            out["zero3"] = str(e)
+    return out
+
+
+@pytest.fixture(scope="module")
+def rank_results(tmp_path_factory):
+    return run_ranks(rank_body, WORLD, tmp_path_factory, name="stepwise_deepspeed", timeout_s=TIMEOUT_S)
+
+
+def _rel(a: dict, b: dict) -> float:
+    fa = torch.cat([a[k].double().reshape(-1) for k in sorted(b)])
+    fb = torch.cat([b[k].double().reshape(-1) for k in sorted(b)])
+    return float((fa - fb).norm() / fb.norm())
+
+
+@pytest.mark.parametrize("case", W2_CASES, ids=lambda c: f"zero{c[0]}-{c[1]}-traj{c[2]}-clip{c[3]}")
+def test_w2_parameters_are_the_unchanged_loops(rank_results, case):
+    for res in rank_results:
+        unchanged, stepwise = res[("w2",) + case]
+        assert _rel(unchanged["params"], res["base"]) > 1e-6          # the step moved them
+        for n, p in unchanged["params"].items():
+            torch.testing.assert_close(stepwise["params"][n], p, rtol=1e-6, atol=1e-6 * float(p.abs().max()), msg=n)
+        assert stepwise["counts"]["jagg_windows"] == 0 and stepwise["counts"]["fallbacks"] == 0
+
+
+@pytest.mark.parametrize("case", W4_CASES, ids=lambda c: f"zero{c[0]}-{c[1]}-traj{c[2]}-clip{c[3]}")
+def test_w4_reduced_gradient_is_the_ranks_average_jagg(rank_results, case):
+    for res in rank_results:
+        run, ref = res[("w4",) + case]
+        assert run["counts"]["jagg_windows"] == case[2] and run["counts"]["fallbacks"] == 0, run["counts"]
+        assert _rel(run["grad"], ref) < 1e-5, _rel(run["grad"], ref)
+        # SGD's step on the clipped reference gradient (DeepSpeed clips by max_norm / (norm + 1e-6))
+        norm = float(torch.cat([g.reshape(-1) for g in ref.values()]).norm())
+        clip = case[3]
+        coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
+        want = {n: res["base"][n].double() - LR * coef * ref[n] for n in ref}
+        step = {n: want[n] - res["base"][n].double() for n in ref}
+        got = {n: run["params"][n].double() - res["base"][n].double() for n in ref}
+        assert _rel(got, step) < 1e-4, _rel(got, step)      # a difference of fp32 parameters: 1e-2 * |g| steps
+    a, b = (res[("w4",) + case][0]["grad"] for res in rank_results)
+    assert _rel(a, b) < 1e-7        # the ranks hold the same reduced gradient
+
+
+def test_zero3_is_refused_at_install(rank_results):
+    for res in rank_results:
+        assert res["zero3"] is not None and "ZeRO-3" in res["zero3"] and "stage 2" in res["zero3"]
