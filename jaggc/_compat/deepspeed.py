@@ -11,6 +11,12 @@ def is_deepspeed_engine(module: nn.Module) -> bool:
     return any(c.__name__ == "DeepSpeedEngine" for c in type(module).__mro__)
 
 
+def zero3_partitioned(module: nn.Module) -> bool:
+    """Whether ``module``'s parameters are ZeRO-3 partitioned (each carries ``ds_status``: gathered by
+    hooks of the forward, released after it), also where the loop holds ``engine.module``."""
+    return any(hasattr(p, "ds_status") for p in module.parameters())
+
+
 def zero_ready_buckets(engine: nn.Module) -> None:
     """ZeRO-1/2 ready their gradient buckets (``setup_buckets``, no public name) when a backward's
     first parameter gradient arrives, and the engine's end of backward reduces them: a backward in
@@ -23,4 +29,4 @@ def zero_torch_optimizer(engine: nn.Module):
     return getattr(engine.optimizer, "optimizer", None)
 
 
-__all__ = ["is_deepspeed_engine", "zero_ready_buckets", "zero_torch_optimizer"]
+__all__ = ["is_deepspeed_engine", "zero3_partitioned", "zero_ready_buckets", "zero_torch_optimizer"]

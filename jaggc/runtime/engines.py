@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .._compat import fsdp_version, is_deepspeed_engine, zero_ready_buckets, zero_torch_optimizer
+from .._compat import fsdp_version, is_deepspeed_engine, zero3_partitioned, zero_ready_buckets, zero_torch_optimizer
+from ..errors import JaggUnsupportedError
 from .module_state import module_chain
 
 
@@ -88,6 +89,9 @@ def engine_of(module: nn.Module) -> Engine:
             stage = int(m.zero_optimization_stage())
             return Engine(f"DeepSpeed ZeRO-{stage}", m, collective_backward=initialized, hooks_accumulators=True,
                           grad_in_dot_grad=stage < 2, reduces_in_loop_backward=True, zero_stage=stage)
+    if zero3_partitioned(module):
+        return Engine("DeepSpeed ZeRO-3", None, collective_backward=initialized, hooks_accumulators=True,
+                      grad_in_dot_grad=False, reduces_in_loop_backward=True, zero_stage=3)
     version = fsdp_version(module)
     if version is not None:
         return Engine(f"FSDP{version}", None, collective_backward=initialized, hooks_accumulators=True)
@@ -97,4 +101,15 @@ def engine_of(module: nn.Module) -> Engine:
     return Engine("none")
 
 
-__all__ = ["Engine", "engine_of"]
+def refuse_zero3(module: nn.Module, what: str) -> None:
+    """Raise where ``module`` runs under DeepSpeed ZeRO-3 (``what``: the jaggc entry point)."""
+    if engine_of(module).zero_stage == 3:
+        raise JaggUnsupportedError(
+            f"{what} on a DeepSpeed ZeRO-3 engine: ZeRO-3 partitions the parameters, gathers them in hooks of each "
+            f"forward and releases them after it, so jaggc cannot hold a JAGG knot's graph across the DiT's calls "
+            f"nor run its own forwards and joint backward through ZeRO's gathering. Use ZeRO stage 2 "
+            f"(\"zero_optimization\": {{\"stage\": 2}}: gradients and optimizer states stay partitioned) or FSDP2 "
+            f"(fully_shard), on which {what} is supported (docs/distributed.md)")
+
+
+__all__ = ["Engine", "engine_of", "refuse_zero3"]

@@ -42,7 +42,7 @@ from ..options import Options
 from ..runtime.guard import Guard
 from ..runtime.guard_stats import range_label
 from ..runtime.calls import DitCall, batch_size
-from ..runtime.engines import Engine, engine_of
+from ..runtime.engines import Engine, engine_of, refuse_zero3
 from ..runtime.module_state import module_chain, unwrap
 from ..runtime.optimizer_hook import register_before_optimizer_step, unregister_before_optimizer_step
 from ..runtime.rollout_cache import RolloutCache
@@ -563,15 +563,8 @@ def _class_forward(module: nn.Module):
 
 
 def _supported_engine(module: nn.Module) -> Engine:
-    engine = engine_of(module)
-    if engine.zero_stage is not None and engine.zero_stage >= 3:
-        raise JaggUnsupportedError(
-            f"jaggc.stepwise on a DeepSpeed ZeRO-3 engine: ZeRO-3 partitions the parameters and gathers them in "
-            f"hooks of each forward, and releases them after it, so a JAGG knot's graph cannot be held across the "
-            f"loop's steps nor its gradient handed to ZeRO's reduction outside that forward's own backward. Use "
-            f"ZeRO stage 2 (\"zero_optimization\": {{\"stage\": 2}}; the gradients and optimizer states stay "
-            f"partitioned) or FSDP2 (fully_shard), on which jaggc.stepwise is supported")
-    return engine
+    refuse_zero3(module, "jaggc.stepwise")
+    return engine_of(module)
 
 
 def _checked_options(options: Options | None) -> Options:

@@ -14,7 +14,9 @@ a random order per rank (the deferred schedule: every window inside the last ste
   jaggc (``reference_jagg`` on an unwrapped copy), to 1e-5 in fp32 (two fp32 summation orders: the
   joint backward's against the reference's, and ZeRO's bucketed all-reduce against the test's);
   and the parameters after the step are SGD's step on the clipped reference gradient (1e-5);
-* ZeRO-3 is refused at install with a jaggc error naming ZeRO-3 and what to use instead.
+* ZeRO-3 is refused at install with a jaggc error naming ZeRO-3 and what to use instead;
+* the whole-loss path: one ``engine.backward`` of a ``jagg_compile``-d loss gives the ranks' average
+  reference JAGG in ZeRO-1's and ZeRO-2's buffers (1e-5, as above); ZeRO-3 refused at the first call.
 """
 
 from __future__ import annotations
@@ -61,8 +63,8 @@ def _loss(out, g):
     return (out * g).sum() / out.shape[0]
 
 
-def _engine(dit, stage: int, trajectories: int, clip: float):
-    config = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": T * trajectories,
+def _engine(dit, stage: int, trajectories: int, clip: float, gas: int | None = None):
+    config = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": gas or T * trajectories,
               "zero_optimization": {"stage": stage}, "gradient_clipping": clip,
               "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
     engine, *_ = deepspeed.initialize(model=dit, optimizer=torch.optim.SGD(dit.parameters(), lr=LR), config=config)
@@ -119,6 +121,28 @@ def reference(base, rank: int, trajectories: int, window: int) -> dict:
     return {n: g.view_as(p) for (n, p), g in zip(model.named_parameters(), total.split(sizes))}
 
 
+def whole_loss(base, stage: int, rank: int) -> dict:
+    """The whole-loss path: one ``engine.backward`` of the compiled loss (gradient_accumulation_steps
+    1): the reduced gradient ZeRO holds after it."""
+    from deepspeed.utils import safe_get_full_grad
+
+    engine = _engine(copy.deepcopy(base), stage, 1, 0.0, gas=1)
+    cond, [(ts, zs, gs)] = _inputs(base, rank, 1)
+
+    @jaggc.jagg_compile(window=4, weights="t")
+    def loss_fn(dit, zs, ts):
+        return sum(_loss(dit(hidden_states=zs[j], timestep=ts[:, j], return_dict=False, **cond)[0], gs[j])
+                   for j in range(T))
+
+    try:
+        loss = loss_fn(engine, zs, ts)
+    except JaggUnsupportedError as e:
+        return dict(refused=str(e))
+    engine.backward(loss)
+    grad = {name: safe_get_full_grad(p).detach().clone() for name, p in engine.module.named_parameters()}
+    return dict(grad=grad, trained=loss_fn.report.trained_calls)
+
+
 W4_CASES = [(stage, order, trajectories, clip) for stage in (1, 2) for order in ("sigma", "random")
             for trajectories, clip in ((1, 1.0), (2, 0.0))]
 W2_CASES = [(stage, order, trajectories, clip) for stage in (1, 2) for order, trajectories, clip in
@@ -138,6 +162,9 @@ def rank_body(rank: int, world: int) -> dict:
         for case in W4_CASES:
             out[("w4",) + case] = (run_loop(base, *case, rank, 4), refs[case[2]])
         out["base"] = {n: p.detach().clone() for n, p in base.named_parameters()}
+        for stage in (1, 2, 3):
+            out[("whole", stage)] = whole_loss(base, stage, rank)
+        out["whole_ref"] = {n: g * T for n, g in refs[1].items()}   # the summed loss, one backward
         try:
             _ = jaggc.stepwise(_engine(copy.deepcopy(base), 3, 1, 1.0), window=4)
             out["zero3"] = None
@@ -188,3 +215,18 @@ def test_w4_reduced_gradient_is_the_ranks_average_jagg(rank_results, case):
 def test_zero3_is_refused_at_install(rank_results):
     for res in rank_results:
         assert res["zero3"] is not None and "ZeRO-3" in res["zero3"] and "stage 2" in res["zero3"]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_whole_loss_gradient_in_zeros_buffers(rank_results, stage):
+    for res in rank_results:
+        run = res[("whole", stage)]
+        assert "refused" not in run, run
+        assert run["trained"] == T
+        assert _rel(run["grad"], res["whole_ref"]) < 1e-5, _rel(run["grad"], res["whole_ref"])
+
+
+def test_whole_loss_zero3_is_refused_at_the_first_call(rank_results):
+    for res in rank_results:
+        refused = res[("whole", 3)].get("refused")
+        assert refused is not None and "jagg_compile" in refused and "ZeRO-3" in refused and "stage 2" in refused
