@@ -14,13 +14,17 @@ a random order per rank (the deferred schedule: every window inside the last ste
   jaggc (``reference_jagg`` on an unwrapped copy), to 1e-5 in fp32 (two fp32 summation orders: the
   joint backward's against the reference's, and ZeRO's bucketed all-reduce against the test's);
   and the parameters after the step are SGD's step on the clipped reference gradient (1e-5);
-* ZeRO-3 is refused at install with a jaggc error naming ZeRO-3 and what to use instead;
+* ``backward="lowmem"`` and ``"per_window"`` on ZeRO-2 in both orders: the same gradient;
+* collectives per trajectory counted beside the unchanged loop's;
+* ZeRO-3 is refused at install with a jaggc error naming ZeRO-3 and what to use instead, and the
+  guard on DeepSpeed likewise (its probe reads ``.grad``, which ZeRO keeps in its partitions);
 * the whole-loss path: one ``engine.backward`` of a ``jagg_compile``-d loss gives the ranks' average
   reference JAGG in ZeRO-1's and ZeRO-2's buffers (1e-5, as above); ZeRO-3 refused at the first call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
@@ -77,26 +81,57 @@ def _order(rank: int, order: str, k: int) -> list[int]:
     return torch.randperm(T, generator=torch.Generator().manual_seed(7 * rank + k)).tolist()
 
 
-def run_loop(base, stage: int, order: str, trajectories: int, clip: float, rank: int, window: int | None) -> dict:
+#: the torch.distributed calls DeepSpeed's comm backend makes (deepspeed/comm/torch.py), looked up at call time
+COLLECTIVES = ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_gather",
+               "all_gather_into_tensor", "broadcast")
+
+
+@contextlib.contextmanager
+def counting_collectives():
+    counts = dict.fromkeys(COLLECTIVES, 0)
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in COLLECTIVES:
+        setattr(dist, name, counted(name))
+    try:
+        yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def run_loop(base, stage: int, order: str, trajectories: int, clip: float, rank: int, window: int | None,
+             backward: str = "joint") -> dict:
     """The per-step loop on a fresh engine from ``base``'s weights (``window=None``: unchanged):
-    the reduced gradient just before the boundary's step, the parameters after it."""
+    the reduced gradient just before the boundary's step, the parameters after it, the collectives
+    of the backward passes (the optimizer step's not counted: the same in both loops)."""
     from deepspeed.utils import safe_get_full_grad
 
     engine = _engine(copy.deepcopy(base), stage, trajectories, clip)
     cond, trajs = _inputs(base, rank, trajectories)
     if window is not None:
-        jaggc.stepwise(engine, window=window, weights="t")
+        jaggc.stepwise(engine, window=window, weights="t", backward=backward)
     grad = None
+    collectives = 0
     for k, (ts, zs, gs) in enumerate(trajs):
         order_k = _order(rank, order, k)
         steps = order_k if window is None else jaggc.stepwise(engine).steps(order_k, ts[:, order_k])
         for n, j in enumerate(steps):
-            out = engine(hidden_states=zs[j], timestep=ts[:, j], return_dict=False, **cond)[0]
-            engine.backward(_loss(out, gs[j]))
+            with counting_collectives() as counts:
+                out = engine(hidden_states=zs[j], timestep=ts[:, j], return_dict=False, **cond)[0]
+                engine.backward(_loss(out, gs[j]))
+            collectives += sum(counts.values())
             if k == trajectories - 1 and n == T - 1:
                 grad = {name: safe_get_full_grad(p).detach().clone() for name, p in engine.module.named_parameters()}
             engine.step()
-    result = dict(grad=grad, params={n: p.detach().clone() for n, p in engine.module.named_parameters()})
+    result = dict(grad=grad, params={n: p.detach().clone() for n, p in engine.module.named_parameters()},
+                  collectives=collectives / trajectories)
     if window is not None:
         result["counts"] = vars(jaggc.stepwise(engine).counts).copy()
         jaggc.stepwise(engine).close()
@@ -145,6 +180,7 @@ def whole_loss(base, stage: int, rank: int) -> dict:
 
 W4_CASES = [(stage, order, trajectories, clip) for stage in (1, 2) for order in ("sigma", "random")
             for trajectories, clip in ((1, 1.0), (2, 0.0))]
+MODE_CASES = [(2, order, 1, 1.0, mode) for mode in ("lowmem", "per_window") for order in ("sigma", "random")]
 W2_CASES = [(stage, order, trajectories, clip) for stage in (1, 2) for order, trajectories, clip in
             (("sigma", 1, 1.0), ("random", 2, 0.0))]
 
@@ -161,6 +197,15 @@ def rank_body(rank: int, world: int) -> dict:
         refs = {n: reference(base, rank, n, 4) for n in (1, 2)}
         for case in W4_CASES:
             out[("w4",) + case] = (run_loop(base, *case, rank, 4), refs[case[2]])
+        for case in MODE_CASES:
+            out[("mode",) + case] = (run_loop(base, *case[:4], rank, 4, backward=case[4]), refs[case[2]])
+        for stage in (1, 2):
+            out[("unchanged", stage)] = run_loop(base, stage, "sigma", 1, 1.0, rank, None)
+        try:
+            jaggc.stepwise(_engine(copy.deepcopy(base), 2, 1, 1.0), window=4, guard=jaggc.Guard(every=1))
+            out["guard"] = None
+        except JaggUnsupportedError as e:
+            out["guard"] = str(e)
         out["base"] = {n: p.detach().clone() for n, p in base.named_parameters()}
         for stage in (1, 2, 3):
             out[("whole", stage)] = whole_loss(base, stage, rank)
@@ -230,3 +275,35 @@ def test_whole_loss_zero3_is_refused_at_the_first_call(rank_results):
     for res in rank_results:
         refused = res[("whole", 3)].get("refused")
         assert refused is not None and "jagg_compile" in refused and "ZeRO-3" in refused and "stage 2" in refused
+
+
+@pytest.mark.parametrize("case", MODE_CASES, ids=lambda c: f"zero{c[0]}-{c[1]}-{c[4]}")
+def test_backward_modes(rank_results, case):
+    """lowmem and per_window: the same gradient (their re-runs recompute the knots in fp32: 1e-5)."""
+    for res in rank_results:
+        run, ref = res[("mode",) + case]
+        assert run["counts"]["jagg_windows"] == 1 and run["counts"]["fallbacks"] == 0, run["counts"]
+        assert _rel(run["grad"], ref) < 1e-5, _rel(run["grad"], ref)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_collectives_per_trajectory(rank_results, stage):
+    """σ order, W=4, T=6 (one JAGG window of 4, an exact one of 2): ZeRO-2 reduces in every backward that
+    reaches a parameter (the tiny model's gradient fits one bucket: one all-reduce each), so stepwise
+    reduces 3 times (the window's joint backward, the exact window's 2 steps) where the unchanged loop
+    reduces 6; ZeRO-1 reduces once, at the boundary, in both. Counted over the steps' forward and
+    backward; jaggc's three small plan all-reduces per declaration come on top."""
+    for res in rank_results:
+        unchanged = res[("unchanged", stage)]["collectives"]
+        stepwise = res[("w4", stage, "sigma", 1, 1.0)][0]["collectives"]
+        res.setdefault("table", []).append((stage, unchanged, stepwise))
+        if stage == 2:
+            assert stepwise < unchanged, (stepwise, unchanged)
+        else:
+            assert stepwise <= unchanged + 3, (stepwise, unchanged)
+    print(f"ZeRO-{stage} collectives per trajectory: unchanged {unchanged}, stepwise W=4 {stepwise}")
+
+
+def test_guard_is_refused_on_deepspeed(rank_results):
+    for res in rank_results:
+        assert res["guard"] is not None and "guard" in res["guard"] and "ZeRO-2" in res["guard"]
