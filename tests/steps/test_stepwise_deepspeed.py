@@ -18,6 +18,9 @@ a random order per rank (the deferred schedule: every window inside the last ste
 * collectives per trajectory counted beside the unchanged loop's;
 * ZeRO-3 is refused at install with a jaggc error naming ZeRO-3 and what to use instead, and the
   guard on DeepSpeed likewise (its probe reads ``.grad``, which ZeRO keeps in its partitions);
+* accelerate with its DeepSpeed plugin on CPU (Flow-GRPO's shape: ``accumulate``,
+  ``accelerator.backward``, clip at the sync), ZeRO-1/2: W=4 the reduced gradient as above, W=2 the
+  unchanged loop's parameters;
 * the whole-loss path: one ``engine.backward`` of a ``jagg_compile``-d loss gives the ranks' average
   reference JAGG in ZeRO-1's and ZeRO-2's buffers (1e-5, as above); ZeRO-3 refused at the first call.
 """
@@ -156,6 +159,60 @@ def reference(base, rank: int, trajectories: int, window: int) -> dict:
     return {n: g.view_as(p) for (n, p), g in zip(model.named_parameters(), total.split(sizes))}
 
 
+def accelerate_loop(base, stage: int, order: str, trajectories: int, rank: int, window: int | None) -> dict:
+    """Flow-GRPO's shape under accelerate with its DeepSpeed plugin: ``accumulate`` over the
+    trajectories' steps, ``accelerator.backward`` (the engine's backward, and its step at the sync),
+    a clip at the sync (the engine's ``gradient_clipping``), ``optimizer.step``/``zero_grad`` every step
+    (no-ops off the sync under DeepSpeed). accelerate enables the plugin only off ``cpu=True`` with
+    ``LOCAL_RANK`` set (ranks.py sets it) and deepspeed importable: on CPU it then takes the ranks'
+    gloo group."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import DeepSpeedPlugin
+    from deepspeed.utils import safe_get_full_grad
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    plugin = DeepSpeedPlugin(zero_stage=stage, gradient_accumulation_steps=T * trajectories, gradient_clipping=1.0)
+    plugin.deepspeed_config.update({"zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
+                                    "train_micro_batch_size_per_gpu": B,
+                                    "train_batch_size": B * T * trajectories * dist.get_world_size()})
+    accelerator = Accelerator(deepspeed_plugin=plugin, gradient_accumulation_steps=T * trajectories)
+    assert accelerator.distributed_type.name == "DEEPSPEED", accelerator.distributed_type
+    dit = copy.deepcopy(base)
+    transformer, optimizer = accelerator.prepare(dit, torch.optim.SGD(dit.parameters(), lr=LR))
+    cond, trajs = _inputs(base, rank, trajectories)
+    if window is not None:
+        jaggc.stepwise(transformer, window=window, weights="t")
+    grads = []
+    engine_step = transformer.step
+
+    def step(*args, **kwargs):      # the reduced gradient when accelerator.backward steps the engine
+        grads.append({name: safe_get_full_grad(p).detach().clone() for name, p in transformer.module.named_parameters()})
+        return engine_step(*args, **kwargs)
+
+    transformer.step = step
+    for k, (ts, zs, gs) in enumerate(trajs):
+        order_k = _order(rank, order, k)
+        steps = order_k if window is None else jaggc.stepwise(transformer).steps(order_k, ts[:, order_k])
+        for n, j in enumerate(steps):
+            with accelerator.accumulate(transformer):
+                out = transformer(hidden_states=zs[j], timestep=ts[:, j], return_dict=False, **cond)[0]
+                accelerator.backward(_loss(out, gs[j]))
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(transformer.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad()
+    assert len(grads) == 1, len(grads)      # one sync: the trajectories' last step
+    result = dict(grad=grads[0], params={n: p.detach().clone() for n, p in transformer.module.named_parameters()})
+    if window is not None:
+        result["counts"] = vars(jaggc.stepwise(transformer).counts).copy()
+        jaggc.stepwise(transformer).close()
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    return result
+
+
 def whole_loss(base, stage: int, rank: int) -> dict:
     """The whole-loss path: one ``engine.backward`` of the compiled loss (gradient_accumulation_steps
     1): the reduced gradient ZeRO holds after it."""
@@ -180,6 +237,7 @@ def whole_loss(base, stage: int, rank: int) -> dict:
 
 W4_CASES = [(stage, order, trajectories, clip) for stage in (1, 2) for order in ("sigma", "random")
             for trajectories, clip in ((1, 1.0), (2, 0.0))]
+ACC_CASES = [(stage, order, 1) for stage in (1, 2) for order in ("sigma", "random")]
 MODE_CASES = [(2, order, 1, 1.0, mode) for mode in ("lowmem", "per_window") for order in ("sigma", "random")]
 W2_CASES = [(stage, order, trajectories, clip) for stage in (1, 2) for order, trajectories, clip in
             (("sigma", 1, 1.0), ("random", 2, 0.0))]
@@ -207,6 +265,11 @@ def rank_body(rank: int, world: int) -> dict:
         except JaggUnsupportedError as e:
             out["guard"] = str(e)
         out["base"] = {n: p.detach().clone() for n, p in base.named_parameters()}
+        for case in ACC_CASES:
+            out[("acc",) + case] = accelerate_loop(base, *case, rank, 4)
+        for stage in (1, 2):
+            out[("acc_w2", stage)] = (accelerate_loop(base, stage, "sigma", 1, rank, None),
+                                      accelerate_loop(base, stage, "sigma", 1, rank, 2))
         for stage in (1, 2, 3):
             out[("whole", stage)] = whole_loss(base, stage, rank)
         out["whole_ref"] = {n: g * T for n, g in refs[1].items()}   # the summed loss, one backward
@@ -307,3 +370,23 @@ def test_collectives_per_trajectory(rank_results, stage):
 def test_guard_is_refused_on_deepspeed(rank_results):
     for res in rank_results:
         assert res["guard"] is not None and "guard" in res["guard"] and "ZeRO-2" in res["guard"]
+
+
+@pytest.mark.parametrize("case", ACC_CASES, ids=lambda c: f"zero{c[0]}-{c[1]}")
+def test_accelerate_w4_reduced_gradient(rank_results, case):
+    """accelerate's DeepSpeed plugin (``accumulate``, ``accelerator.backward``, clip at the sync): the
+    gradient ZeRO reduced when accelerator.backward steps the engine = the ranks' average JAGG."""
+    for res in rank_results:
+        run = res[("acc",) + case]
+        assert run["counts"]["jagg_windows"] == 1 and run["counts"]["fallbacks"] == 0, run["counts"]
+        ref = res[("w4", case[0], case[1], 1, 1.0)][1]
+        assert _rel(run["grad"], ref) < 1e-5, _rel(run["grad"], ref)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_accelerate_w2_parameters_are_the_unchanged_loops(rank_results, stage):
+    for res in rank_results:
+        unchanged, stepwise = res[("acc_w2", stage)]
+        assert _rel(unchanged["params"], res["base"]) > 1e-6
+        for n, p in unchanged["params"].items():
+            torch.testing.assert_close(stepwise["params"][n], p, rtol=1e-6, atol=1e-6 * float(p.abs().max()), msg=n)
