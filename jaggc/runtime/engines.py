@@ -10,7 +10,7 @@ it communicates. Everything jaggc knows about an engine is here; the rest of jag
 | DDP | ``.grad`` (full) | on the gradient accumulators; its reducer prepared by the latest forward | all-reduce per bucket in every synced backward | the ranks agree on one plan; a synced backward needs the latest forward among its roots (re-run) |
 | FSDP1 | the FlatParameter's ``.grad`` (a shard), views on the originals with ``use_orig_params`` | on the FlatParameter's accumulator, unshard in the forward | reduce-scatter per unit in every backward | as DDP, and every backward's latest forward (its unshard) |
 | FSDP2 | the sharded DTensor's ``.grad`` | on the unsharded parameters | reduce-scatter per group in every backward | as FSDP1 |
-| DeepSpeed ZeRO-1 | ``.grad`` until the accumulation boundary, then ZeRO's partition | post-accumulate hooks (bookkeeping) | at the end of the boundary's ``engine.backward`` | as ZeRO-2, but ``.grad`` is watched as without an engine |
+| DeepSpeed ZeRO-1 | ``.grad`` until the accumulation boundary, then ZeRO's partition | post-accumulate hooks (bookkeeping) | at the end of the boundary's ``engine.backward``, which empties ``.grad`` | as ZeRO-2 (the ledger must not take that emptying for a ``zero_grad``) |
 | DeepSpeed ZeRO-2 | ZeRO's buckets and partitions: ``.grad`` is None after every backward | post-accumulate hooks that move each gradient into a bucket | reduce per bucket in every backward; accumulates in its partition | one gradient backward per ``engine.backward`` (ZeRO asserts one reduction per parameter per backward): a window's joint backward runs inside the backward of its last step; on the deferred schedule every window in the trajectory's last step's backward, jointly; ZeRO's buckets readied in a backward with no parameter gradient; ``.grad`` is not watched |
 | DeepSpeed ZeRO-3 | partitioned parameters gathered by forward hooks | | | refused (``JaggUnsupportedError``) |
 
@@ -88,7 +88,7 @@ def engine_of(module: nn.Module) -> Engine:
         if is_deepspeed_engine(m):
             stage = int(m.zero_optimization_stage())
             return Engine(f"DeepSpeed ZeRO-{stage}", m, collective_backward=initialized, hooks_accumulators=True,
-                          grad_in_dot_grad=stage < 2, reduces_in_loop_backward=True, zero_stage=stage)
+                          grad_in_dot_grad=False, reduces_in_loop_backward=True, zero_stage=stage)
     if zero3_partitioned(module):
         return Engine("DeepSpeed ZeRO-3", None, collective_backward=initialized, hooks_accumulators=True,
                       grad_in_dot_grad=False, reduces_in_loop_backward=True, zero_stage=3)

@@ -256,7 +256,8 @@ class Stepwise:
             # an evaluation), its module holding the unsharded parameters in place of the sharded
             # ones: the ledger reads the parameters at rest (FSDPModule.reshard frees the gathered copies)
             reshard_fully_sharded(self.module)
-        self.ledger = Ledger(self.module, watch_grads=self.engine.grad_in_dot_grad)   # its parameters as they are now (an adapter added since)
+        # its parameters as they are now (an adapter added since)
+        self.ledger = Ledger(self.module, watch_grads=self.engine.grad_in_dot_grad)
         if not any(not w.exact for w in plan.windows):
             self._warn_once("all-exact", (
                 f"no window of the declared trajectory runs JAGG (" + "; ".join(sorted({w.reason for w in plan.windows}))

@@ -16,6 +16,8 @@ a random order per rank (the deferred schedule: every window inside the last ste
   and the parameters after the step are SGD's step on the clipped reference gradient (1e-5);
 * ``backward="lowmem"`` and ``"per_window"`` on ZeRO-2 in both orders: the same gradient;
 * collectives per trajectory counted beside the unchanged loop's;
+* an engine step while a window holds a gradient back (the boundary inside a window) is refused
+  before any parameter moves;
 * ZeRO-3 is refused at install with a jaggc error naming ZeRO-3 and what to use instead, and the
   guard on DeepSpeed likewise (its probe reads ``.grad``, which ZeRO keeps in its partitions);
 * accelerate with its DeepSpeed plugin on CPU (Flow-GRPO's shape: ``accumulate``,
@@ -213,6 +215,27 @@ def accelerate_loop(base, stage: int, order: str, trajectories: int, rank: int, 
     return result
 
 
+def step_inside_a_window(base, stage: int, rank: int) -> dict:
+    """``gradient_accumulation_steps`` = 2 with windows of 4: the engine's boundary step comes while
+    window 0 holds steps 0 and 1 back. ZeRO steps its own torch optimizer on fp32 partitions; jaggc's
+    pre-hook knows it and refuses before any parameter moves."""
+    engine = _engine(copy.deepcopy(base), stage, 1, 1.0, gas=2)
+    cond, [(ts, zs, gs)] = _inputs(base, rank, 1)
+    jaggc.stepwise(engine, window=4, weights="t")
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    error = None
+    try:
+        for j in jaggc.stepwise(engine).steps(list(range(T)), ts):
+            out = engine(hidden_states=zs[j], timestep=ts[:, j], return_dict=False, **cond)[0]
+            engine.backward(_loss(out, gs[j]))
+            engine.step()
+    except JaggUnsupportedError as e:
+        error = str(e)
+    moved = any(not torch.equal(p, before[n]) for n, p in engine.module.named_parameters())
+    jaggc.stepwise(engine).close()
+    return dict(error=error, moved=moved)
+
+
 def whole_loss(base, stage: int, rank: int) -> dict:
     """The whole-loss path: one ``engine.backward`` of the compiled loss (gradient_accumulation_steps
     1): the reduced gradient ZeRO holds after it."""
@@ -270,6 +293,8 @@ def rank_body(rank: int, world: int) -> dict:
         for stage in (1, 2):
             out[("acc_w2", stage)] = (accelerate_loop(base, stage, "sigma", 1, rank, None),
                                       accelerate_loop(base, stage, "sigma", 1, rank, 2))
+        for stage in (1, 2):
+            out[("early_step", stage)] = step_inside_a_window(base, stage, rank)
         for stage in (1, 2, 3):
             out[("whole", stage)] = whole_loss(base, stage, rank)
         out["whole_ref"] = {n: g * T for n, g in refs[1].items()}   # the summed loss, one backward
@@ -390,3 +415,11 @@ def test_accelerate_w2_parameters_are_the_unchanged_loops(rank_results, stage):
         assert _rel(unchanged["params"], res["base"]) > 1e-6
         for n, p in unchanged["params"].items():
             torch.testing.assert_close(stepwise["params"][n], p, rtol=1e-6, atol=1e-6 * float(p.abs().max()), msg=n)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_an_optimizer_step_inside_a_window_is_refused(rank_results, stage):
+    for res in rank_results:
+        r = res[("early_step", stage)]
+        assert r["error"] is not None and "optimizer.step()" in r["error"], r
+        assert not r["moved"]
