@@ -17,7 +17,7 @@ a random order per rank (the deferred schedule: every window inside the last ste
 * ``backward="lowmem"`` and ``"per_window"`` on ZeRO-2 in both orders: the same gradient;
 * collectives per trajectory counted beside the unchanged loop's;
 * an engine step while a window holds a gradient back (the boundary inside a window) is refused
-  before any parameter moves;
+  before any parameter moves, and so is a loop left early (``break``) while one is held back;
 * ZeRO-3 is refused at install with a jaggc error naming ZeRO-3 and what to use instead, and the
   guard on DeepSpeed likewise (its probe reads ``.grad``, which ZeRO keeps in its partitions);
 * accelerate with its DeepSpeed plugin on CPU (Flow-GRPO's shape: ``accumulate``,
@@ -236,6 +236,27 @@ def step_inside_a_window(base, stage: int, rank: int) -> dict:
     return dict(error=error, moved=moved)
 
 
+def early_end(base, stage: int, rank: int) -> dict:
+    """The loop left by ``break`` after steps 0 and 1 ran their backward (window 0 holds them back):
+    outside ``engine.backward`` ZeRO takes no gradient, so jaggc cannot run the window exactly; the
+    refusal is warned when Python closes the loop and raised at the next optimizer step or close()."""
+    engine = _engine(copy.deepcopy(base), stage, 1, 1.0)
+    cond, [(ts, zs, gs)] = _inputs(base, rank, 1)
+    jaggc.stepwise(engine, window=4, weights="t")
+    for n, j in enumerate(jaggc.stepwise(engine).steps(list(range(T)), ts)):
+        out = engine(hidden_states=zs[j], timestep=ts[:, j], return_dict=False, **cond)[0]
+        engine.backward(_loss(out, gs[j]))
+        engine.step()
+        if n == 1:
+            break
+    try:
+        jaggc.stepwise(engine).close()
+        error = None
+    except JaggUnsupportedError as e:
+        error = str(e)
+    return dict(error=error)
+
+
 def whole_loss(base, stage: int, rank: int) -> dict:
     """The whole-loss path: one ``engine.backward`` of the compiled loss (gradient_accumulation_steps
     1): the reduced gradient ZeRO holds after it."""
@@ -295,6 +316,7 @@ def rank_body(rank: int, world: int) -> dict:
                                       accelerate_loop(base, stage, "sigma", 1, rank, 2))
         for stage in (1, 2):
             out[("early_step", stage)] = step_inside_a_window(base, stage, rank)
+            out[("early_end", stage)] = early_end(base, stage, rank)
         for stage in (1, 2, 3):
             out[("whole", stage)] = whole_loss(base, stage, rank)
         out["whole_ref"] = {n: g * T for n, g in refs[1].items()}   # the summed loss, one backward
@@ -423,3 +445,10 @@ def test_an_optimizer_step_inside_a_window_is_refused(rank_results, stage):
         r = res[("early_step", stage)]
         assert r["error"] is not None and "optimizer.step()" in r["error"], r
         assert not r["moved"]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_an_early_end_with_a_gradient_held_back_is_refused(rank_results, stage):
+    for res in rank_results:
+        error = res[("early_end", stage)]["error"]
+        assert error is not None and "engine.backward" in error and f"ZeRO-{stage}" in error, error
