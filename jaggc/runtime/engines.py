@@ -2,7 +2,11 @@
 
 A stepwise window withholds the gradient of its steps until its joint backward; what that must do
 depends on where the engine keeps the gradient between backward passes, which hooks it runs and when
-it communicates. Everything jaggc knows about an engine is here; the rest of jaggc asks the entry.
+it communicates. The table below is that knowledge, one row per engine; the stepwise path
+(steps/ranks.py, run.py, stepwise.py, ledger.py) asks ``engine_of(module)`` for it. Not folded in yet:
+the whole-loss runtime's own DDP/FSDP branches (runtime/deferred.py, lowmem.py, guard_probe.py) and
+FSDP's gradient storages (_compat/fsdp_slots.py), and the guard's probe (steps/probe.py: ``owner.ddp``,
+``owner.fsdp``). The next engine (VeOmni, Megatron) is one more row and one more branch of ``engine_of``.
 
 | engine | holds the gradient | hooks | reduces | what a window must do |
 |---|---|---|---|---|
