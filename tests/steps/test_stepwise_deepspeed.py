@@ -14,6 +14,7 @@ a random order per rank (the deferred schedule: every window inside the last ste
   jaggc (``reference_jagg`` on an unwrapped copy), to 1e-5 in fp32 (two fp32 summation orders: the
   joint backward's against the reference's, and ZeRO's bucketed all-reduce against the test's);
   and the parameters after the step are SGD's step on the clipped reference gradient (1e-5);
+* ``rollout_cache=True`` on ZeRO-2, both orders: forwards served, the same gradient;
 * bf16 on ZeRO-2 at W=2: ZeRO's reduced gradient is the unchanged loop's;
 * ``backward="lowmem"`` and ``"per_window"`` on ZeRO-2 in both orders: the same gradient;
 * collectives per trajectory counted beside the unchanged loop's;
@@ -113,7 +114,7 @@ def counting_collectives():
 
 
 def run_loop(base, stage: int, order: str, trajectories: int, clip: float, rank: int, window: int | None,
-             backward: str = "joint", bf16: bool = False) -> dict:
+             backward: str = "joint", bf16: bool = False, rollout_cache: bool = False) -> dict:
     """The per-step loop on a fresh engine from ``base``'s weights (``window=None``: unchanged):
     the reduced gradient just before the boundary's step, the parameters after it, the collectives
     of the backward passes (the optimizer step's not counted: the same in both loops)."""
@@ -125,7 +126,12 @@ def run_loop(base, stage: int, order: str, trajectories: int, clip: float, rank:
         cond = {k: v.bfloat16() for k, v in cond.items()}
         trajs = [(ts, [z.bfloat16() for z in zs], gs) for ts, zs, gs in trajs]
     if window is not None:
-        jaggc.stepwise(engine, window=window, weights="t", backward=backward)
+        jaggc.stepwise(engine, window=window, weights="t", backward=backward, rollout_cache=rollout_cache)
+    if rollout_cache:   # the rollout: the sampler's no-grad calls of the engine on the states it visits
+        with torch.no_grad():
+            for ts, zs, _ in trajs:
+                for j in range(T):
+                    engine(hidden_states=zs[j], timestep=ts[:, j], return_dict=False, **cond)
     grad = None
     collectives = 0
     for k, (ts, zs, gs) in enumerate(trajs):
@@ -305,6 +311,8 @@ def rank_body(rank: int, world: int) -> dict:
             out[("w4",) + case] = (run_loop(base, *case, rank, 4), refs[case[2]])
         for case in MODE_CASES:
             out[("mode",) + case] = (run_loop(base, *case[:4], rank, 4, backward=case[4]), refs[case[2]])
+        for order in ("sigma", "random"):
+            out[("cache", order)] = run_loop(base, 2, order, 1, 1.0, rank, 4, rollout_cache=True)
         out["bf16"] = (run_loop(base, 2, "sigma", 1, 1.0, rank, None, bf16=True),
                        run_loop(base, 2, "sigma", 1, 1.0, rank, 2, bf16=True))
         for stage in (1, 2):
@@ -468,3 +476,14 @@ def test_bf16_w2_reduced_gradient_is_the_unchanged_loops(rank_results):
         unchanged, stepwise = res["bf16"]
         assert _rel(stepwise["grad"], unchanged["grad"]) < 2 ** -8, _rel(stepwise["grad"], unchanged["grad"])
         print(f"bf16 ZeRO-2 W=2 reduced gradient vs unchanged: {_rel(stepwise['grad'], unchanged['grad']):.3g}")
+
+
+@pytest.mark.parametrize("order", ["sigma", "random"])
+def test_rollout_cache_on_zero2(rank_results, order):
+    """``rollout_cache=True``: the rollout's no-grad calls through the engine are recorded and serve the
+    steps' no-grad forwards (the ranks agree on every hit); the gradient is the reference's (1e-5)."""
+    for res in rank_results:
+        run = res[("cache", order)]
+        ref = res[("w4", 2, order, 1, 1.0)][1]
+        assert run["counts"]["cached_forwards"] >= 2 and run["counts"]["fallbacks"] == 0, run["counts"]
+        assert _rel(run["grad"], ref) < 1e-5, _rel(run["grad"], ref)
