@@ -22,6 +22,7 @@ from .frontends import registry
 from .options import KEYWORDS, DEPRECATED, Options, apply_deprecated
 from .report import Report
 from .report_build import refresh_times
+from .runtime.engines import refuse_zero3
 from .runtime.guard import Guard
 from .runtime.routing import Routing
 from .runtime.weights import DEFAULT_WEIGHTS, Basis
@@ -66,6 +67,7 @@ class JaggCompiled:
         self._path: str | None = None if capture == "auto" else capture
         self._warned_no_dit = False
         self._one_step_calls = 0         # consecutive calls with one trained DiT call (-1: not per-step)
+        self._engines_checked = False    # the modules of the first call: an engine jaggc cannot serve refused
         self._per_step_warned = False
 
     @property
@@ -103,6 +105,12 @@ class JaggCompiled:
             # under torch.no_grad() / inference_mode() (a validation loss, a logged value) there is
             # no backward to make cheaper: the undecorated loss is the value, at its own cost
             return self.__wrapped__(*args, **kwargs)
+        if not self._engines_checked:
+            try:
+                self._check_engines(args, kwargs)
+            except JaggUnsupportedError as e:
+                return self._unsupported(e, args, kwargs)
+            self._engines_checked = True
         if self._capture != "auto":
             order = [self._capture]
         elif self._session.backend is not None:
@@ -130,6 +138,13 @@ class JaggCompiled:
             return out
         return self._unsupported(JaggCaptureError(
             "no capture path could take the loss:\n  " + "\n  ".join(failed)), args, kwargs)
+
+    def _check_engines(self, args, kwargs) -> None:
+        """Refuse, at the first call, a DiT under an engine jaggc cannot serve (runtime/engines.py:
+        DeepSpeed ZeRO-3), before any capture touches its partitioned parameters."""
+        leaves = _compat.tree_flatten((args, kwargs))[0] + [self._session.dit]
+        for module in {id(m): m for m in leaves if isinstance(m, nn.Module)}.values():
+            refuse_zero3(module, "jagg_compile")
 
     def _announce_fallback(self, path: str, failed: list[str]) -> None:
         """``capture="auto"`` took a slower path: say which, why, and what it costs."""

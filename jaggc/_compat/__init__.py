@@ -5,7 +5,8 @@ means a PyTorch upgrade that moves one of them costs one file: ``pytree`` (torch
 nested arguments), ``dynamo`` (the DiT opaque while Dynamo traces, its errors and backends),
 ``tracing`` (torch.fx and fake tensors while jaggc traces), ``modules`` (nn.Module internals),
 ``tensors`` (version counters, an op's written arguments, dispatch modes), ``autograd`` (work after
-a backward, RNG states) and ``fsdp_slots`` (where FSDP keeps its gradients). Callers import the
+a backward, RNG states), ``fsdp_slots`` (where FSDP keeps its gradients) and ``deepspeed`` (ZeRO's
+buckets and inner optimizer). Callers import the
 names from ``jaggc._compat`` itself. Each name says what jaggc needs and
 its comment says why no public API does it. tests/repository/test_layering.py fails on any private torch name
 (``torch._x``, ``torch.a._b``, ``from torch.a import _b``, and the private attributes listed there)
@@ -43,6 +44,7 @@ from .autograd import (
     backward_accumulates_everywhere, backward_task_id, in_backward, queue_backward_callback, rng_states, rng_states_restored,
     run_after_backward)
 from .fsdp_slots import GradSlot, fsdp_gradient_slots, fsdp_version, reshard_fully_sharded
+from .deepspeed import is_deepspeed_engine, zero3_partitioned, zero_ready_buckets, zero_torch_optimizer
 
 __all__ = [
     "DYNAMO_ENTER_AUTOCAST", "DYNAMO_EXIT_AUTOCAST", "GradSlot", "MODULE_CALL_SLOT", "SET_GRAD_ENABLED",
@@ -50,10 +52,10 @@ __all__ = [
     "compiled_inner_module", "compiler_disable", "copy_input_codegen", "detect_fake_mode",
     "dispatch_mode_base", "dynamo_real_stack", "dynamo_recompile_limits", "dynamo_unique_graphs",
     "dynamo_unsupported_types", "fake_mode_accepts_real_tensors", "fake_mode_suspended",
-    "flat_apply_function", "flat_apply_inputs", "fsdp_gradient_slots", "fsdp_version", "fx_patches_reverted",
+    "flat_apply_function", "flat_apply_inputs", "fsdp_gradient_slots", "fsdp_version", "fx_patches_reverted", "is_deepspeed_engine",
     "backward_task_id", "in_backward", "is_fake", "is_flat_apply_node", "keystr", "lookup_dynamo_backend", "module_call_impl",
     "module_hook_keys", "new_fake_mode", "nonstrict_trace", "queue_backward_callback",
     "recompile_limit_types", "recompile_reason", "reshard_fully_sharded", "rng_states", "rng_states_restored", "run_after_backward",
     "traced_input_value", "tree_flatten", "tree_flatten_with_path", "tree_map", "tree_unflatten",
-    "unwrap_backend_error", "version_counter", "written_arguments",
+    "unwrap_backend_error", "version_counter", "written_arguments", "zero3_partitioned", "zero_ready_buckets", "zero_torch_optimizer",
 ]

@@ -35,7 +35,7 @@ def module_chain(module: nn.Module) -> list[nn.Module]:
             inner = compiled_inner_module(m)
         elif hasattr(m, "get_base_model") and callable(m.get_base_model):  # peft PeftModel
             inner = m.get_base_model()
-        elif type(m).__name__ in ("DistributedDataParallel", "FullyShardedDataParallel", "DataParallel"):
+        elif type(m).__name__ in ("DistributedDataParallel", "FullyShardedDataParallel", "DataParallel", "DeepSpeedEngine"):
             inner = m.module
         if inner is None or inner is m or inner in chain:
             return chain

@@ -71,9 +71,11 @@ class GradKey:
 
 
 class Ledger:
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, *, watch_grads: bool = True):
         self.named = list(module.named_parameters())
-        self.trainable = [(n, p) for n, p in self.named if p.requires_grad]
+        # DeepSpeed ZeRO-2 keeps the gradient in its own partitions and empties ``.grad`` after every
+        # backward (runtime/engines.py): there ``.grad`` says nothing and is not watched
+        self.trainable = [(n, p) for n, p in self.named if p.requires_grad] if watch_grads else []
         self.marks = GradMarks(self.trainable, _canaries(module, self.trainable))
         self.params = self._param_state()
         self.grads = self._grad_state()
@@ -177,6 +179,8 @@ class GradMarks:
 
 def _canaries(module: nn.Module, trainable: list[tuple[str, torch.Tensor]]) -> list[int]:
     """Per module that owns trainable parameters, the index (in ``trainable``) of its smallest."""
+    if not trainable:
+        return []
     index = {id(p): i for i, (_, p) in enumerate(trainable)}
     out = set()
     for m in module.modules():

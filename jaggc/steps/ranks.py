@@ -31,14 +31,11 @@ from .slicing import RowSlice
 
 
 def distributed(module) -> bool:
-    """Whether ``module``'s backward passes are collective (DDP or FSDP in an initialized group)."""
-    from .._compat import fsdp_version
-    from ..runtime.module_state import module_chain
+    """Whether ``module``'s backward passes are collective (DDP, FSDP or DeepSpeed in an initialized
+    group: runtime/engines.py)."""
+    from ..runtime.engines import engine_of
 
-    if not (dist.is_available() and dist.is_initialized()):
-        return False
-    return fsdp_version(module) is not None or any(
-        isinstance(m, torch.nn.parallel.DistributedDataParallel) for m in module_chain(module))
+    return engine_of(module).collective_backward
 
 
 def agree_on_plan(plan: TrajectoryPlan) -> list[int]:

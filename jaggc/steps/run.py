@@ -79,7 +79,8 @@ class TrajectoryRun:
         self.backward_steps = 0                      # steps whose backward began
         self.dropped = False                         # refused: the owner forgot it (Stepwise.drop)
         # the tap's parameter inputs (tap.py), where no DDP/FSDP hooks their gradient accumulators
-        self.tap_params = [] if owner.distributed else [p for p in owner.module.parameters() if p.requires_grad]
+        self.tap_params = ([] if owner.distributed or owner.engine.hooks_accumulators
+                           else [p for p in owner.module.parameters() if p.requires_grad])
         self._after_task = None                      # the backward pass an after_backward is queued in
         self._exact_task = None                      # the backward pass an exact step's DiT backward ran in
         self._completion_queued = False              # the deferred schedule's end is queued (on_grads)
@@ -287,6 +288,8 @@ class TrajectoryRun:
             # a reset or write since the step's forward; not where this backward ran an exact step's
             # DiT backward before reaching here (its own accumulation cannot be told from a write)
             self.owner.safety.before_grads(self, visit)
+        # this backward reaches no parameter unless a window completes in it (runtime/engines.py)
+        self.owner.engine.ready_gradient_free_backward()
         if self.owner.slicer is not None:
             batch = batch_size(visit.call)
             for g in grads:
@@ -298,10 +301,15 @@ class TrajectoryRun:
         else:
             visit.grads = [a if b is None else b if a is None else a + b for a, b in zip(visit.grads, grads)]
         if self.deferred:
-            # every window's backward runs once every declared step has its gradient: at the end of
-            # the backward that brought the last one (ranks.py), so that a clip or optimizer step in
-            # the last step's body (Flow-Factory's, at sync_gradients) reads the whole gradient
-            if self.ready() and not self._completion_queued:
+            # every window's backward runs once every declared step has its gradient (ranks.py), so
+            # that a clip or optimizer step in the last step's body (Flow-Factory's, at sync_gradients)
+            # reads the whole gradient. Where the engine takes gradients only inside the loop's own
+            # backward and reduces each once per backward (ZeRO-2, runtime/engines.py): inside it, jointly;
+            # elsewhere at the end of the backward that brought the last one, after DDP's and FSDP's own end
+            if self.owner.engine.reduces_in_loop_backward:
+                if self.ready():
+                    self.complete_all()
+            elif self.ready() and not self._completion_queued:
                 self._completion_queued = True
                 run_after_backward(self._complete_deferred)
             return
@@ -403,7 +411,7 @@ class TrajectoryRun:
         graphs go in ONE backward (under FSDP1 a graph whose forward was not the latest is
         backpropagated only along with a fresh one, whose hooks unshard the parameters); re-run
         calls one window (an exact window: one step) at a time, at one window's memory."""
-        if self.owner.backward is BackwardMode.JOINT:
+        if self.owner.backward is BackwardMode.JOINT or self.owner.engine.reduces_in_loop_backward:
             open_windows = [w for w in self.windows if not w.done]
             self.run_backward([e for w in open_windows for e in self.window_entries(w)], windows=open_windows)
         else:
@@ -432,8 +440,7 @@ class TrajectoryRun:
         each rank's order of steps, and every rank must make the same forwards and collectives)."""
         if not entries:
             return
-        ddp = self.owner.ddp
-        if (ddp is not None and ddp.require_backward_grad_sync) or self.owner.fsdp:
+        if self.owner.engine.backward_needs_latest_forward():
             if self.deferred or not any(v is self.latest and v.held is not None for v, _ in entries):
                 entries[-1][0].held = None
         recovered = self._recovered(entries)

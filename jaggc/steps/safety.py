@@ -28,6 +28,7 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING
 
+from .._compat import in_backward
 from ..errors import JaggUnsupportedError
 from .roles import StepwiseOwner
 
@@ -130,6 +131,16 @@ class Safety:
         graphs now; the others when their gradient arrives; later steps run as written."""
         win.exact = True
         ready = [v for v in win.pending() if v.grads is not None]
+        engine = self.owner.engine
+        if ready and engine.reduces_in_loop_backward and not in_backward():
+            # ZeRO-2 takes a parameter's gradient into its buckets only inside its own backward, which
+            # reduces them at its end (runtime/engines.py): outside one the gradient would be lost
+            raise self.refuse(run, (
+                f"window {win.planned.index} must run exactly (its steps {sorted(v.step for v in ready)} ran their "
+                f"backward, and the trajectory ended early or a step was visited twice), but on {engine.name} a "
+                f"gradient reaches ZeRO's partitions only inside engine.backward: the held-back gradient cannot be "
+                f"added now. Run every declared step once, each with its engine.backward, before the trajectory ends"),
+                where=ready[-1].where)
         run.run_backward([(v, v.grads) for v in ready])
         for v in ready:
             v.exact, v.grads = True, None

@@ -35,16 +35,16 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from .._compat import fsdp_version, in_backward, reshard_fully_sharded
+from .._compat import fsdp_version, in_backward, is_deepspeed_engine, reshard_fully_sharded
 from ..backward_modes import BackwardMode, backward_mode, modes_where
 from ..errors import JaggError, JaggInputError, JaggUnsupportedError
 from ..options import Options
 from ..runtime.guard import Guard
 from ..runtime.guard_stats import range_label
 from ..runtime.calls import DitCall, batch_size
+from ..runtime.engines import Engine, engine_of, refuse_zero3
 from ..runtime.module_state import module_chain, unwrap
-from ..runtime.optimizer_hook import (register_before_optimizer_step, steps_parameters_of,
-                                      unregister_before_optimizer_step)
+from ..runtime.optimizer_hook import register_before_optimizer_step, unregister_before_optimizer_step
 from ..runtime.rollout_cache import RolloutCache
 from ..runtime.weights import DEFAULT_WEIGHTS, resolve_basis
 from ..runtime.window import check_window_size
@@ -141,20 +141,30 @@ class Stepwise:
                 f"per-step loop must know them at the window's first step; use a deterministic basis (weights='t', "
                 f"the default) or jagg_compile on a whole-trajectory loss")
         self.options = _checked_options(options)
-        self.module, self.window, self.backward = module, window, backward
+        self.engine = _supported_engine(module)
         self.ddp = next((m for m in module_chain(module) if isinstance(m, nn.parallel.DistributedDataParallel)), None)
         self.distributed = distributed(module)
         self.fsdp = fsdp_version(module) is not None
         self.fsdp1 = fsdp_version(module) == 1
+        module = self.engine.install_target(module)    # DeepSpeed: engine.module (runtime/engines.py)
+        self.module, self.window, self.backward = module, window, backward
         self.counts = StepwiseCounts()
         self.notes: list[str] = []
         self.cfg_slice, self.rollout_cache = bool(cfg_slice), rollout_cache
         if guard is not None and not isinstance(guard, Guard):
             raise JaggInputError(f"stepwise(guard={type(guard).__name__}): pass a jaggc.Guard(every=..., on_drift=...)")
+        if guard is not None and self.engine.zero_stage is not None:
+            # the probe reads the trajectory's gradient from .grad (steps/probe.py), which ZeRO-2 empties after
+            # every backward and ZeRO-1 reduces only at its boundary: its figures would be this rank's, or none
+            raise JaggUnsupportedError(
+                f"stepwise(guard=...) on {self.engine.name}: the guard's probe reads the trajectory's gradient from "
+                f".grad, which ZeRO keeps in its own partitions (ZeRO-2 empties .grad after every backward), so it "
+                f"cannot measure the all-rank gradient here yet. Run without guard= on DeepSpeed and measure the "
+                f"setting with jaggc.calibrate on unwrapped copies, or use the guard under DDP/FSDP")
         self.guard = guard
         self.slicer = SliceLearner() if cfg_slice else None
         self.cache = _rollout_cache(module, rollout_cache, self.options)
-        self.ledger = Ledger(module)
+        self.ledger = Ledger(module, watch_grads=self.engine.grad_in_dot_grad)
         self.safety = Safety(self)
         self._run: TrajectoryRun | None = None
         self._last: TrajectoryRun | None = None
@@ -247,7 +257,8 @@ class Stepwise:
             # an evaluation), its module holding the unsharded parameters in place of the sharded
             # ones: the ledger reads the parameters at rest (FSDPModule.reshard frees the gathered copies)
             reshard_fully_sharded(self.module)
-        self.ledger = Ledger(self.module)      # its parameters as they are now (an adapter added since)
+        # its parameters as they are now (an adapter added since)
+        self.ledger = Ledger(self.module, watch_grads=self.engine.grad_in_dot_grad)
         if not any(not w.exact for w in plan.windows):
             self._warn_once("all-exact", (
                 f"no window of the declared trajectory runs JAGG (" + "; ".join(sorted({w.reason for w in plan.windows}))
@@ -280,7 +291,7 @@ class Stepwise:
         """Before an optimizer step of this module's parameters (runtime/optimizer_hook.py): a
         refusal kept from a loop left early is raised; an open window refuses the step before any
         parameter moves. Another model's optimizer steps freely."""
-        if not steps_parameters_of(optimizer, self.module):
+        if not self.engine.steps(optimizer, self.module):
             return
         self.raise_deferred()
         if self._run is not None:
@@ -480,6 +491,8 @@ def _rollout_cache(module: nn.Module, setting, options: Options) -> RolloutCache
 
 
 def _installed(module: nn.Module) -> Stepwise | None:
+    if is_deepspeed_engine(module):
+        module = module.module             # where stepwise installs on a DeepSpeed engine
     installed = module.__dict__.get("forward")
     return installed.owner if isinstance(installed, InstalledForward) else None
 
@@ -562,6 +575,11 @@ def _records_nothing_hook():
 
 def _class_forward(module: nn.Module):
     return type(module).forward.__get__(module)
+
+
+def _supported_engine(module: nn.Module) -> Engine:
+    refuse_zero3(module, "jaggc.stepwise")
+    return engine_of(module)
 
 
 def _checked_options(options: Options | None) -> Options:

@@ -1,0 +1,119 @@
+"""The engines that hold, hook and reduce a module's gradients, one entry each (``engine_of``).
+
+A stepwise window withholds the gradient of its steps until its joint backward; what that must do
+depends on where the engine keeps the gradient between backward passes, which hooks it runs and when
+it communicates. The table below is that knowledge, one row per engine; the stepwise path
+(steps/ranks.py, run.py, stepwise.py, ledger.py) asks ``engine_of(module)`` for it. Not folded in yet:
+the whole-loss runtime's own DDP/FSDP branches (runtime/deferred.py, lowmem.py, guard_probe.py) and
+FSDP's gradient storages (_compat/fsdp_slots.py), and the guard's probe (steps/probe.py: ``owner.ddp``,
+``owner.fsdp``). The next engine (VeOmni, Megatron) is one more row and one more branch of ``engine_of``.
+
+| engine | holds the gradient | hooks | reduces | what a window must do |
+|---|---|---|---|---|
+| none (one process) | ``.grad`` | none | never | nothing; the tap takes the parameters as inputs (tap.py) |
+| DDP | ``.grad`` (full) | on the gradient accumulators; its reducer prepared by the latest forward | all-reduce per bucket in every synced backward | the ranks agree on one plan; a synced backward needs the latest forward among its roots (re-run) |
+| FSDP1 | the FlatParameter's ``.grad`` (a shard), views on the originals with ``use_orig_params`` | on the FlatParameter's accumulator, unshard in the forward | reduce-scatter per unit in every backward | as DDP, and every backward's latest forward (its unshard) |
+| FSDP2 | the sharded DTensor's ``.grad`` | on the unsharded parameters | reduce-scatter per group in every backward | as FSDP1 |
+| DeepSpeed ZeRO-1 | ``.grad`` until the accumulation boundary, then ZeRO's partition | post-accumulate hooks (bookkeeping) | at the end of the boundary's ``engine.backward``, which empties ``.grad`` | as ZeRO-2 (the ledger must not take that emptying for a ``zero_grad``) |
+| DeepSpeed ZeRO-2 | ZeRO's buckets and partitions: ``.grad`` is None after every backward | post-accumulate hooks that move each gradient into a bucket | reduce per bucket in every backward; accumulates in its partition | one gradient backward per ``engine.backward`` (ZeRO asserts one reduction per parameter per backward): a window's joint backward runs inside the backward of its last step; on the deferred schedule every window in the trajectory's last step's backward, jointly; ZeRO's buckets readied in a backward with no parameter gradient; ``.grad`` is not watched |
+| DeepSpeed ZeRO-3 | partitioned parameters gathered by forward hooks | | | refused (``JaggUnsupportedError``) |
+
+DeepSpeed: ``jaggc.stepwise(engine)`` installs on ``engine.module`` (the engine's forward calls it):
+each step's output then reaches the engine's own output hooks (its backward prologue and
+``gradient_accumulation_steps`` scaling) exactly as in the unchanged loop, and jaggc's own forwards
+and joint backwards go through the bare module, whose parameters carry ZeRO's hooks. The private
+DeepSpeed names used sit in ``jaggc/_compat/deepspeed.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .._compat import fsdp_version, is_deepspeed_engine, zero3_partitioned, zero_ready_buckets, zero_torch_optimizer
+from ..errors import JaggUnsupportedError
+from .module_state import module_chain
+
+
+@dataclass(frozen=True)
+class Engine:
+    """What jaggc must know of the engine that runs a module's backward (module docstring)."""
+
+    name: str
+    wrapper: nn.Module | None = None
+    #: every backward communicates: the ranks must make the same backward passes in the same order
+    collective_backward: bool = False
+    #: the engine's hooks sit on the gradient accumulators (the tap takes no parameter inputs)
+    hooks_accumulators: bool = False
+    #: ``.grad`` holds the accumulating gradient between backward passes (the ledger watches it)
+    grad_in_dot_grad: bool = True
+    #: the engine takes gradients only inside its own backward (``engine.backward``), whose end reduces
+    #: them, at most once per parameter (ZeRO-2 asserts it): every window's backward runs inside one
+    #: loop backward, jointly (DeepSpeed ZeRO-1/2)
+    reduces_in_loop_backward: bool = False
+    zero_stage: int | None = None
+
+    def backward_needs_latest_forward(self) -> bool:
+        """Whether a backward must have the module's latest forward among its roots: DDP outside
+        ``no_sync`` (its reducer is prepared there), FSDP (its hooks unshard there)."""
+        if self.name == "DDP":
+            return bool(self.wrapper.require_backward_grad_sync)
+        return self.name.startswith("FSDP")
+
+    def install_target(self, module: nn.Module) -> nn.Module:
+        """The module a stepwise installs on: DeepSpeed's ``engine.module`` (module docstring)."""
+        return self.wrapper.module if self.name.startswith("DeepSpeed") else module
+
+    def ready_gradient_free_backward(self) -> None:
+        """A loop backward that reaches no parameter (a JAGG step's: its gradient goes to jaggc):
+        ZeRO-2 readies its buckets when the first gradient arrives, and its end of backward
+        reduces them, so it needs them readied also where none arrives (once per backward, as
+        the first gradient does)."""
+        if self.reduces_in_loop_backward:
+            zero_ready_buckets(self.wrapper)
+
+    def steps(self, optimizer, module: nn.Module) -> bool:
+        """Whether ``optimizer``'s step moves ``module``'s parameters: one holding them, or the
+        torch optimizer ZeRO steps on its fp32 partitions."""
+        if self.zero_stage is not None and optimizer is zero_torch_optimizer(self.wrapper):
+            return True
+        mine = {id(p) for p in module.parameters()}
+        return any(id(p) in mine for group in optimizer.param_groups for p in group["params"])
+
+
+def engine_of(module: nn.Module) -> Engine:
+    """The engine entry of ``module`` (the module the loop calls, or a wrapper's inner module
+    reached through ``module_chain``)."""
+    initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
+    chain = module_chain(module)
+    for m in chain:
+        if is_deepspeed_engine(m):
+            stage = int(m.zero_optimization_stage())
+            return Engine(f"DeepSpeed ZeRO-{stage}", m, collective_backward=initialized, hooks_accumulators=True,
+                          grad_in_dot_grad=False, reduces_in_loop_backward=True, zero_stage=stage)
+    if zero3_partitioned(module):
+        return Engine("DeepSpeed ZeRO-3", None, collective_backward=initialized, hooks_accumulators=True,
+                      grad_in_dot_grad=False, reduces_in_loop_backward=True, zero_stage=3)
+    version = fsdp_version(module)
+    if version is not None:
+        return Engine(f"FSDP{version}", None, collective_backward=initialized, hooks_accumulators=True)
+    for m in chain:
+        if isinstance(m, nn.parallel.DistributedDataParallel):
+            return Engine("DDP", m, collective_backward=initialized, hooks_accumulators=True)
+    return Engine("none")
+
+
+def refuse_zero3(module: nn.Module, what: str) -> None:
+    """Raise where ``module`` runs under DeepSpeed ZeRO-3 (``what``: the jaggc entry point)."""
+    if engine_of(module).zero_stage == 3:
+        raise JaggUnsupportedError(
+            f"{what} on a DeepSpeed ZeRO-3 engine: ZeRO-3 partitions the parameters, gathers them in hooks of each "
+            f"forward and releases them after it, so jaggc cannot hold a JAGG knot's graph across the DiT's calls "
+            f"nor run its own forwards and joint backward through ZeRO's gathering. Use ZeRO stage 2 "
+            f"(\"zero_optimization\": {{\"stage\": 2}}: gradients and optimizer states stay partitioned) or FSDP2 "
+            f"(fully_shard), on which {what} is supported (docs/distributed.md)")
+
+
+__all__ = ["Engine", "engine_of", "refuse_zero3"]
