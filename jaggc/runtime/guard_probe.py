@@ -308,7 +308,9 @@ class CallProbe:
         self.kept = []
         self._all_reduce()
         windows = reduce_norms(self.windows, reduce, jagg.device)
-        error = sum(self.range_errors.values()) if self.range_errors else torch.zeros_like(jagg)
+        error = torch.zeros_like(jagg)
+        for e in self.range_errors.values():      # in place: no temporary per range
+            error.add_(e)
         return ProbeResult(index=self.index, jagg=jagg, exact=jagg - error, range_errors=dict(self.range_errors),
                            windows=windows, reduce=reduce)
 

@@ -84,20 +84,50 @@ class ShardedSum:
         return t
 
 
-#: elements per float64 chunk of a dot product: bounds the temporary copies (8 MiB each)
-DOT_CHUNK = 1 << 20
+#: elements per float64 chunk of a dot product, by device type: on the CPU a 512 KiB chunk stays in
+#: cache, and converting it costs about what float32's own dot does (1M-element chunks were 20x
+#: slower: page faults and cache misses); an accelerator wants few, large kernels (32 MiB copies)
+DOT_CHUNK = {"cpu": 1 << 16}
+DOT_CHUNK_ACCELERATOR = 1 << 22
+
+
+def dot_chunk(device) -> int:
+    return DOT_CHUNK.get(torch.device(device).type, DOT_CHUNK_ACCELERATOR)
 
 
 def local_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """This rank's a·b, a 0-d float64 tensor accumulated in float64 whatever the vectors' dtype
     (float32's own accumulation loses ~1e-5 of a cosine at a few million parameters: issue 48);
-    chunked, so that the float64 copies stay small next to a full fine-tuning's gradient."""
+    chunked (``dot_chunk``), so that the float64 copies stay small and, on the CPU, in cache."""
     if a.dtype == torch.float64 and b.dtype == torch.float64:
         return torch.dot(a, b)
     total = torch.zeros((), dtype=torch.float64, device=a.device)
-    for i in range(0, a.numel(), DOT_CHUNK):
-        total += torch.dot(a[i:i + DOT_CHUNK].double(), b[i:i + DOT_CHUNK].double())
+    step = dot_chunk(a.device)
+    for i in range(0, a.numel(), step):
+        total += torch.dot(a[i:i + step].double(), b[i:i + step].double())
     return total
+
+
+def local_dots(pairs: list[tuple[torch.Tensor | None, torch.Tensor | None]], device) -> torch.Tensor:
+    """``[local_dot(a, b) for a, b in pairs]`` (None: zero) as one float64 vector, in ONE chunked pass:
+    each vector's chunk converted to float64 once, however many products it takes part in (a probe's
+    figures take ~10 products of a few vectors: converting per product was most of their cost)."""
+    out = torch.zeros(len(pairs), dtype=torch.float64, device=device)
+    live = [(k, a, b) for k, (a, b) in enumerate(pairs) if a is not None and b is not None]
+    if not live:
+        return out
+    numel, step = live[0][1].numel(), dot_chunk(device)
+    for i in range(0, numel, step):
+        wide: dict[int, torch.Tensor] = {}
+
+        def chunk(t: torch.Tensor) -> torch.Tensor:
+            if id(t) not in wide:
+                wide[id(t)] = t[i:i + step].to(device=device, dtype=torch.float64)
+            return wide[id(t)]
+
+        for k, a, b in live:
+            out[k] += torch.dot(chunk(a), chunk(b))
+    return out
 
 
 def dot(a: torch.Tensor, b: torch.Tensor, reduce=local_sum) -> float:
@@ -207,19 +237,23 @@ class ProbeResult:
 
     @property
     def error(self) -> torch.Tensor:
-        return self.jagg - self.exact
+        """e_p = J_p − X_p (computed once: a flat vector the size of the gradient)."""
+        cached = self.__dict__.get("_error")
+        if cached is None:
+            cached = self.__dict__["_error"] = self.jagg - self.exact
+        return cached
 
-    def local_scalars(self) -> list[torch.Tensor]:
+    def scalar_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The products of J·X, |J|², |X|², |e|² (``local_dots``)."""
         e = self.error
-        return [local_dot(self.jagg, self.exact), local_dot(self.jagg, self.jagg),
-                local_dot(self.exact, self.exact), local_dot(e, e)]
+        return [(self.jagg, self.exact), (self.jagg, self.jagg), (self.exact, self.exact), (e, e)]
 
     def measure(self) -> None:
         """The probe's scalars in one reduction (float64), unless a block has reduced them already."""
         if self.scalars is None:
             device = self.jagg.device
             head = torch.tensor([float(self.index), float(self.index) ** 2], dtype=torch.float64, device=device)
-            total = self.reduce(torch.cat([head, torch.stack(self.local_scalars())])).tolist()
+            total = self.reduce(torch.cat([head, local_dots(self.scalar_pairs(), device)])).tolist()
             _check_same_probe(total[0], total[1], self.reduce, "the figures")
             self.scalars = tuple(total[2:6])
 
@@ -335,18 +369,19 @@ class Block:
         """One reduction: [i, i², J·X, |J|², |X|², |e|², |Σe|², |Σ X|², then per σ range of the table: present,
         |e_r|², |Σ e_r|²] (i the probe's index: the ranks' check that they reduce the same probe)."""
         device = probe.jagg.device
-        zero = torch.zeros((), dtype=torch.float64, device=device)
-
-        def sq(t):
-            return zero if t is None else local_dot(t, t)
-
-        parts = [torch.tensor(float(probe.index), dtype=torch.float64, device=device),
-                 torch.tensor(float(probe.index) ** 2, dtype=torch.float64, device=device),
-                 *probe.local_scalars(), sq(self.whole.sum), sq(self.exact_sum)]
+        pairs = probe.scalar_pairs() + [(self.whole.sum, self.whole.sum), (self.exact_sum, self.exact_sum)]
+        present = []
         for r, moments in enumerate(self.ranges):
             e = probe.range_errors.get(r)
-            parts += [torch.tensor(float(e is not None), dtype=torch.float64, device=device), sq(e), sq(moments.sum)]
-        total = self.reduce(torch.stack(parts)).tolist()
+            present.append(float(e is not None))
+            pairs += [(e, e), (moments.sum, moments.sum)]
+        dots = local_dots(pairs, device)
+        head = torch.tensor([float(probe.index), float(probe.index) ** 2], dtype=torch.float64, device=device)
+        flags = torch.tensor(present, dtype=torch.float64, device=device)
+        # the layout: [i, i², J·X, |J|², |X|², |e|², |Σe|², |ΣX|²] + per range [present, |e_r|², |Σe_r|²]
+        per_range = torch.stack([flags, dots[6::2], dots[7::2]], 1).reshape(-1)
+        parts = torch.cat([head, dots[:6], per_range])
+        total = self.reduce(parts).tolist()
         _check_same_probe(total[0], total[1], self.reduce, "the block's statistics")
         self.whole.sum_sq, self.exact_sum_sq = total[6], total[7]
         per_range = total[8:]

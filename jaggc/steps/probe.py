@@ -183,7 +183,9 @@ class TrajectoryProbe:
         if self.owner.ddp is not None and self.owner.distributed:
             jagg, self.errors = self._average(jagg)
         norms = reduce_norms(self.windows, reduce, jagg.device)
-        error = sum(self.errors.values()) if self.errors else torch.zeros_like(jagg)
+        error = torch.zeros_like(jagg)
+        for e in self.errors.values():      # in place: no temporary per range
+            error.add_(e)
         self.guard.record(ProbeResult(index=self.index, jagg=jagg, exact=jagg - error,
                                       range_errors=dict(self.errors), windows=norms, reduce=reduce))
 
@@ -218,13 +220,29 @@ class TrajectoryProbe:
         zeros = torch.zeros_like(jagg)
         seen = torch.tensor([float(r in self.errors) for r in ranges], dtype=jagg.dtype, device=jagg.device)
         flat = torch.cat([jagg] + [self.errors.get(r, zeros) for r in ranges] + [seen])
+        # per window of the plan (the ranks' plans agree: agree_on_plan) this rank's |e_w|² and whether
+        # it measured it, in the same all-reduce, and its lowest σ over the ranks in one more: a fixed
+        # table, so that the per-window figures are the same on every rank
+        slots = len(self.run.plan.windows)
+        table = torch.zeros(2 * slots, dtype=torch.float64, device=flat.device)
+        lows = torch.full((slots,), float("inf"), dtype=torch.float64, device=flat.device)
+        for pos, sigma, sq in self.windows:
+            table[2 * pos] += sq.to(table)
+            table[2 * pos + 1] = 1.0
+            lows[pos] = min(float(lows[pos]), sigma)
+        flat = torch.cat([flat, table.to(flat.dtype)])
         dist.all_reduce(flat, group=group)
+        dist.all_reduce(lows, op=dist.ReduceOp.MIN, group=group)
         world = dist.get_world_size(group=group)
         n = jagg.numel()
+        table = flat[len(flat) - 2 * slots:].double()
+        flat = flat[:len(flat) - 2 * slots]
         parts = flat[:-len(seen)].split(n)
         seen = flat[-len(seen):]
         errors = {r: parts[1 + r] / world for r in ranges if float(seen[r]) > 0}
-        # the windows' norms stay this rank's: a per-window table is a diagnosis, not a decision
+        # per window: the ranks' mean |e_w|² (each rank's own window error), its lowest σ over the ranks
+        self.windows = [(pos, float(lows[pos]), table[2 * pos] / world) for pos in range(slots)
+                        if float(table[2 * pos + 1]) > 0]
         return parts[0] / world, errors
 
 

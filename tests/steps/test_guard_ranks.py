@@ -33,7 +33,6 @@ from jaggc_studies.loops import dance_grpo as dg
 from ranks import run_ranks
 from test_sharded import full_grads  # noqa: F401  (the module's helpers import it)
 from test_stepwise_distributed import _avg, _wrap, full_params, reference_grad
-from test_stepwise_guard_distributed import _figures
 
 WORLD = 2
 TIMEOUT_S = 420
@@ -41,6 +40,13 @@ NUM_STEPS, FRACTION, SAMPLES, WINDOW, SEED = 16, 0.75, 2, 4, 0
 WRAPPERS = ("fsdp1", "fsdp2")
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
+
+
+def _figures(jagg: dict, exact: dict) -> tuple[float, float]:
+    """(cosine, relative error) of two named gradients, in float64."""
+    j = torch.cat([jagg[k].double().reshape(-1) for k in sorted(jagg)])
+    x = torch.cat([exact[k].double().reshape(-1) for k in sorted(exact)])
+    return float(j @ x / (j.norm() * x.norm())), float((j - x).norm() / x.norm())
 
 
 def local_ranges(run, guard) -> list[list[int]]:
