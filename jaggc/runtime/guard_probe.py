@@ -45,7 +45,8 @@ from .aggregate import knot_composites
 from .autocast import current_autocast
 from .calls import DitCall
 from .forwards import chunked_outputs, forward_batched
-from .guard_stats import ProbeResult, ShardedSum, agree_on_windows, local_dot, local_sum, range_of, reduce_norms
+from .guard_stats import (ProbeResult, ShardedSum, agree_on_windows, local_dot, local_sum, range_of, reduce_norms,
+                          total_error)
 from .module_state import CallState, module_state
 from .param_grads import parameter_grads
 from .weights import noise_levels
@@ -295,7 +296,7 @@ class CallProbe:
         if self.finished or self.dit is None:
             return None
         self.finished = True
-        jagg = self._grads() - self.snapshot
+        jagg = self._grads().sub_(self.snapshot)        # in place: one flat vector fewer
         reduce = ShardedSum() if self.sharded else local_sum
         if self.sharded:
             # every rank measures as many windows, each filed under its lowest σ over the ranks
@@ -308,11 +309,9 @@ class CallProbe:
         self.kept = []
         self._all_reduce()
         windows = reduce_norms(self.windows, reduce, jagg.device)
-        error = torch.zeros_like(jagg)
-        for e in self.range_errors.values():      # in place: no temporary per range
-            error.add_(e)
+        error = total_error(self.range_errors, jagg)
         return ProbeResult(index=self.index, jagg=jagg, exact=jagg - error, range_errors=dict(self.range_errors),
-                           windows=windows, reduce=reduce)
+                           windows=windows, reduce=reduce, measured_error=error)
 
     def _all_reduce(self) -> None:
         import torch.distributed as dist

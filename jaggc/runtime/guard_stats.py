@@ -206,6 +206,17 @@ def agree_on_windows(sigmas: list[float], device, *, group=None, what: str) -> l
     return low.tolist()
 
 
+def total_error(errors: dict[int, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """Σ_r e_r as a new vector (the ranges' own stay as they are), or zeros: one allocation."""
+    parts = list(errors.values())
+    if not parts:
+        return torch.zeros_like(like)
+    total = parts[0].clone()
+    for e in parts[1:]:
+        total.add_(e)
+    return total
+
+
 def reduce_norms(windows: list[tuple[int, float, torch.Tensor]], reduce, device) -> list[tuple[int, float, float]]:
     """(position, lowest σ, |e_w|) from (position, lowest σ, this rank's |e_w|² as a 0-d tensor): one
     reduction of all of them (the ranks' positions agree: ``agree_on_windows``); the norms of one
@@ -234,14 +245,15 @@ class ProbeResult:
     # the probe's reduced scalars (J·X, |J|², |X|², |e|²), set by the first reduction (``measure`` or
     # the block's): every later read is a lookup, never a collective (a logger on one rank only is safe)
     scalars: tuple[float, float, float, float] | None = field(default=None, repr=False, compare=False)
+    # e_p as the probe measured it (Σ_w e_w, of which X_p = J_p − e_p was made): no second vector
+    measured_error: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def error(self) -> torch.Tensor:
-        """e_p = J_p − X_p (computed once: a flat vector the size of the gradient)."""
-        cached = self.__dict__.get("_error")
-        if cached is None:
-            cached = self.__dict__["_error"] = self.jagg - self.exact
-        return cached
+        """e_p = J_p − X_p: the measured error where the probe gave it, else computed once."""
+        if self.measured_error is None:
+            self.measured_error = self.jagg - self.exact
+        return self.measured_error
 
     def scalar_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The products of J·X, |J|², |X|², |e|² (``local_dots``)."""

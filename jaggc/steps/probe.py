@@ -37,7 +37,8 @@ import torch
 
 from .._compat import fsdp_gradient_slots, run_after_backward, tree_flatten
 from ..runtime.guard_probe import _flat, local_module, sharded_backward, sharded_grads, slots_dtype
-from ..runtime.guard_stats import ProbeResult, ShardedSum, agree_all, agree_on_windows, local_dot, local_sum, range_of, reduce_norms
+from ..runtime.guard_stats import (ProbeResult, ShardedSum, agree_all, agree_on_windows, local_dot, local_sum, range_of,
+                                    reduce_norms, total_error)
 from ..runtime.param_grads import parameter_grads
 from ..runtime.weights import noise_levels
 from .slicing import take_rows
@@ -179,15 +180,14 @@ class TrajectoryProbe:
                                       what=f"jaggc guard: the probe of trajectory {self.index}")
             for (win, kept), sigma in zip(self.kept, sigmas):
                 self._rerun_window(win, kept, sigma)
-        jagg = self.after - self.before
+        # in place: the snapshots are not read again (each new flat vector costs its page faults)
+        jagg, self.after, self.before = self.after.sub_(self.before), None, None
         if self.owner.ddp is not None and self.owner.distributed:
             jagg, self.errors = self._average(jagg)
         norms = reduce_norms(self.windows, reduce, jagg.device)
-        error = torch.zeros_like(jagg)
-        for e in self.errors.values():      # in place: no temporary per range
-            error.add_(e)
-        self.guard.record(ProbeResult(index=self.index, jagg=jagg, exact=jagg - error,
-                                      range_errors=dict(self.errors), windows=norms, reduce=reduce))
+        error = total_error(self.errors, jagg)
+        self.guard.record(ProbeResult(index=self.index, jagg=jagg, exact=jagg - error, range_errors=dict(self.errors),
+                                      windows=norms, reduce=reduce, measured_error=error))
 
     def _rerun_window(self, win, kept, sigma_min: float) -> None:
         """FSDP: the window's calls again with grad, one backward into a side buffer: this rank's
