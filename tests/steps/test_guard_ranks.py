@@ -31,7 +31,6 @@ from jaggc.runtime.guard_stats import range_of
 from jaggc.runtime.weights import noise_levels
 from jaggc_studies.loops import dance_grpo as dg
 from ranks import run_ranks
-from test_sharded import full_grads  # noqa: F401  (the module's helpers import it)
 from test_stepwise_distributed import _avg, _wrap, full_params, reference_grad
 
 WORLD = 2
