@@ -46,7 +46,8 @@ import torch
 
 from ..errors import JaggInputError
 from .guard_probe import CallProbe
-from .guard_stats import Block, ProbeResult, agree_on_probe, range_label, range_of, sigma_ranges
+from .guard_ranks import agree_on_probe
+from .guard_stats import Block, ProbeResult, range_label, range_of, sigma_ranges
 from .weights import noise_levels
 
 POLICIES = ("warn", "adapt", "exact")

@@ -45,8 +45,8 @@ from .aggregate import knot_composites
 from .autocast import current_autocast
 from .calls import DitCall
 from .forwards import chunked_outputs, forward_batched
-from .guard_stats import (ProbeResult, ShardedSum, agree_on_windows, local_dot, local_sum, range_of, reduce_norms,
-                          total_error)
+from .guard_ranks import agree_on_windows
+from .guard_stats import ProbeResult, ShardedSum, local_dot, local_sum, range_of, reduce_norms, total_error
 from .module_state import CallState, module_state
 from .param_grads import parameter_grads
 from .weights import noise_levels

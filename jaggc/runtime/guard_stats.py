@@ -16,7 +16,7 @@ float64 all-reduce of a fixed layout over the fixed σ range table (``Block._red
 rank has nothing), the same on every rank whatever windows each rank trained, with the probe's index
 in it so that ranks reducing different probes are named (a JaggInputError), never averaged; every
 rank computes the same figures and takes the same decision. Elsewhere the sum is the identity. The
-agreement collectives before a probe's (``agree_on_probe``, ``agree_on_windows``) make a rank that
+agreement collectives before a probe's (guard_ranks.py) make a rank that
 probes alone, or holds another number of windows, an error instead of a hang (docs/guard.md).
 
 Dot products and norms accumulate in float64 whatever the gradients' dtype (``local_dot``).
@@ -152,58 +152,6 @@ def _check_same_probe(index: float, index_sq: float, reduce, what: str) -> None:
             f"jaggc guard: the ranks reduced {what} of different probes (probe indices averaging {mean:g}): every rank "
             f"must probe the same trajectories and calls (the same Guard(every=...) and as many guarded trajectories). "
             f"Build the guard alike on every rank and load each rank's own guard state on resume")
-
-
-def agree_on_probe(probed: bool, index: int, device=None, *, group=None, what: str) -> None:
-    """Every rank probes the same trajectories: one small all-reduce per guarded unit (probed or not)
-    before any of a probe's collectives, so that a rank that probes alone (another ``Guard(every=...)``,
-    a guard state loaded on one rank only, a rank with more guarded trajectories) is a JaggInputError
-    naming it, never a collective another rank does not join."""
-    import torch.distributed as dist
-
-    flags = torch.tensor([int(probed), -int(probed), index, -index], dtype=torch.int64, device=device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    if int(flags[0]) != -int(flags[1]) or int(flags[2]) != -int(flags[3]):
-        from ..errors import JaggInputError
-
-        raise JaggInputError(
-            f"{what}: the ranks' guards disagree on this unit (this rank: probed={probed}, guarded unit {index}; over "
-            f"the ranks: probed {bool(-int(flags[1]))}..{bool(int(flags[0]))}, units {-int(flags[3])}..{int(flags[2])}). "
-            f"A probe's collectives need every rank: build the Guard alike on every rank (the same every=...), guard "
-            f"as many trajectories on each, and on resume load each rank's own guard state")
-
-
-def agree_all(flag: bool, device=None, *, group=None) -> bool:
-    """True if ``flag`` holds on every rank (one small all-reduce)."""
-    import torch.distributed as dist
-
-    t = torch.tensor([int(flag)], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    return bool(t)
-
-
-def agree_on_windows(sigmas: list[float], device, *, group=None, what: str) -> list[float]:
-    """Under FSDP, where each window's error is a shard of the ranks' average: every rank's probe must
-    measure as many windows (each a collective backward), and files each under the σ range of its
-    lowest σ over the ranks (one window of the ranks' joint trajectory). Two small all-reduces; a
-    rank with another number of windows is a JaggInputError naming the counts, not a hang."""
-    import torch.distributed as dist
-
-    n = len(sigmas)
-    sizes = torch.tensor([n, -n], dtype=torch.int64, device=device)
-    dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
-    if int(sizes[0]) != -int(sizes[1]):
-        from ..errors import JaggInputError
-
-        raise JaggInputError(
-            f"{what}: the ranks' probes hold different numbers of JAGG windows ({-int(sizes[1])} to {int(sizes[0])}; "
-            f"this rank {n}), and under FSDP each window's error is measured by a collective backward. Every rank "
-            f"must train as many steps per trajectory, in as many windows (the same window, basis and guard)")
-    if n == 0:
-        return []
-    low = torch.tensor(sigmas, dtype=torch.float64, device=device)
-    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
-    return low.tolist()
 
 
 def total_error(errors: dict[int, torch.Tensor], like: torch.Tensor) -> torch.Tensor:

@@ -37,8 +37,9 @@ import torch
 
 from .._compat import fsdp_gradient_slots, run_after_backward, tree_flatten
 from ..runtime.guard_probe import _flat, local_module, sharded_backward, sharded_grads, slots_dtype
-from ..runtime.guard_stats import (ProbeResult, ShardedSum, agree_all, agree_on_windows, local_dot, local_sum, range_of,
-                                    reduce_norms, total_error)
+from ..runtime.guard_ranks import agree_all, agree_on_windows
+from ..runtime.guard_stats import (ProbeResult, ShardedSum, local_dot, local_sum, range_of, reduce_norms,
+                                    total_error)
 from ..runtime.param_grads import parameter_grads
 from ..runtime.weights import noise_levels
 from .slicing import take_rows

@@ -40,7 +40,8 @@ from ..backward_modes import BackwardMode, backward_mode, modes_where
 from ..errors import JaggError, JaggInputError, JaggUnsupportedError
 from ..options import Options
 from ..runtime.guard import Guard
-from ..runtime.guard_stats import agree_on_probe, range_label
+from ..runtime.guard_ranks import agree_on_probe
+from ..runtime.guard_stats import range_label
 from ..runtime.calls import DitCall, batch_size
 from ..runtime.module_state import module_chain, unwrap
 from ..runtime.optimizer_hook import (register_before_optimizer_step, steps_parameters_of,
