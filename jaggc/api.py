@@ -97,7 +97,7 @@ class JaggCompiled:
     # --- entry --------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         if self._guard is not None:
-            return self._guard.call(self._call, self.__wrapped__, args, kwargs)
+            return self._guard.call(self._call, self.__wrapped__, args, kwargs, dit=self._session.dit)
         return self._call(*args, **kwargs)
 
     def _call(self, *args, **kwargs):

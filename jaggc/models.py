@@ -15,6 +15,10 @@ SD3_CONFIGS = {
     "tiny": dict(sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
                  num_attention_heads=2, joint_attention_dim=16, caption_projection_dim=16,
                  pooled_projection_dim=8, out_channels=4),
+    # ~2.9M parameters (hidden 128, 5 layers), small latents: precision tests at a real model's count
+    "3m": dict(sample_size=8, patch_size=2, in_channels=4, num_layers=5, attention_head_dim=32,
+               num_attention_heads=4, joint_attention_dim=32, caption_projection_dim=128,
+               pooled_projection_dim=32, out_channels=4),
     # ~13.7M parameters (hidden 256, 6 layers): the benchmark's "10M" model
     "10m": dict(sample_size=32, patch_size=2, in_channels=4, num_layers=6, attention_head_dim=64,
                 num_attention_heads=4, joint_attention_dim=32, caption_projection_dim=256,

@@ -46,6 +46,7 @@ import torch
 
 from ..errors import JaggInputError
 from .guard_probe import CallProbe
+from .guard_ranks import agree_on_probe
 from .guard_stats import Block, ProbeResult, range_label, range_of, sigma_ranges
 from .weights import noise_levels
 
@@ -96,13 +97,18 @@ class Guard:
         self._skip_warned = False
 
     # --- the compiled loss calls these ---------------------------------------------------------
-    def call(self, run: Callable, exact_fn: Callable, args, kwargs):
-        """Run one call of the compiled loss (``run``) or, once JAGG is off, the undecorated one."""
+    def call(self, run: Callable, exact_fn: Callable, args, kwargs, dit=None):
+        """Run one call of the compiled loss (``run``) or, once JAGG is off, the undecorated one.
+        ``dit``: the loss's module where ``jagg_compile(dit=...)`` names it; a DDP or FSDP one makes
+        the ranks agree on every call whether it is probed (``agree_on_probe``: a rank probing alone
+        is an error, not a hang)."""
         if self.jagg_off:
             return exact_fn(*args, **kwargs)
         if not torch.is_grad_enabled():
             return run(*args, **kwargs)
         probed, index = self.start()
+        if dit is not None and _collective(dit):
+            agree_on_probe(probed, index, next(dit.parameters()).device, what=f"jaggc guard, call {index}")
         if not probed:
             return run(*args, **kwargs)
         if self._pending is not None and not self._pending.finished:
@@ -291,6 +297,19 @@ def _table(f: dict, title: str) -> str:
     for position, w in f["windows"].items():
         rows.append(f"  window {position:<3d} (σ ≥ {w['sigma_min']:.3f})  rel. error {w['rel_error_mean']:.4f}")
     return "\n".join(rows)
+
+
+def _collective(dit) -> bool:
+    """Whether ``dit``'s backward passes are collective (DDP or FSDP in an initialized group)."""
+    import torch.distributed as dist
+
+    from .._compat import fsdp_version
+    from .module_state import module_chain
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    return fsdp_version(dit) is not None or any(
+        isinstance(m, torch.nn.parallel.DistributedDataParallel) for m in module_chain(dit))
 
 
 def active_probe(options: Any) -> CallProbe | None:

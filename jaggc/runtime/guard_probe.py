@@ -45,7 +45,8 @@ from .aggregate import knot_composites
 from .autocast import current_autocast
 from .calls import DitCall
 from .forwards import chunked_outputs, forward_batched
-from .guard_stats import ProbeResult, ShardedSum, local_sum, range_of
+from .guard_ranks import agree_on_windows
+from .guard_stats import ProbeResult, ShardedSum, local_dot, local_sum, range_of, reduce_norms, total_error
 from .module_state import CallState, module_state
 from .param_grads import parameter_grads
 from .weights import noise_levels
@@ -222,7 +223,7 @@ class CallProbe:
         self.names: dict[int, str] = {}
         self.snapshot: torch.Tensor | None = None
         self.range_errors: dict[int, torch.Tensor] = {}
-        self.windows: list[tuple[int, float, float]] = []
+        self.windows: list[tuple[int, float, torch.Tensor]] = []      # (position, lowest σ, this rank's |e_w|²)
         self.positions = 0
         self.finished = False
         self.sharded = False                          # FSDP: shards, e_w measured after the backward
@@ -266,13 +267,8 @@ class CallProbe:
     def add_window(self, window: WindowProbe, error: torch.Tensor) -> None:
         r = range_of(window.sigma_min, self.sigma_edges)
         self.range_errors[r] = error if r not in self.range_errors else self.range_errors[r].add_(error)
-        norm = float((ShardedSum() if self.sharded else local_sum)(error.pow(2).sum())) ** 0.5
-        known = {w[0]: k for k, w in enumerate(self.windows)}
-        if window.position in known:      # another output leaf of the same window
-            k = known[window.position]
-            self.windows[k] = (window.position, window.sigma_min, self.windows[k][2] + norm)
-        else:
-            self.windows.append((window.position, window.sigma_min, norm))
+        # |e_w|², this rank's part, float64; reduced with the others at the end (``reduce_norms``)
+        self.windows.append((window.position, window.sigma_min, local_dot(error, error)))
 
     # --- after the backward ---------------------------------------------------------------------
     def attach(self, out: Any) -> Any:
@@ -300,14 +296,22 @@ class CallProbe:
         if self.finished or self.dit is None:
             return None
         self.finished = True
-        jagg = self._grads() - self.snapshot
+        jagg = self._grads().sub_(self.snapshot)        # in place: one flat vector fewer
+        reduce = ShardedSum() if self.sharded else local_sum
+        if self.sharded:
+            # every rank measures as many windows, each filed under its lowest σ over the ranks
+            sigmas = agree_on_windows([w.sigma_min for w, _ in self.kept], jagg.device,
+                                      what=f"jaggc guard: the probe of call {self.index}")
+            for (window, _), sigma in zip(self.kept, sigmas):
+                window.sigma_min = sigma
         for window, per_leaf in self.kept:      # FSDP: outside the call's backward now, .grad read
             window.measure_sharded(per_leaf)
         self.kept = []
         self._all_reduce()
-        error = sum(self.range_errors.values()) if self.range_errors else torch.zeros_like(jagg)
+        windows = reduce_norms(self.windows, reduce, jagg.device)
+        error = total_error(self.range_errors, jagg)
         return ProbeResult(index=self.index, jagg=jagg, exact=jagg - error, range_errors=dict(self.range_errors),
-                           windows=list(self.windows), reduce=ShardedSum() if self.sharded else local_sum)
+                           windows=windows, reduce=reduce, measured_error=error)
 
     def _all_reduce(self) -> None:
         import torch.distributed as dist

@@ -11,8 +11,15 @@ and an offline calibration of the same batches report the same figures (tests/ru
     would show. bias / floor ≈ 1 for an unbiased estimator; a coherent error makes it grow as √N.
 
 Under FSDP the flat vectors are this rank's shards of the gradients (guard_probe.py): every dot
-product and squared norm is a sum over the ranks' shards (``ShardedSum``, one all-reduce), so every
-rank computes the same figures and takes the same decision. Elsewhere the sum is the identity.
+product and squared norm is a sum over the ranks' shards (``ShardedSum``). A probe's scalars are ONE
+float64 all-reduce of a fixed layout over the fixed σ range table (``Block._reduce``: zero where this
+rank has nothing), the same on every rank whatever windows each rank trained, with the probe's index
+in it so that ranks reducing different probes are named (a JaggInputError), never averaged; every
+rank computes the same figures and takes the same decision. Elsewhere the sum is the identity. The
+agreement collectives before a probe's (guard_ranks.py) make a rank that
+probes alone, or holds another number of windows, an error instead of a hang (docs/guard.md).
+
+Dot products and norms accumulate in float64 whatever the gradients' dtype (``local_dot``).
 
 A block is ``probes`` consecutive probes (the "recent probes"): a tumbling window, so that the
 statistics hold one running error sum per σ range instead of N stored gradients. The per-range
@@ -45,9 +52,16 @@ def range_label(r: tuple[float, float]) -> str:
     return f"σ∈[{r[0]:g},{r[1]:g}{']' if r[1] >= 1 else ')'}"
 
 
-def local_sum(t: torch.Tensor) -> torch.Tensor:
-    """The sum over ranks of a per-rank partial sum, where every rank holds the whole vector."""
-    return t
+class LocalSum:
+    """The sum over ranks of a per-rank partial sum, where every rank holds the whole vector: itself."""
+
+    world = 1
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+local_sum = LocalSum()
 
 
 class ShardedSum:
@@ -55,6 +69,12 @@ class ShardedSum:
 
     def __init__(self, group=None):
         self.group = group
+
+    @property
+    def world(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_world_size(group=self.group)
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
@@ -64,8 +84,99 @@ class ShardedSum:
         return t
 
 
+#: elements per float64 chunk of a dot product, by device type: on the CPU a 512 KiB chunk stays in
+#: cache, and converting it costs about what float32's own dot does (1M-element chunks were 20x
+#: slower: page faults and cache misses); an accelerator wants few, large kernels (32 MiB copies)
+DOT_CHUNK = {"cpu": 1 << 16}
+DOT_CHUNK_ACCELERATOR = 1 << 22
+
+
+def dot_chunk(device) -> int:
+    return DOT_CHUNK.get(torch.device(device).type, DOT_CHUNK_ACCELERATOR)
+
+
+def local_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """This rank's a·b, a 0-d float64 tensor accumulated in float64 whatever the vectors' dtype
+    (float32's own accumulation loses ~1e-5 of a cosine at a few million parameters: issue 48);
+    chunked (``dot_chunk``), so that the float64 copies stay small and, on the CPU, in cache."""
+    if a.dtype == torch.float64 and b.dtype == torch.float64:
+        return torch.dot(a, b)
+    total = torch.zeros((), dtype=torch.float64, device=a.device)
+    step = dot_chunk(a.device)
+    for i in range(0, a.numel(), step):
+        total += torch.dot(a[i:i + step].double(), b[i:i + step].double())
+    return total
+
+
+def local_dots(pairs: list[tuple[torch.Tensor | None, torch.Tensor | None]], device) -> torch.Tensor:
+    """``[local_dot(a, b) for a, b in pairs]`` (None: zero) as one float64 vector, in ONE chunked pass:
+    each vector's chunk converted to float64 once, however many products it takes part in (a probe's
+    figures take ~10 products of a few vectors: converting per product was most of their cost)."""
+    out = torch.zeros(len(pairs), dtype=torch.float64, device=device)
+    live = [(k, a, b) for k, (a, b) in enumerate(pairs) if a is not None and b is not None]
+    if not live:
+        return out
+    numel, step = live[0][1].numel(), dot_chunk(device)
+    for i in range(0, numel, step):
+        wide: dict[int, torch.Tensor] = {}
+
+        def chunk(t: torch.Tensor) -> torch.Tensor:
+            if id(t) not in wide:
+                wide[id(t)] = t[i:i + step].to(device=device, dtype=torch.float64)
+            return wide[id(t)]
+
+        for k, a, b in live:
+            out[k] += torch.dot(chunk(a), chunk(b))
+    return out
+
+
 def dot(a: torch.Tensor, b: torch.Tensor, reduce=local_sum) -> float:
-    return float(reduce(torch.dot(a, b)))
+    return float(reduce(local_dot(a, b)))
+
+
+def norm(v: torch.Tensor, reduce=local_sum) -> float:
+    return math.sqrt(max(dot(v, v, reduce), 0.0))
+
+
+def _check_same_probe(index: float, index_sq: float, reduce, what: str) -> None:
+    """Σ i and Σ i² over the ranks are world·i and world·i² only if every rank's i is the same i (a zero
+    variance): ranks that pair one probe's reduction with another's are named, not averaged."""
+    world = reduce.world
+    if world <= 1:
+        return
+    mean = index / world
+    if abs(index_sq / world - mean * mean) > 1e-6:
+        from ..errors import JaggInputError
+
+        raise JaggInputError(
+            f"jaggc guard: the ranks reduced {what} of different probes (probe indices averaging {mean:g}): every rank "
+            f"must probe the same trajectories and calls (the same Guard(every=...) and as many guarded trajectories). "
+            f"Build the guard alike on every rank and load each rank's own guard state on resume")
+
+
+def total_error(errors: dict[int, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """Σ_r e_r as a new vector (the ranges' own stay as they are), or zeros: one allocation."""
+    parts = list(errors.values())
+    if not parts:
+        return torch.zeros_like(like)
+    total = parts[0].clone()
+    for e in parts[1:]:
+        total.add_(e)
+    return total
+
+
+def reduce_norms(windows: list[tuple[int, float, torch.Tensor]], reduce, device) -> list[tuple[int, float, float]]:
+    """(position, lowest σ, |e_w|) from (position, lowest σ, this rank's |e_w|² as a 0-d tensor): one
+    reduction of all of them (the ranks' positions agree: ``agree_on_windows``); the norms of one
+    position's parts (several output leaves) add, as one window's."""
+    if not windows:
+        return []
+    total = reduce(torch.stack([sq.to(device=device, dtype=torch.float64) for _, _, sq in windows])).tolist()
+    out: dict[int, list] = {}
+    for (position, sigma, _), sq in zip(windows, total):
+        entry = out.setdefault(position, [position, sigma, 0.0])
+        entry[2] += math.sqrt(max(sq, 0.0))
+    return [tuple(v) for v in out.values()]
 
 
 @dataclass
@@ -79,41 +190,72 @@ class ProbeResult:
     range_errors: dict[int, torch.Tensor]          # σ range -> e_{p,r}
     windows: list[tuple[int, float, float]] = field(default_factory=list)   # (position, lowest σ, |e_w|)
     reduce: Callable[[torch.Tensor], torch.Tensor] = field(default=local_sum, repr=False, compare=False)
+    # the probe's reduced scalars (J·X, |J|², |X|², |e|²), set by the first reduction (``measure`` or
+    # the block's): every later read is a lookup, never a collective (a logger on one rank only is safe)
+    scalars: tuple[float, float, float, float] | None = field(default=None, repr=False, compare=False)
+    # e_p as the probe measured it (Σ_w e_w, of which X_p = J_p − e_p was made): no second vector
+    measured_error: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def error(self) -> torch.Tensor:
-        return self.jagg - self.exact
+        """e_p = J_p − X_p: the measured error where the probe gave it, else computed once."""
+        if self.measured_error is None:
+            self.measured_error = self.jagg - self.exact
+        return self.measured_error
+
+    def scalar_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The products of J·X, |J|², |X|², |e|² (``local_dots``)."""
+        e = self.error
+        return [(self.jagg, self.exact), (self.jagg, self.jagg), (self.exact, self.exact), (e, e)]
+
+    def measure(self) -> None:
+        """The probe's scalars in one reduction (float64), unless a block has reduced them already."""
+        if self.scalars is None:
+            device = self.jagg.device
+            head = torch.tensor([float(self.index), float(self.index) ** 2], dtype=torch.float64, device=device)
+            total = self.reduce(torch.cat([head, local_dots(self.scalar_pairs(), device)])).tolist()
+            _check_same_probe(total[0], total[1], self.reduce, "the figures")
+            self.scalars = tuple(total[2:6])
 
     def norm(self, v: torch.Tensor) -> float:
-        return math.sqrt(max(dot(v, v, self.reduce), 0.0))
+        return norm(v, self.reduce)
+
+    @property
+    def exact_norm(self) -> float:
+        self.measure()
+        return math.sqrt(max(self.scalars[2], 0.0))
 
     @property
     def cosine(self) -> float:
-        return dot(self.jagg, self.exact, self.reduce) / max(self.norm(self.jagg) * self.norm(self.exact), 1e-300)
+        self.measure()
+        jx, jj, xx, _ = self.scalars
+        return jx / max(math.sqrt(max(jj, 0.0)) * math.sqrt(max(xx, 0.0)), 1e-300)
 
     @property
     def rel_error(self) -> float:
-        return self.norm(self.error) / max(self.norm(self.exact), 1e-300)
+        self.measure()
+        return math.sqrt(max(self.scalars[3], 0.0)) / max(self.exact_norm, 1e-300)
 
 
 class ErrorMoments:
-    """Σ e and Σ |e|² of one error series; the count is the block's (absent probes add zero)."""
+    """Σ e and Σ |e|² of one error series; the count is the block's (absent probes add zero).
+    ``sum_sq`` is |Σ e|², reduced over the ranks by the block with its other scalars."""
 
     def __init__(self, reduce=local_sum):
         self.sum: torch.Tensor | None = None
         self.sq = 0.0
+        self.sum_sq = 0.0
         self.reduce = reduce
 
     def add(self, e: torch.Tensor) -> None:
         # a block loaded from a checkpoint may hold its sums on the CPU (accelerate loads them there)
         self.sum = e.clone() if self.sum is None else self.sum.to(e.device).add_(e)
-        self.sq += dot(e, e, self.reduce)
 
     def bias_and_floor(self, n: int, mean_exact_norm: float) -> tuple[float, float]:
         """(|ē|, floor), both over |X̄|, as calibrate's ErrorStats.bias (floor inf below 2 probes)."""
-        if self.sum is None or n == 0:
+        if n == 0:
             return 0.0, math.inf
-        mean_err2 = dot(self.sum, self.sum, self.reduce) / n ** 2
+        mean_err2 = self.sum_sq / n ** 2
         scale = max(mean_exact_norm, 1e-300)
         if n < 2:
             return math.sqrt(mean_err2) / scale, math.inf
@@ -128,7 +270,11 @@ def _ratio(bias: float, floor: float) -> float:
 
 
 class Block:
-    """The running statistics of up to ``size`` consecutive probes (module docstring)."""
+    """The running statistics of up to ``size`` consecutive probes (module docstring).
+
+    Every probe's scalars are ONE float64 reduction of a fixed layout over the fixed σ range table
+    (``_reduce``): the same length and order on every rank whatever windows each rank trained, so
+    that the ranks never mispair a collective and all compute the same figures."""
 
     def __init__(self, edges: tuple[float, ...], size: int, reduce=local_sum):
         self.edges, self.size, self.reduce = edges, size, reduce
@@ -137,8 +283,10 @@ class Block:
         self.rel_errors: list[float] = []
         self.whole = ErrorMoments(reduce)
         self.ranges = [ErrorMoments(reduce) for _ in sigma_ranges(edges)]
+        self.seen = [False for _ in self.ranges]      # the ranges any rank had a window in (agreed)
         self.range_rel: list[list[float]] = [[] for _ in self.ranges]
         self.exact_sum: torch.Tensor | None = None
+        self.exact_sum_sq = 0.0                       # |Σ X|², reduced
         self.windows: dict[int, dict] = {}     # position -> {"sigma": lowest σ seen, "rel": [...]}
 
     @property
@@ -146,15 +294,15 @@ class Block:
         return self.n >= self.size
 
     def add(self, probe: ProbeResult) -> None:
-        if self.n == 0 and probe.reduce is not self.reduce:
-            # the first probe says how its vectors are held (whole, or this rank's shard)
-            self.reduce = probe.reduce
-            for m in [self.whole, *self.ranges]:
-                m.reduce = probe.reduce
+        # the probe says how its vectors are held (whole, or this rank's shard); a block loaded from
+        # a checkpoint learns it here too
+        self.reduce = probe.reduce
+        for m in [self.whole, *self.ranges]:
+            m.reduce = probe.reduce
+        for r in probe.range_errors:
+            if not 0 <= r < len(self.ranges):
+                raise ValueError(f"a guard probe filed an error under σ range {r}; the block has {len(self.ranges)}")
         self.n += 1
-        exact_norm = probe.norm(probe.exact)
-        self.cosines.append(probe.cosine)
-        self.rel_errors.append(probe.rel_error)
         self.whole.add(probe.error)
         self.exact_sum = (probe.exact.clone() if self.exact_sum is None
                           else self.exact_sum.to(probe.exact.device).add_(probe.exact))
@@ -162,19 +310,55 @@ class Block:
             e = probe.range_errors.get(r)
             if e is not None:
                 moments.add(e)
-            self.range_rel[r].append(0.0 if e is None else probe.norm(e) / max(exact_norm, 1e-300))
-        for position, sigma, norm in probe.windows:
+        scalars, present, range_sq = self._reduce(probe)
+        probe.scalars = scalars
+        exact_norm = probe.exact_norm
+        self.cosines.append(probe.cosine)
+        self.rel_errors.append(probe.rel_error)
+        self.whole.sq += scalars[3]
+        for r, moments in enumerate(self.ranges):
+            self.seen[r] = self.seen[r] or present[r]
+            moments.sq += range_sq[r]
+            self.range_rel[r].append(math.sqrt(max(range_sq[r], 0.0)) / max(exact_norm, 1e-300))
+        for position, sigma, norm_ in probe.windows:
             w = self.windows.setdefault(position, {"sigma": sigma, "rel": []})
             w["sigma"] = min(w["sigma"], sigma)
-            w["rel"].append(norm / max(exact_norm, 1e-300))
+            w["rel"].append(norm_ / max(exact_norm, 1e-300))
+
+    def _reduce(self, probe: ProbeResult) -> tuple[tuple[float, ...], list[bool], list[float]]:
+        """One reduction: [i, i², J·X, |J|², |X|², |e|², |Σe|², |Σ X|², then per σ range of the table: present,
+        |e_r|², |Σ e_r|²] (i the probe's index: the ranks' check that they reduce the same probe)."""
+        device = probe.jagg.device
+        pairs = probe.scalar_pairs() + [(self.whole.sum, self.whole.sum), (self.exact_sum, self.exact_sum)]
+        present = []
+        for r, moments in enumerate(self.ranges):
+            e = probe.range_errors.get(r)
+            present.append(float(e is not None))
+            pairs += [(e, e), (moments.sum, moments.sum)]
+        dots = local_dots(pairs, device)
+        head = torch.tensor([float(probe.index), float(probe.index) ** 2], dtype=torch.float64, device=device)
+        flags = torch.tensor(present, dtype=torch.float64, device=device)
+        # the layout: [i, i², J·X, |J|², |X|², |e|², |Σe|², |ΣX|²] + per range [present, |e_r|², |Σe_r|²]
+        per_range = torch.stack([flags, dots[6::2], dots[7::2]], 1).reshape(-1)
+        parts = torch.cat([head, dots[:6], per_range])
+        total = self.reduce(parts).tolist()
+        _check_same_probe(total[0], total[1], self.reduce, "the block's statistics")
+        self.whole.sum_sq, self.exact_sum_sq = total[6], total[7]
+        per_range = total[8:]
+        for r, moments in enumerate(self.ranges):
+            moments.sum_sq = per_range[3 * r + 2]
+        return (tuple(total[2:6]), [per_range[3 * r] > 0 for r in range(len(self.ranges))],
+                [per_range[3 * r + 1] for r in range(len(self.ranges))])
 
     def state_dict(self) -> dict:
         """What a resumed run needs to continue the block (tensors as they are: under FSDP this rank's
-        shards, so every rank saves its own)."""
+        shards, so every rank saves its own; the reduced scalars as every rank has them)."""
         moments = [(m.sum, m.sq) for m in [self.whole, *self.ranges]]
         return dict(edges=self.edges, size=self.size, n=self.n, cosines=list(self.cosines),
                     rel_errors=list(self.rel_errors), moments=moments, range_rel=[list(r) for r in self.range_rel],
-                    exact_sum=self.exact_sum, windows={k: dict(v, rel=list(v["rel"])) for k, v in self.windows.items()})
+                    exact_sum=self.exact_sum, windows={k: dict(v, rel=list(v["rel"])) for k, v in self.windows.items()},
+                    sum_sq=[m.sum_sq for m in [self.whole, *self.ranges]], exact_sum_sq=self.exact_sum_sq,
+                    seen=list(self.seen))
 
     def load_state_dict(self, state: dict) -> None:
         if tuple(state["edges"]) != tuple(self.edges) or len(state["moments"]) != 1 + len(self.ranges):
@@ -185,18 +369,28 @@ class Block:
         self.range_rel = [list(r) for r in state["range_rel"]]
         self.exact_sum = None if state["exact_sum"] is None else state["exact_sum"].clone()
         self.windows = {k: dict(v, rel=list(v["rel"])) for k, v in state["windows"].items()}
+        if "sum_sq" in state:
+            for m, v in zip([self.whole, *self.ranges], state["sum_sq"]):
+                m.sum_sq = v
+            self.exact_sum_sq, self.seen = state["exact_sum_sq"], list(state["seen"])
+        else:      # a state saved before the scalars were kept (one process's: its vectors are whole)
+            for m in [self.whole, *self.ranges]:
+                m.sum_sq = 0.0 if m.sum is None else float(local_dot(m.sum, m.sum))
+            self.exact_sum_sq = 0.0 if self.exact_sum is None else float(local_dot(self.exact_sum, self.exact_sum))
+            self.seen = [m.sum is not None for m in self.ranges]
 
     def figures(self) -> dict:
         """The block's figures: whole-gradient cosine / relative error / bias, per σ range and per
-        window position (the ranges seen in this block only)."""
+        window position (the ranges any rank saw in this block only). No collective: the scalars
+        were reduced as each probe came in."""
         n = self.n
-        mean_exact = math.sqrt(max(dot(self.exact_sum, self.exact_sum, self.reduce), 0.0)) / n if n else 0.0
+        mean_exact = math.sqrt(max(self.exact_sum_sq, 0.0)) / n if n else 0.0
         bias, floor = self.whole.bias_and_floor(n, mean_exact)
         out = dict(probes=n, cosine_mean=_mean(self.cosines), cosine_min=min(self.cosines, default=math.nan),
                    rel_error_mean=_mean(self.rel_errors), bias=bias, floor=floor,
                    bias_over_floor=_ratio(bias, floor), ranges={}, windows={})
         for r, (bounds, moments) in enumerate(zip(sigma_ranges(self.edges), self.ranges)):
-            if moments.sum is None:
+            if not self.seen[r]:
                 continue
             b, f = moments.bias_and_floor(n, mean_exact)
             out["ranges"][r] = dict(label=range_label(bounds), range=bounds, bias=b, floor=f,

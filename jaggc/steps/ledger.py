@@ -65,9 +65,10 @@ class GradKey:
     def same(self, grad: torch.Tensor | None) -> bool:
         if grad is None:
             return False
-        now = GradKey(grad)
-        root = self.root()
-        return root is not None and root is now.root() and (self.ptr, self.version) == (now.ptr, now.version)
+        # GradKey(grad)'s fields, without building one (a weak reference per gradient and look)
+        local = _local(grad)
+        root = local._base if local._base is not None and grad is local else grad
+        return self.root() is root and self.ptr == local.data_ptr() and self.version == version_counter(local)
 
 
 class Ledger:
@@ -226,8 +227,13 @@ def _version(grad: torch.Tensor) -> int:
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's (FSDP2's sharded parameters and gradients) local shard, else the tensor: each
     rank checks its own shard, with no collective."""
+    if type(t) in _PLAIN:        # the common case, without a failing attribute look-up per tensor
+        return t
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
+
+
+_PLAIN = (torch.Tensor, nn.Parameter)
 
 
 __all__ = ["GradChange", "GradKey", "GradMarks", "Ledger"]

@@ -37,7 +37,9 @@ import torch
 
 from .._compat import fsdp_gradient_slots, run_after_backward, tree_flatten
 from ..runtime.guard_probe import _flat, local_module, sharded_backward, sharded_grads, slots_dtype
-from ..runtime.guard_stats import ProbeResult, ShardedSum, local_sum, range_of
+from ..runtime.guard_ranks import agree_all, agree_on_windows
+from ..runtime.guard_stats import (ProbeResult, ShardedSum, local_dot, local_sum, range_of, reduce_norms,
+                                    total_error)
 from ..runtime.param_grads import parameter_grads
 from ..runtime.weights import noise_levels
 from .slicing import take_rows
@@ -66,6 +68,13 @@ class TrajectoryProbe:
         self.kept: list[tuple] = []         # FSDP: (window, [(visit, cotangents)]) re-run when the trajectory ends
         self.finished = False
         self.fallbacks = owner.counts.fallbacks
+
+    def _device(self) -> torch.device:
+        """Where the probe's small agreement tensors live (the gradients' device: NCCL needs CUDA)."""
+        held = self.after if self.after is not None else self.before
+        if held is not None:
+            return held.device
+        return self.slots[0].shard().device if self.sharded else self.params[0].device
 
     @property
     def in_window(self) -> bool:
@@ -140,12 +149,15 @@ class TrajectoryProbe:
             for visit in interior:
                 visit.probe_graph = None
 
-    def _add(self, win, error: torch.Tensor) -> None:
-        times = self.run.plan.times[list(win.planned.steps)]
-        sigma_min = float(noise_levels(times).min())
+    def sigma_min(self, win) -> float:
+        """The lowest σ of this rank's steps of ``win``."""
+        return float(noise_levels(self.run.plan.times[list(win.planned.steps)]).min())
+
+    def _add(self, win, error: torch.Tensor, sigma_min: float | None = None) -> None:
+        sigma_min = self.sigma_min(win) if sigma_min is None else sigma_min
         r = range_of(sigma_min, self.guard.sigma_edges)
         self.errors[r] = error if r not in self.errors else self.errors[r].add_(error)
-        self.windows.append((win.planned.index, sigma_min, error.pow(2).sum()))   # |e_w|², this rank's part
+        self.windows.append((win.planned.index, sigma_min, local_dot(error, error)))   # |e_w|², this rank's part
 
     # --- the end -------------------------------------------------------------------------------
     def finish(self) -> None:
@@ -153,23 +165,32 @@ class TrajectoryProbe:
         if self.finished:
             return
         self.finished = True
-        if self.after is None or self.before is None or self.owner.counts.fallbacks != self.fallbacks:
-            why = "its last backward never finished" if self.after is None else "the loop disturbed a window"
+        why = ("its last backward never finished" if self.after is None or self.before is None
+               else "the loop disturbed a window" if self.owner.counts.fallbacks != self.fallbacks else None)
+        if self.owner.distributed and not agree_all(why is None, self._device()) and why is None:
+            # a probe's reductions need every rank: one rank's dropped probe drops every rank's
+            why = "another rank dropped its probe of this trajectory"
+        if why is not None:
             self.owner.note_once("probe-dropped", f"the guard's probe of trajectory {self.index} was dropped: {why}")
             return
-        if self.sharded:
-            for win, kept in self.kept:
-                self._rerun_window(win, kept)
-        jagg = self.after - self.before
         reduce = ShardedSum() if self.sharded else local_sum
+        if self.sharded:
+            # every rank re-runs as many windows (collective backwards), each filed under its lowest σ
+            # over the ranks: the same σ ranges on every rank whatever steps each trained
+            sigmas = agree_on_windows([self.sigma_min(win) for win, _ in self.kept], self.after.device,
+                                      what=f"jaggc guard: the probe of trajectory {self.index}")
+            for (win, kept), sigma in zip(self.kept, sigmas):
+                self._rerun_window(win, kept, sigma)
+        # in place: the snapshots are not read again (each new flat vector costs its page faults)
+        jagg, self.after, self.before = self.after.sub_(self.before), None, None
         if self.owner.ddp is not None and self.owner.distributed:
             jagg, self.errors = self._average(jagg)
-        norms = [(pos, sigma, float(reduce(sq)) ** 0.5) for pos, sigma, sq in self.windows]
-        error = sum(self.errors.values()) if self.errors else torch.zeros_like(jagg)
-        self.guard.record(ProbeResult(index=self.index, jagg=jagg, exact=jagg - error,
-                                      range_errors=dict(self.errors), windows=norms, reduce=reduce))
+        norms = reduce_norms(self.windows, reduce, jagg.device)
+        error = total_error(self.errors, jagg)
+        self.guard.record(ProbeResult(index=self.index, jagg=jagg, exact=jagg - error, range_errors=dict(self.errors),
+                                      windows=norms, reduce=reduce, measured_error=error))
 
-    def _rerun_window(self, win, kept) -> None:
+    def _rerun_window(self, win, kept, sigma_min: float) -> None:
         """FSDP: the window's calls again with grad, one backward into a side buffer: this rank's
         shard of the average e_w."""
         from .rerun import rerun_calls
@@ -189,7 +210,7 @@ class TrajectoryProbe:
             return
         self.owner.counts.probe_backwards += 1
         self._add(win, sharded_backward(self.owner.module, roots, cotangents, self.dtype,
-                                        what=f"jaggc guard: the probe of window {win.planned.index}"))
+                                        what=f"jaggc guard: the probe of window {win.planned.index}"), sigma_min)
 
     def _average(self, jagg: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """DDP: the ranks' average of J and of each σ range's error (module docstring); one all-reduce."""
@@ -200,13 +221,29 @@ class TrajectoryProbe:
         zeros = torch.zeros_like(jagg)
         seen = torch.tensor([float(r in self.errors) for r in ranges], dtype=jagg.dtype, device=jagg.device)
         flat = torch.cat([jagg] + [self.errors.get(r, zeros) for r in ranges] + [seen])
+        # per window of the plan (the ranks' plans agree: agree_on_plan) this rank's |e_w|² and whether
+        # it measured it, in the same all-reduce, and its lowest σ over the ranks in one more: a fixed
+        # table, so that the per-window figures are the same on every rank
+        slots = len(self.run.plan.windows)
+        table = torch.zeros(2 * slots, dtype=torch.float64, device=flat.device)
+        lows = torch.full((slots,), float("inf"), dtype=torch.float64, device=flat.device)
+        for pos, sigma, sq in self.windows:
+            table[2 * pos] += sq.to(table)
+            table[2 * pos + 1] = 1.0
+            lows[pos] = min(float(lows[pos]), sigma)
+        flat = torch.cat([flat, table.to(flat.dtype)])
         dist.all_reduce(flat, group=group)
+        dist.all_reduce(lows, op=dist.ReduceOp.MIN, group=group)
         world = dist.get_world_size(group=group)
         n = jagg.numel()
+        table = flat[len(flat) - 2 * slots:].double()
+        flat = flat[:len(flat) - 2 * slots]
         parts = flat[:-len(seen)].split(n)
         seen = flat[-len(seen):]
         errors = {r: parts[1 + r] / world for r in ranges if float(seen[r]) > 0}
-        # the windows' norms stay this rank's: a per-window table is a diagnosis, not a decision
+        # per window: the ranks' mean |e_w|² (each rank's own window error), its lowest σ over the ranks
+        self.windows = [(pos, float(lows[pos]), table[2 * pos] / world) for pos in range(slots)
+                        if float(table[2 * pos + 1]) > 0]
         return parts[0] / world, errors
 
 

@@ -40,6 +40,7 @@ from ..backward_modes import BackwardMode, backward_mode, modes_where
 from ..errors import JaggError, JaggInputError, JaggUnsupportedError
 from ..options import Options
 from ..runtime.guard import Guard
+from ..runtime.guard_ranks import agree_on_probe
 from ..runtime.guard_stats import range_label
 from ..runtime.calls import DitCall, batch_size
 from ..runtime.engines import Engine, engine_of, refuse_zero3
@@ -252,6 +253,9 @@ class Stepwise:
             probed, index = self.guard.start()
             if probed and any(not w.exact for w in plan.windows):
                 run.probe = TrajectoryProbe(self, self.guard, index, run)
+            if self.distributed:
+                agree_on_probe(run.probe is not None, index, next(self.module.parameters()).device,
+                               what=f"jaggc.stepwise's guard, trajectory {self.counts.trajectories}")
         if self.fsdp:
             # FSDP2 leaves the root unsharded after a forward that no backward followed (the rollout's,
             # an evaluation), its module holding the unsharded parameters in place of the sharded

@@ -241,6 +241,78 @@ def whole_epoch(name: str, where: Where, *, rounds: int = 5, form: str = "joint"
                          for k, v in times.items()}, counts=counts)
 
 
+@contextlib.contextmanager
+def ledger_marks_off():
+    """Measurement only: the ledger's negative-zero marks (steps/ledger.py ``GradMarks``) as no-ops.
+    Without them the ledger cannot see a ``zero_grad`` or a clip of a gradient that was None or zero
+    while a step's gradient is withheld, so no run goes without them; the loops here never do either
+    inside a window, so the gradient is the same and the difference is what the marks cost."""
+    from jaggc.steps import ledger
+
+    mark, unmark = ledger.GradMarks.mark, ledger.GradMarks.unmark
+    ledger.GradMarks.mark = ledger.GradMarks.unmark = lambda self: None
+    try:
+        yield
+    finally:
+        ledger.GradMarks.mark, ledger.GradMarks.unmark = mark, unmark
+
+
+def ledger_ab(name: str, where: Where, *, rounds: int = 5, form: str = "joint") -> dict:
+    """The ledger's share of a stepwise trajectory: the off-policy ``form`` with the ledger's marks on
+    (as jaggc runs) and off (``ledger_marks_off``), interleaved rounds, process CPU time; the same
+    rounds time the unchanged loop, so both ratios come with the cost model's."""
+    loop = loop_setup(name, where)
+    now = clock(where)
+    kw = dict(window=WINDOW, weights="t", backward=form)
+    with run_on(where):
+        runs = {"unchanged": loop.setup(), "marks on": loop.setup(stepwise=kw), "marks off": loop.setup(stepwise=kw)}
+
+        def one(label: str, seed: int) -> float:
+            with ledger_marks_off() if label == "marks off" else contextlib.nullcontext():
+                return epoch(loop, runs[label], False, seed=seed, changed=label != "unchanged", now=now)[1]
+
+        for label in runs:
+            one(label, 100)                   # warm
+        times: dict[str, list[float]] = {label: [] for label in runs}
+        order = list(runs)
+        for r in range(rounds):
+            for label in order[r % len(order):] + order[:r % len(order)]:
+                times[label].append(one(label, r))
+        for label in ("marks on", "marks off"):
+            jaggc.stepwise(runs[label].transformer).close()
+        costs = cost_model(name, where, (form,))
+    share = [1.0 - off / on for on, off in zip(times["marks on"], times["marks off"])]
+    speedup = {label: [u / v for u, v in zip(times["unchanged"], times[label])] for label in ("marks on", "marks off")}
+    return dict(loop=name, form=form, rounds=rounds, marks_share=dict(median=statistics.median(share), min=min(share),
+                                                                      max=max(share)),
+                speedup={k: dict(median=statistics.median(v), min=min(v), max=max(v)) for k, v in speedup.items()},
+                seconds_per_trajectory={k: statistics.median(v) / _trajectories(runs[k]) for k, v in times.items()},
+                cost_model=costs)
+
+
+def guard_cost(name: str, where: Where, *, rounds: int = 5, every: int = 8) -> dict:
+    """What ``Guard(every=every)`` adds to the joint form, amortised: the joint form with every
+    trajectory probed (``Guard(every=1)``) against the unprobed one, interleaved rounds."""
+    loop = loop_setup(name, where)
+    now = clock(where)
+    kw = dict(window=WINDOW, weights="t", backward="joint")
+    with run_on(where):
+        runs = {"joint": loop.setup(stepwise=kw),
+                "probed": loop.setup(stepwise=dict(kw, guard=jaggc.Guard(every=1, probes=10**9)))}
+        for label in runs:
+            epoch(loop, runs[label], False, seed=100, changed=True, now=now)
+        times: dict[str, list[float]] = {label: [] for label in runs}
+        for r in range(rounds):
+            for label in (list(runs) if r % 2 == 0 else list(reversed(runs))):
+                times[label].append(epoch(loop, runs[label], False, seed=r, changed=True, now=now)[1])
+        for run in runs.values():
+            jaggc.stepwise(run.transformer).close()
+    overhead = [guard_overhead(u / v, every) for u, v in zip(times["joint"], times["probed"])]
+    return dict(loop=name, every=every, rounds=rounds,
+                overhead=dict(median=statistics.median(overhead), min=min(overhead), max=max(overhead)),
+                seconds_per_trajectory={k: statistics.median(v) / _trajectories(runs[k]) for k, v in times.items()})
+
+
 def _trajectories(run) -> int:
     return len(run.samples_batched) if hasattr(run, "samples_batched") else len(run.samples_batched_list)
 
@@ -340,5 +412,25 @@ def _one_call(name: str, run, half: bool = False) -> Callable:
     return call
 
 
-__all__ = ["FORMS", "LoopSetup", "baseline", "clock", "guard_overhead", "whole_epoch", "cost_model", "epoch", "loop_setup", "on_cuda", "run_on", "speed",
+__all__ = ["FORMS", "LoopSetup", "baseline", "clock", "guard_cost", "guard_overhead", "ledger_ab", "ledger_marks_off", "whole_epoch", "cost_model", "epoch", "loop_setup", "on_cuda", "run_on", "speed",
            "unit_costs", "variants"]
+
+
+def main(argv=None) -> None:
+    """``python -m jaggc_studies.loops.speed {ledger,guard} --loops dance_grpo,mix_grpo --rounds 5``."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("what", choices=["ledger", "guard"], help="ledger: the marks' A/B; guard: Guard(every=8)'s cost")
+    p.add_argument("--loops", default="flow_grpo,dance_grpo,mix_grpo")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--size", default="10m")
+    args = p.parse_args(argv)
+    for name in args.loops.split(","):
+        fn = ledger_ab if args.what == "ledger" else guard_cost
+        print(json.dumps(fn(name, Where(args.size), rounds=args.rounds), default=str), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -25,6 +25,7 @@ from helpers import grads, reference_jagg
 from jaggc_studies.loops import dance_grpo as dg, flow_grpo as fg, mix_grpo as mg
 from ranks import run_ranks
 from test_sharded import clean, full_grads
+from test_guard_ranks import _same
 from test_stepwise_distributed import _avg, _named_grads, _wrap, full_params, reference_grad
 
 WORLD = 2
@@ -78,7 +79,8 @@ def flux_case(rank: int, world: int, name: str, wrapper: str, whole_loss: bool =
             module.train_jaggc(run)
             jaggc.stepwise(run.transformer).close()
     figures = [(r.cosine, r.rel_error) for r in results]
-    return dict(expected=expected, figures=figures, history=[h["figures"]["cosine_mean"] for h in guard.history])
+    return dict(expected=expected, figures=figures, history=[h["figures"]["cosine_mean"] for h in guard.history],
+                blocks=[h["figures"] for h in guard.history], log=guard.log())
 
 
 def flow_case(rank: int, world: int) -> dict:
@@ -105,7 +107,8 @@ def flow_case(rank: int, world: int) -> dict:
     fg.train_jaggc(run)
     jaggc.stepwise(run.transformer).close()
     return dict(expected=expected, figures=[(r.cosine, r.rel_error) for r in results],
-                history=[h["figures"]["cosine_mean"] for h in guard.history])
+                history=[h["figures"]["cosine_mean"] for h in guard.history],
+                blocks=[h["figures"] for h in guard.history], log=guard.log())
 
 
 CASES = [("dance", "fsdp1"), ("dance", "fsdp1_orig"), ("dance", "fsdp2"), ("mix", "fsdp2")]
@@ -137,3 +140,5 @@ def test_probe_figures_are_the_single_process_figures(rank_results, key):
             assert rel_ref > 1e-4 and not math.isnan(cos)
     a, b = (res[key] for res in rank_results)
     assert a["figures"] == b["figures"] and a["history"] == b["history"] and len(a["history"]) == 1
+    # every figure of the decided block (per σ range and per window too) and the log: the same on every rank
+    assert _same(a["blocks"], b["blocks"]) and _same(a["log"], b["log"]), (a["blocks"], b["blocks"])

@@ -1,0 +1,132 @@
+"""jaggc's own per-trajectory work in a per-step loop, measured against the DiT passes it runs.
+
+One trajectory of W = 4 steps of a plain per-step loop (``v = dit(z_k, t_k); (v * g_k).sum().backward()``)
+on the digits DiT (``jaggc_studies.digits``: SD3 at 0.58M parameters, batch 64) and on deeper copies of
+it (more parameter tensors, same width), timed three ways, interleaved, process CPU time, one thread:
+
+* ``exact``: the unchanged loop, W (F + B);
+* ``jaggc``: ``jaggc.stepwise(dit, window=W, weights="t")`` (joint): W forwards (the interior ones
+  without grad) and one backward per knot, 2 B;
+* ``predicted``: those passes alone, timed on their own: 2 (F + B) + (W − 2) F_nograd.
+
+``jaggc − predicted`` is jaggc's bookkeeping (the plan, the ledger's snapshots and marks, the
+taps, the safety checks); divided by the parameter tensors it says how it grows with them.
+
+    python -m jaggc_studies.loops.bookkeeping --layers 4,8,16 --rounds 7 [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import time
+import warnings
+
+import torch
+
+import jaggc
+from jaggc_studies.digits.model import DIGITS_CONFIG, build_dit, class_conditioning
+
+WINDOW = 4
+BATCH = 64
+
+
+def problem(layers: int, seed: int = 0):
+    dit = build_dit(seed=seed, config=dict(DIGITS_CONFIG, num_layers=layers))
+    g = torch.Generator().manual_seed(seed + 1)
+    labels = torch.arange(BATCH) % 10
+    cond = class_conditioning(labels)
+    zs = torch.randn(WINDOW, BATCH, 1, 8, 8, generator=g)
+    gs = torch.randn(WINDOW, BATCH, 1, 8, 8, generator=g)
+    sigmas = torch.linspace(0.9, 0.3, WINDOW)
+    return dit, cond, zs, gs, sigmas
+
+
+def trajectory(dit, cond, zs, gs, sigmas, *, stepwise: bool) -> None:
+    """The loop as a trainer writes it; with ``stepwise`` the one added line declares the steps."""
+    ts = (1000 * sigmas)[:, None].expand(WINDOW, BATCH)
+    steps = jaggc.stepwise(dit).steps(range(WINDOW), ts.T) if stepwise else range(WINDOW)
+    for k in steps:
+        v = dit(hidden_states=zs[k], timestep=ts[k], return_dict=False, **cond)[0]
+        (v * gs[k]).sum().backward()
+    dit.zero_grad()
+
+
+def passes(dit, cond, zs, gs, sigmas) -> None:
+    """The DiT passes the joint form runs for one W-step window: 2 (F + B) + (W − 2) F without grad."""
+    ts = (1000 * sigmas)[:, None].expand(WINDOW, BATCH)
+    for k in (0, WINDOW - 1):
+        v = dit(hidden_states=zs[k], timestep=ts[k], return_dict=False, **cond)[0]
+        (v * gs[k]).sum().backward()
+    with torch.no_grad():
+        for k in range(1, WINDOW - 1):
+            dit(hidden_states=zs[k], timestep=ts[k], return_dict=False, **cond)
+    dit.zero_grad()
+
+
+def measure(layers: int, rounds: int) -> dict:
+    dit, cond, zs, gs, sigmas = problem(layers)
+    twin, *_ = problem(layers)
+    jaggc.stepwise(twin, window=WINDOW, weights="t")
+    runs = {"exact": lambda: trajectory(dit, cond, zs, gs, sigmas, stepwise=False),
+            "jaggc": lambda: trajectory(twin, cond, zs, gs, sigmas, stepwise=True),
+            "predicted": lambda: passes(dit, cond, zs, gs, sigmas)}
+    for fn in runs.values():
+        for _ in range(2):
+            fn()                                   # warm
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    order = list(runs)
+    for r in range(rounds):
+        for label in order[r % 3:] + order[:r % 3]:
+            start = time.process_time()
+            for _ in range(5):
+                runs[label]()
+            times[label].append((time.process_time() - start) / 5)
+    jaggc.stepwise(twin).close()
+    median = {k: statistics.median(v) for k, v in times.items()}
+    extra = [j - p for j, p in zip(times["jaggc"], times["predicted"])]
+    tensors = sum(1 for p in dit.parameters() if p.requires_grad)
+    return dict(layers=layers, params=sum(p.numel() for p in dit.parameters()), tensors=tensors,
+                ms={k: 1e3 * v for k, v in median.items()}, bookkeeping_ms=1e3 * statistics.median(extra),
+                bookkeeping_range_ms=[1e3 * min(extra), 1e3 * max(extra)],
+                per_tensor_us=1e6 * statistics.median(extra) / tensors)
+
+
+def profile(layers: int, trajectories: int = 40) -> str:
+    dit, cond, zs, gs, sigmas = problem(layers)
+    jaggc.stepwise(dit, window=WINDOW, weights="t")
+    for _ in range(2):
+        trajectory(dit, cond, zs, gs, sigmas, stepwise=True)
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(trajectories):
+        trajectory(dit, cond, zs, gs, sigmas, stepwise=True)
+    pr.disable()
+    jaggc.stepwise(dit).close()
+    out = io.StringIO()
+    pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(30)
+    return out.getvalue()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", default="4,8,16", help="the digits DiT's depth (4: the shipped model)")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--profile", action="store_true", help="cProfile jaggc's trajectories at the first depth")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        depths = [int(x) for x in args.layers.split(",")]
+        for layers in depths:
+            print(json.dumps(measure(layers, args.rounds)), flush=True)
+        if args.profile:
+            print(profile(depths[0]))
+
+
+if __name__ == "__main__":
+    main()
