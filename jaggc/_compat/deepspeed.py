@@ -32,14 +32,14 @@ def zero_torch_optimizer(engine: nn.Module):
 
 
 def intercept_zero_grad(engine: nn.Module, before: Callable[[str], None]) -> Callable[[], None]:
-    """Call ``before(call)`` ahead of every ``engine.zero_grad()`` and ``engine.optimizer.zero_grad()``
-    (the ZeRO optimizer's: what ``engine.step()`` calls at its boundary, and what a hand-written loop or
+    """Call ``before(call)`` ahead of every ``engine.zero_grad()``, ``engine.optimizer.zero_grad()`` (the
+    ZeRO optimizer's: what ``engine.step()`` calls at its boundary, and what a hand-written loop or
     ``accelerator.optimizer.optimizer`` reaches; accelerate's own optimizer wrapper makes its ``zero_grad``
-    a no-op under DeepSpeed). ZeRO's ``zero_grad`` clears ``.grad`` and its ``grad_accum`` attribute, where
+    a no-op under DeepSpeed) and ``engine.module.zero_grad()`` (torch's, on the bare module). ZeRO's ``zero_grad`` clears ``.grad`` and its ``grad_accum`` attribute, where
     ZeRO-1 accumulates between boundaries, and leaves ZeRO-2's reduced partitions: no trace on ``.grad``
     that a ledger could read, so the call itself is watched. ``before`` may raise: the ``zero_grad`` then
     does not run. Returns the function that restores both methods."""
-    targets = [(engine, "engine.zero_grad()")]
+    targets = [(engine, "engine.zero_grad()"), (engine.module, "engine.module.zero_grad()")]
     if getattr(engine, "optimizer", None) is not None and callable(getattr(engine.optimizer, "zero_grad", None)):
         targets.append((engine.optimizer, "engine.optimizer.zero_grad()"))
     restore = []

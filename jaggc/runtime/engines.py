@@ -78,7 +78,8 @@ class Engine:
 
     def watch_zero_grad(self, before) -> Callable[[], None]:
         """Have ``before(call)`` run ahead of every ``zero_grad`` that reaches the gradient the engine
-        accumulates where the ledger cannot see it (ZeRO: ``engine.zero_grad()``, the ZeRO optimizer's);
+        accumulates where the ledger cannot see it (ZeRO: ``engine.zero_grad()``, the ZeRO optimizer's, the
+        bare module's);
         ``before`` may raise to keep it from running. Returns the remover (a no-op elsewhere: there
         ``.grad`` holds the gradient and the ledger sees a ``zero_grad`` by its effect)."""
         if self.zero_stage is None or self.wrapper is None:

@@ -14,7 +14,7 @@ inputs) and nothing has read ``.grad`` in between; otherwise it raises.
 | either of the two between a step's forward and its backward | when its gradient reaches jaggc's node (unless that backward ran an exact step's DiT backward first) | as above |
 | either of the two while no step's gradient is held back (the window's steps so far have not run their backward) | | nothing to do: ``.grad`` is the unchanged loop's |
 | a parameter written between two steps of a window | at the next step, or before the window's backward | error |
-| DeepSpeed ZeRO: ``engine.zero_grad()`` or the ZeRO optimizer's ``zero_grad()`` (``.grad`` is ZeRO's, not watched) while a step's gradient is held back | in a wrapper of both calls (runtime/engines.py, ``watch_zero_grad``), before it runs | error (while nothing is held back: allowed) |
+| DeepSpeed ZeRO: ``engine.zero_grad()``, the ZeRO optimizer's or ``engine.module``'s ``zero_grad()`` (``.grad`` is ZeRO's, not watched) while a step's gradient is held back | in a wrapper of those calls (runtime/engines.py, ``watch_zero_grad``), before it runs | error (while nothing is held back: allowed) |
 | ``optimizer.step()`` while a step's gradient is held back | in a pre-hook on every optimizer step of the module's parameters, before any parameter moves | error |
 | a trajectory ending early: the ``steps()`` loop left by ``break`` or an exception, fewer steps than declared, a new ``trajectory()`` before the last one finished, ``Stepwise.close()`` | at that moment | open windows run exactly (warning), unless ``.grad`` was written since: error |
 | ``backward(inputs=...)``, ``torch.autograd.grad`` through a JAGG step (the parameters are inputs of its node, tap.py) | at that step's backward | error |

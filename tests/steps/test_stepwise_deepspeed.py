@@ -20,7 +20,8 @@ a random order per rank (the deferred schedule: every window inside the last ste
 * collectives per trajectory counted beside the unchanged loop's;
 * an engine step while a window holds a gradient back (the boundary inside a window) is refused
   before any parameter moves, raw and through accelerate, and so is a loop left early (``break``)
-  while one is held back; so is ``engine.zero_grad()`` / the ZeRO optimizer's ``zero_grad()`` while one
+  while one is held back (raw and accelerate); so is ``engine.zero_grad()`` / the ZeRO optimizer's /
+  ``engine.module``'s ``zero_grad()`` while one
   is held back (ZeRO keeps the gradient off ``.grad``: the call is watched), and the next trajectory
   starts clean; a zero_grad while nothing is held back and accelerate's clip inside a window run;
 * ZeRO-3 is refused at install with a jaggc error naming ZeRO-3 and what to use instead, and the
@@ -182,7 +183,7 @@ def reference(base, rank: int, trajectories: int, window: int) -> dict:
 
 
 def accelerate_loop(base, stage: int, order: str, trajectories: int, rank: int, window: int | None,
-                    gas: int | None = None) -> dict:
+                    gas: int | None = None, break_after: int | None = None) -> dict:
     """Flow-GRPO's shape under accelerate with its DeepSpeed plugin: ``accumulate`` over the
     trajectories' steps, ``accelerator.backward`` (the engine's backward, and its step at the sync),
     a clip at the sync (the engine's ``gradient_clipping``), ``optimizer.step``/``zero_grad`` every step
@@ -190,7 +191,8 @@ def accelerate_loop(base, stage: int, order: str, trajectories: int, rank: int, 
     the loop clips at every step, inside the window: under DeepSpeed ``accelerator.clip_grad_norm_`` only
     reads the engine's last norm (the engine clips at its step), so it is harmless. ``gas`` below the
     trajectory's steps puts the engine's boundary step (inside ``accelerator.backward``) into a window:
-    refused before any parameter moves (returned as ``error``). accelerate enables the plugin only off ``cpu=True`` with
+    refused before any parameter moves (returned as ``error``). ``break_after``: the loop left by ``break``
+    after that step, window 0 holding its steps back: refused at ``close()`` (returned as ``error``). accelerate enables the plugin only off ``cpu=True`` with
     ``LOCAL_RANK`` set (ranks.py sets it) and deepspeed importable: on CPU it then takes the ranks'
     gloo group."""
     from accelerate import Accelerator
@@ -233,6 +235,10 @@ def accelerate_loop(base, stage: int, order: str, trajectories: int, rank: int, 
                         accelerator.clip_grad_norm_(transformer.parameters(), 1.0)
                     optimizer.step()
                     optimizer.zero_grad()
+                if n == break_after:
+                    break
+        if break_after is not None:
+            jaggc.stepwise(transformer).close()
     except JaggUnsupportedError as e:
         moved = any(not torch.equal(p, before[n]) for n, p in transformer.module.named_parameters())
         jaggc.stepwise(transformer).close()
@@ -286,7 +292,7 @@ def zero_grad_inside_a_window(base, stage: int, rank: int, call: str) -> dict:
             engine.backward(_loss(out, gs[j]))
             engine.step()
             if n == 1:
-                (engine.zero_grad if call == "engine" else engine.optimizer.zero_grad)()
+                {"engine": engine, "optimizer": engine.optimizer, "module": engine.module}[call].zero_grad()
     except JaggUnsupportedError as e:
         error = str(e)
     windows = sw.counts.jagg_windows
@@ -346,6 +352,7 @@ W4_CASES = [(stage, order, trajectories, clip) for stage in (1, 2) for order in 
             for trajectories, clip in ((1, 1.0), (2, 0.0))]
 ACC_CASES = [(stage, order, 1) for stage in (1, 2) for order in ("sigma", "random")]
 MODE_CASES = [(2, order, 1, 1.0, mode) for mode in ("lowmem", "per_window") for order in ("sigma", "random")]
+ZERO_GRAD_CALLS = ("engine", "optimizer", "module")
 W2_CASES = [(stage, order, trajectories, clip) for stage in (1, 2) for order, trajectories, clip in
             (("sigma", 1, 1.0), ("random", 2, 0.0))]
 
@@ -384,7 +391,8 @@ def rank_body(rank: int, world: int) -> dict:
                                       accelerate_loop(base, stage, "sigma", 1, rank, 2))
         for stage in (1, 2):
             out[("acc_early_step", stage)] = accelerate_loop(base, stage, "sigma", 1, rank, 4, gas=2)
-            for call in ("engine", "optimizer"):
+            out[("acc_early_end", stage)] = accelerate_loop(base, stage, "sigma", 1, rank, 4, break_after=1)
+            for call in ZERO_GRAD_CALLS:
                 out[("zero_grad", stage, call)] = zero_grad_inside_a_window(base, stage, rank, call)
         for stage in (1, 2):
             out[("early_step", stage)] = step_inside_a_window(base, stage, rank)
@@ -529,7 +537,7 @@ def test_an_engine_step_inside_a_window_through_accelerate_is_refused(rank_resul
         assert not r["moved"]
 
 
-@pytest.mark.parametrize("call", ["engine", "optimizer"])
+@pytest.mark.parametrize("call", ZERO_GRAD_CALLS)
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero_grad_inside_a_window_is_refused(rank_results, stage, call):
     """ZeRO's zero_grad while a step's gradient is held back: refused, naming the call, the held-back
@@ -538,7 +546,8 @@ def test_zero_grad_inside_a_window_is_refused(rank_results, stage, call):
     gradients above are the reference's."""
     for res in rank_results:
         r = res[("zero_grad", stage, call)]
-        name = "engine.zero_grad()" if call == "engine" else "engine.optimizer.zero_grad()"
+        name = {"engine": "engine.zero_grad()", "optimizer": "engine.optimizer.zero_grad()",
+                "module": "engine.module.zero_grad()"}[call]
         assert r["error"] is not None and name in r["error"] and "[0, 1]" in r["error"], r
         assert f"ZeRO-{stage}" in r["error"] and "accumulation boundary" in r["error"], r["error"]
         assert r["windows_before"] == 0
@@ -558,9 +567,11 @@ def test_what_zeros_zero_grad_drops_in_the_unchanged_loop(rank_results):
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_an_early_end_with_a_gradient_held_back_is_refused(rank_results, stage):
+    """Raw engine and accelerate (``accumulate``, ``accelerator.backward``) alike."""
     for res in rank_results:
-        error = res[("early_end", stage)]["error"]
-        assert error is not None and "engine.backward" in error and f"ZeRO-{stage}" in error, error
+        for error in (res[("early_end", stage)]["error"], res[("acc_early_end", stage)].get("error")):
+            assert error is not None and "engine.backward" in error and f"ZeRO-{stage}" in error, error
+        assert not res[("acc_early_end", stage)]["moved"]
 
 
 def test_bf16_w2_reduced_gradient_is_the_unchanged_loops(rank_results):
