@@ -3,6 +3,8 @@ DeepSpeed stays optional: nothing here imports it; the engine is recognised by i
 
 from __future__ import annotations
 
+from typing import Callable
+
 from torch import nn
 
 
@@ -29,4 +31,42 @@ def zero_torch_optimizer(engine: nn.Module):
     return getattr(engine.optimizer, "optimizer", None)
 
 
-__all__ = ["is_deepspeed_engine", "zero3_partitioned", "zero_ready_buckets", "zero_torch_optimizer"]
+def intercept_zero_grad(engine: nn.Module, before: Callable[[str], None]) -> Callable[[], None]:
+    """Call ``before(call)`` ahead of every ``engine.zero_grad()``, ``engine.optimizer.zero_grad()`` (the
+    ZeRO optimizer's: what ``engine.step()`` calls at its boundary, and what a hand-written loop or
+    ``accelerator.optimizer.optimizer`` reaches; accelerate's own optimizer wrapper makes its ``zero_grad``
+    a no-op under DeepSpeed) and ``engine.module.zero_grad()`` (torch's, on the bare module). ZeRO's ``zero_grad`` clears ``.grad`` and its ``grad_accum`` attribute, where
+    ZeRO-1 accumulates between boundaries, and leaves ZeRO-2's reduced partitions: no trace on ``.grad``
+    that a ledger could read, so the call itself is watched. ``before`` may raise: the ``zero_grad`` then
+    does not run. Returns the function that restores both methods."""
+    targets = [(engine, "engine.zero_grad()"), (engine.module, "engine.module.zero_grad()")]
+    if getattr(engine, "optimizer", None) is not None and callable(getattr(engine.optimizer, "zero_grad", None)):
+        targets.append((engine.optimizer, "engine.optimizer.zero_grad()"))
+    restore = []
+    for owner, call in targets:
+        previous = owner.__dict__.get("zero_grad", _UNSET)
+        original = owner.zero_grad
+
+        def watched(*args, _original=original, _call=call, **kwargs):
+            before(_call)
+            return _original(*args, **kwargs)
+
+        owner.__dict__["zero_grad"] = watched
+        restore.append((owner, previous, watched))
+
+    def remove() -> None:
+        for owner, previous, watched in restore:
+            if owner.__dict__.get("zero_grad") is watched:
+                if previous is _UNSET:
+                    del owner.__dict__["zero_grad"]
+                else:
+                    owner.__dict__["zero_grad"] = previous
+        restore.clear()
+
+    return remove
+
+
+_UNSET = object()
+
+__all__ = ["intercept_zero_grad", "is_deepspeed_engine", "zero3_partitioned", "zero_ready_buckets",
+           "zero_torch_optimizer"]

@@ -14,8 +14,8 @@ FSDP's gradient storages (_compat/fsdp_slots.py), and the guard's probe (steps/p
 | DDP | ``.grad`` (full) | on the gradient accumulators; its reducer prepared by the latest forward | all-reduce per bucket in every synced backward | the ranks agree on one plan; a synced backward needs the latest forward among its roots (re-run) |
 | FSDP1 | the FlatParameter's ``.grad`` (a shard), views on the originals with ``use_orig_params`` | on the FlatParameter's accumulator, unshard in the forward | reduce-scatter per unit in every backward | as DDP, and every backward's latest forward (its unshard) |
 | FSDP2 | the sharded DTensor's ``.grad`` | on the unsharded parameters | reduce-scatter per group in every backward | as FSDP1 |
-| DeepSpeed ZeRO-1 | ``.grad`` until the accumulation boundary, then ZeRO's partition | post-accumulate hooks (bookkeeping) | at the end of the boundary's ``engine.backward``, which empties ``.grad`` | as ZeRO-2 (the ledger must not take that emptying for a ``zero_grad``) |
-| DeepSpeed ZeRO-2 | ZeRO's buckets and partitions: ``.grad`` is None after every backward | post-accumulate hooks that move each gradient into a bucket | reduce per bucket in every backward; accumulates in its partition | one gradient backward per ``engine.backward`` (ZeRO asserts one reduction per parameter per backward): a window's joint backward runs inside the backward of its last step; on the deferred schedule every window in the trajectory's last step's backward, jointly; ZeRO's buckets readied in a backward with no parameter gradient; ``.grad`` is not watched |
+| DeepSpeed ZeRO-1 | ``.grad`` until the accumulation boundary, then ZeRO's partition | post-accumulate hooks (bookkeeping) | at the end of the boundary's ``engine.backward``, which empties ``.grad`` | as ZeRO-2 (the ledger must not take that emptying for a ``zero_grad``); its ``zero_grad`` (engine's or optimizer's) watched as ZeRO-2's |
+| DeepSpeed ZeRO-2 | ZeRO's buckets and partitions: ``.grad`` is None after every backward | post-accumulate hooks that move each gradient into a bucket | reduce per bucket in every backward; accumulates in its partition | one gradient backward per ``engine.backward`` (ZeRO asserts one reduction per parameter per backward): a window's joint backward runs inside the backward of its last step; on the deferred schedule every window in the trajectory's last step's backward, jointly; ZeRO's buckets readied in a backward with no parameter gradient; ``.grad`` is not watched: the engine's and the ZeRO optimizer's ``zero_grad`` are (``watch_zero_grad``), and refused while a gradient is held back |
 | DeepSpeed ZeRO-3 | partitioned parameters gathered by forward hooks | | | refused (``JaggUnsupportedError``) |
 
 DeepSpeed: ``jaggc.stepwise(engine)`` installs on ``engine.module`` (the engine's forward calls it):
@@ -28,11 +28,13 @@ DeepSpeed names used sit in ``jaggc/_compat/deepspeed.py``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
 
-from .._compat import fsdp_version, is_deepspeed_engine, zero3_partitioned, zero_ready_buckets, zero_torch_optimizer
+from .._compat import (fsdp_version, intercept_zero_grad, is_deepspeed_engine, zero3_partitioned, zero_ready_buckets,
+                       zero_torch_optimizer)
 from ..errors import JaggUnsupportedError
 from .module_state import module_chain
 
@@ -73,6 +75,16 @@ class Engine:
         the first gradient does)."""
         if self.reduces_in_loop_backward:
             zero_ready_buckets(self.wrapper)
+
+    def watch_zero_grad(self, before) -> Callable[[], None]:
+        """Have ``before(call)`` run ahead of every ``zero_grad`` that reaches the gradient the engine
+        accumulates where the ledger cannot see it (ZeRO: ``engine.zero_grad()``, the ZeRO optimizer's, the
+        bare module's);
+        ``before`` may raise to keep it from running. Returns the remover (a no-op elsewhere: there
+        ``.grad`` holds the gradient and the ledger sees a ``zero_grad`` by its effect)."""
+        if self.zero_stage is None or self.wrapper is None:
+            return lambda: None
+        return intercept_zero_grad(self.wrapper, before)
 
     def steps(self, optimizer, module: nn.Module) -> bool:
         """Whether ``optimizer``'s step moves ``module``'s parameters: one holding them, or the

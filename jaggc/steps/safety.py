@@ -14,6 +14,7 @@ inputs) and nothing has read ``.grad`` in between; otherwise it raises.
 | either of the two between a step's forward and its backward | when its gradient reaches jaggc's node (unless that backward ran an exact step's DiT backward first) | as above |
 | either of the two while no step's gradient is held back (the window's steps so far have not run their backward) | | nothing to do: ``.grad`` is the unchanged loop's |
 | a parameter written between two steps of a window | at the next step, or before the window's backward | error |
+| DeepSpeed ZeRO: ``engine.zero_grad()``, the ZeRO optimizer's or ``engine.module``'s ``zero_grad()`` (``.grad`` is ZeRO's, not watched) while a step's gradient is held back | in a wrapper of those calls (runtime/engines.py, ``watch_zero_grad``), before it runs | error (while nothing is held back: allowed) |
 | ``optimizer.step()`` while a step's gradient is held back | in a pre-hook on every optimizer step of the module's parameters, before any parameter moves | error |
 | a trajectory ending early: the ``steps()`` loop left by ``break`` or an exception, fewer steps than declared, a new ``trajectory()`` before the last one finished, ``Stepwise.close()`` | at that moment | open windows run exactly (warning), unless ``.grad`` was written since: error |
 | ``backward(inputs=...)``, ``torch.autograd.grad`` through a JAGG step (the parameters are inputs of its node, tap.py) | at that step's backward | error |
@@ -156,6 +157,24 @@ class Safety:
 
     def before_rerun(self, run: "TrajectoryRun", visit: "StepVisit") -> None:
         self.before_backward(run, [(visit, None)])
+
+    def engine_zero_grad(self, run: "TrajectoryRun", call: str) -> None:
+        """A ``zero_grad`` of the engine's own gradient store (DeepSpeed ZeRO: ``call``), which the
+        ledger cannot see on ``.grad``: harmless while nothing is held back; otherwise refused before it
+        runs. What the unchanged loop would have lost is not jaggc's to guess: ZeRO-1 drops the
+        accumulated gradient, ZeRO-2 keeps what it already reduced into its partitions, and a held-back
+        step's gradient can reach them only inside an ``engine.backward``."""
+        if not run.withheld():
+            return
+        steps = run.withheld_steps()
+        raise self.refuse(run, (
+            f"{call} ran between the steps of an open JAGG window on {self.owner.engine.name} (after step "
+            f"{run.visited[-1] if run.visited else None}), while the gradient "
+            f"of steps {steps} was held back for the window's joint backward: in the unchanged loop it would act on "
+            f"a gradient that lacks them, and ZeRO takes a held-back gradient only inside engine.backward, so jaggc "
+            f"cannot drop or add it as the loop would. The zero_grad was not run. Call zero_grad only at an "
+            f"accumulation boundary (engine.step() does it there), not inside a trajectory; {FIX_STEP}"),
+            where=run.latest.where if run.latest else "")
 
     # --- an optimizer step ------------------------------------------------------------------------
     def optimizer_step(self, run: "TrajectoryRun") -> None:

@@ -188,6 +188,8 @@ class Stepwise:
             # where every path reaches, the innermost module, unless they came through this one
             self._recording = unwrap(self.module).register_forward_hook(_InnerRecorder(self), with_kwargs=True)
         register_before_optimizer_step(self)
+        # ZeRO's zero_grad leaves no trace on .grad for the ledger: the call itself is watched
+        self._unwatch_zero_grad = self.engine.watch_zero_grad(self.before_engine_zero_grad)
 
     # --- the rollout cache's recording ----------------------------------------------------------
     def records(self) -> bool:
@@ -231,6 +233,7 @@ class Stepwise:
                 self._recording.remove()
                 self._recording = None
             unregister_before_optimizer_step(self)
+            self._unwatch_zero_grad()
 
     # --- trajectories ------------------------------------------------------------------------------
     def trajectory(self, timesteps) -> "Trajectory":
@@ -303,6 +306,12 @@ class Stepwise:
             if self._run.probe is not None and self._run.over():
                 # the guard's FSDP probe re-runs its windows' calls: before the parameters move
                 self._run.probe.finish()
+
+    def before_engine_zero_grad(self, call: str) -> None:
+        """Before a ``zero_grad`` of the engine's own gradient store (``call``; runtime/engines.py,
+        ``watch_zero_grad``): refused while a step's gradient is held back."""
+        if self._run is not None:
+            self.safety.engine_zero_grad(self._run, call)
 
     def raise_deferred(self) -> None:
         """Raise a refusal made when the last trajectory's loop was left (``steps``)."""

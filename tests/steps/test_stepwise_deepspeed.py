@@ -19,7 +19,11 @@ a random order per rank (the deferred schedule: every window inside the last ste
 * ``backward="lowmem"`` and ``"per_window"`` on ZeRO-2 in both orders: the same gradient;
 * collectives per trajectory counted beside the unchanged loop's;
 * an engine step while a window holds a gradient back (the boundary inside a window) is refused
-  before any parameter moves, and so is a loop left early (``break``) while one is held back;
+  before any parameter moves, raw and through accelerate, and so is a loop left early (``break``)
+  while one is held back (raw and accelerate); so is ``engine.zero_grad()`` / the ZeRO optimizer's /
+  ``engine.module``'s ``zero_grad()`` while one
+  is held back (ZeRO keeps the gradient off ``.grad``: the call is watched), and the next trajectory
+  starts clean; a zero_grad while nothing is held back and accelerate's clip inside a window run;
 * ZeRO-3 is refused at install with a jaggc error naming ZeRO-3 and what to use instead, and the
   guard on DeepSpeed likewise (its probe reads ``.grad``, which ZeRO keeps in its partitions);
 * accelerate with its DeepSpeed plugin on CPU (Flow-GRPO's shape: ``accumulate``,
@@ -114,7 +118,8 @@ def counting_collectives():
 
 
 def run_loop(base, stage: int, order: str, trajectories: int, clip: float, rank: int, window: int | None,
-             backward: str = "joint", bf16: bool = False, rollout_cache: bool = False) -> dict:
+             backward: str = "joint", bf16: bool = False, rollout_cache: bool = False,
+             zero_grad_after: int | None = None) -> dict:
     """The per-step loop on a fresh engine from ``base``'s weights (``window=None``: unchanged):
     the reduced gradient just before the boundary's step, the parameters after it, the collectives
     of the backward passes (the optimizer step's not counted: the same in both loops)."""
@@ -140,11 +145,17 @@ def run_loop(base, stage: int, order: str, trajectories: int, clip: float, rank:
         for n, j in enumerate(steps):
             with counting_collectives() as counts:
                 out = engine(hidden_states=zs[j], timestep=ts[:, j], return_dict=False, **cond)[0]
+                if k == 0 and n == 0:
+                    # a window is open (this step ran its forward) but holds nothing back: allowed
+                    engine.zero_grad()
+                    engine.optimizer.zero_grad()
                 engine.backward(_loss(out.float(), gs[j]))
             collectives += sum(counts.values())
             if k == trajectories - 1 and n == T - 1:
                 grad = {name: safe_get_full_grad(p).detach().clone() for name, p in engine.module.named_parameters()}
             engine.step()
+            if n == zero_grad_after:
+                engine.zero_grad()
     result = dict(grad=grad, params={n: p.detach().clone() for n, p in engine.module.named_parameters()},
                   collectives=collectives / trajectories)
     if window is not None:
@@ -171,11 +182,17 @@ def reference(base, rank: int, trajectories: int, window: int) -> dict:
     return {n: g.view_as(p) for (n, p), g in zip(model.named_parameters(), total.split(sizes))}
 
 
-def accelerate_loop(base, stage: int, order: str, trajectories: int, rank: int, window: int | None) -> dict:
+def accelerate_loop(base, stage: int, order: str, trajectories: int, rank: int, window: int | None,
+                    gas: int | None = None, break_after: int | None = None) -> dict:
     """Flow-GRPO's shape under accelerate with its DeepSpeed plugin: ``accumulate`` over the
     trajectories' steps, ``accelerator.backward`` (the engine's backward, and its step at the sync),
     a clip at the sync (the engine's ``gradient_clipping``), ``optimizer.step``/``zero_grad`` every step
-    (no-ops off the sync under DeepSpeed). accelerate enables the plugin only off ``cpu=True`` with
+    (no-ops under DeepSpeed: its optimizer wrapper's ``zero_grad`` never reaches ZeRO). In random order
+    the loop clips at every step, inside the window: under DeepSpeed ``accelerator.clip_grad_norm_`` only
+    reads the engine's last norm (the engine clips at its step), so it is harmless. ``gas`` below the
+    trajectory's steps puts the engine's boundary step (inside ``accelerator.backward``) into a window:
+    refused before any parameter moves (returned as ``error``). ``break_after``: the loop left by ``break``
+    after that step, window 0 holding its steps back: refused at ``close()`` (returned as ``error``). accelerate enables the plugin only off ``cpu=True`` with
     ``LOCAL_RANK`` set (ranks.py sets it) and deepspeed importable: on CPU it then takes the ranks'
     gloo group."""
     from accelerate import Accelerator
@@ -185,11 +202,12 @@ def accelerate_loop(base, stage: int, order: str, trajectories: int, rank: int, 
 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-    plugin = DeepSpeedPlugin(zero_stage=stage, gradient_accumulation_steps=T * trajectories, gradient_clipping=1.0)
+    gas = gas or T * trajectories
+    plugin = DeepSpeedPlugin(zero_stage=stage, gradient_accumulation_steps=gas, gradient_clipping=1.0)
     plugin.deepspeed_config.update({"zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
                                     "train_micro_batch_size_per_gpu": B,
-                                    "train_batch_size": B * T * trajectories * dist.get_world_size()})
-    accelerator = Accelerator(deepspeed_plugin=plugin, gradient_accumulation_steps=T * trajectories)
+                                    "train_batch_size": B * gas * dist.get_world_size()})
+    accelerator = Accelerator(deepspeed_plugin=plugin, gradient_accumulation_steps=gas)
     assert accelerator.distributed_type.name == "DEEPSPEED", accelerator.distributed_type
     dit = copy.deepcopy(base)
     transformer, optimizer = accelerator.prepare(dit, torch.optim.SGD(dit.parameters(), lr=LR))
@@ -204,17 +222,29 @@ def accelerate_loop(base, stage: int, order: str, trajectories: int, rank: int, 
         return engine_step(*args, **kwargs)
 
     transformer.step = step
-    for k, (ts, zs, gs) in enumerate(trajs):
-        order_k = _order(rank, order, k)
-        steps = order_k if window is None else jaggc.stepwise(transformer).steps(order_k, ts[:, order_k])
-        for n, j in enumerate(steps):
-            with accelerator.accumulate(transformer):
-                out = transformer(hidden_states=zs[j], timestep=ts[:, j], return_dict=False, **cond)[0]
-                accelerator.backward(_loss(out, gs[j]))
-                if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(transformer.parameters(), 1.0)
-                optimizer.step()
-                optimizer.zero_grad()
+    before = {n: p.detach().clone() for n, p in transformer.module.named_parameters()}
+    try:
+        for k, (ts, zs, gs) in enumerate(trajs):
+            order_k = _order(rank, order, k)
+            steps = order_k if window is None else jaggc.stepwise(transformer).steps(order_k, ts[:, order_k])
+            for n, j in enumerate(steps):
+                with accelerator.accumulate(transformer):
+                    out = transformer(hidden_states=zs[j], timestep=ts[:, j], return_dict=False, **cond)[0]
+                    accelerator.backward(_loss(out, gs[j]))
+                    if accelerator.sync_gradients or order == "random":
+                        accelerator.clip_grad_norm_(transformer.parameters(), 1.0)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                if n == break_after:
+                    break
+        if break_after is not None:
+            jaggc.stepwise(transformer).close()
+    except JaggUnsupportedError as e:
+        moved = any(not torch.equal(p, before[n]) for n, p in transformer.module.named_parameters())
+        jaggc.stepwise(transformer).close()
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        return dict(error=str(e), moved=moved)
     assert len(grads) == 1, len(grads)      # one sync: the trajectories' last step
     result = dict(grad=grads[0], params={n: p.detach().clone() for n, p in transformer.module.named_parameters()})
     if window is not None:
@@ -244,6 +274,35 @@ def step_inside_a_window(base, stage: int, rank: int) -> dict:
     moved = any(not torch.equal(p, before[n]) for n, p in engine.module.named_parameters())
     jaggc.stepwise(engine).close()
     return dict(error=error, moved=moved)
+
+
+def zero_grad_inside_a_window(base, stage: int, rank: int, call: str) -> dict:
+    """A hand-written ``engine.zero_grad()`` (or the ZeRO optimizer's) after step 1, while window 0
+    holds steps 0 and 1 back: ZeRO-1's zero_grad would drop them in the unchanged loop, ZeRO-2's keeps
+    what it reduced, and neither leaves a trace on ``.grad`` (ZeRO's): refused before it runs. The next
+    trajectory on the same engine then runs its JAGG window as planned."""
+    engine = _engine(copy.deepcopy(base), stage, 2, 1.0)
+    cond, trajs = _inputs(base, rank, 2)
+    sw = jaggc.stepwise(engine, window=4, weights="t")
+    error = None
+    ts, zs, gs = trajs[0]
+    try:
+        for n, j in enumerate(sw.steps(list(range(T)), ts)):
+            out = engine(hidden_states=zs[j], timestep=ts[:, j], return_dict=False, **cond)[0]
+            engine.backward(_loss(out, gs[j]))
+            engine.step()
+            if n == 1:
+                {"engine": engine, "optimizer": engine.optimizer, "module": engine.module}[call].zero_grad()
+    except JaggUnsupportedError as e:
+        error = str(e)
+    windows = sw.counts.jagg_windows
+    ts, zs, gs = trajs[1]           # the next trajectory (no engine.step: the boundary is not reached)
+    for j in sw.steps(list(range(T)), ts):
+        out = engine(hidden_states=zs[j], timestep=ts[:, j], return_dict=False, **cond)[0]
+        engine.backward(_loss(out, gs[j]))
+    counts = vars(sw.counts).copy()
+    sw.close()
+    return dict(error=error, windows_before=windows, counts=counts)
 
 
 def early_end(base, stage: int, rank: int) -> dict:
@@ -293,6 +352,7 @@ W4_CASES = [(stage, order, trajectories, clip) for stage in (1, 2) for order in 
             for trajectories, clip in ((1, 1.0), (2, 0.0))]
 ACC_CASES = [(stage, order, 1) for stage in (1, 2) for order in ("sigma", "random")]
 MODE_CASES = [(2, order, 1, 1.0, mode) for mode in ("lowmem", "per_window") for order in ("sigma", "random")]
+ZERO_GRAD_CALLS = ("engine", "optimizer", "module")
 W2_CASES = [(stage, order, trajectories, clip) for stage in (1, 2) for order, trajectories, clip in
             (("sigma", 1, 1.0), ("random", 2, 0.0))]
 
@@ -317,6 +377,7 @@ def rank_body(rank: int, world: int) -> dict:
                        run_loop(base, 2, "sigma", 1, 1.0, rank, 2, bf16=True))
         for stage in (1, 2):
             out[("unchanged", stage)] = run_loop(base, stage, "sigma", 1, 1.0, rank, None)
+            out[("unchanged_zero_grad", stage)] = run_loop(base, stage, "sigma", 1, 1.0, rank, None, zero_grad_after=1)
         try:
             jaggc.stepwise(_engine(copy.deepcopy(base), 2, 1, 1.0), window=4, guard=jaggc.Guard(every=1))
             out["guard"] = None
@@ -328,6 +389,11 @@ def rank_body(rank: int, world: int) -> dict:
         for stage in (1, 2):
             out[("acc_w2", stage)] = (accelerate_loop(base, stage, "sigma", 1, rank, None),
                                       accelerate_loop(base, stage, "sigma", 1, rank, 2))
+        for stage in (1, 2):
+            out[("acc_early_step", stage)] = accelerate_loop(base, stage, "sigma", 1, rank, 4, gas=2)
+            out[("acc_early_end", stage)] = accelerate_loop(base, stage, "sigma", 1, rank, 4, break_after=1)
+            for call in ZERO_GRAD_CALLS:
+                out[("zero_grad", stage, call)] = zero_grad_inside_a_window(base, stage, rank, call)
         for stage in (1, 2):
             out[("early_step", stage)] = step_inside_a_window(base, stage, rank)
             out[("early_end", stage)] = early_end(base, stage, rank)
@@ -462,10 +528,50 @@ def test_an_optimizer_step_inside_a_window_is_refused(rank_results, stage):
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_an_early_end_with_a_gradient_held_back_is_refused(rank_results, stage):
+def test_an_engine_step_inside_a_window_through_accelerate_is_refused(rank_results, stage):
+    """accelerate's ``gradient_accumulation_steps`` 2 under W=4: ``accelerator.backward`` steps the engine at
+    its boundary while window 0 holds steps 0 and 1 back; the same pre-hook refuses it."""
     for res in rank_results:
-        error = res[("early_end", stage)]["error"]
-        assert error is not None and "engine.backward" in error and f"ZeRO-{stage}" in error, error
+        r = res[("acc_early_step", stage)]
+        assert "error" in r and "optimizer.step()" in r["error"], r
+        assert not r["moved"]
+
+
+@pytest.mark.parametrize("call", ZERO_GRAD_CALLS)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_grad_inside_a_window_is_refused(rank_results, stage, call):
+    """ZeRO's zero_grad while a step's gradient is held back: refused, naming the call, the held-back
+    steps and the fix; the next trajectory starts clean (its window runs JAGG, no fallback). A zero_grad
+    while nothing is held back (every ``run_loop``'s, after its first forward) stays allowed: the W=4
+    gradients above are the reference's."""
+    for res in rank_results:
+        r = res[("zero_grad", stage, call)]
+        name = {"engine": "engine.zero_grad()", "optimizer": "engine.optimizer.zero_grad()",
+                "module": "engine.module.zero_grad()"}[call]
+        assert r["error"] is not None and name in r["error"] and "[0, 1]" in r["error"], r
+        assert f"ZeRO-{stage}" in r["error"] and "accumulation boundary" in r["error"], r["error"]
+        assert r["windows_before"] == 0
+        assert r["counts"]["jagg_windows"] == 1 and r["counts"]["fallbacks"] == 0, r["counts"]
+
+
+def test_what_zeros_zero_grad_drops_in_the_unchanged_loop(rank_results):
+    """Why jaggc refuses ZeRO's zero_grad inside a window rather than drop the held-back steps as it does
+    on ``.grad``: in the unchanged loop (``engine.zero_grad()`` after step 1's step, mid-accumulation)
+    ZeRO-1 drops steps 0 and 1, ZeRO-2 keeps them (already reduced into its partitions). If DeepSpeed
+    changes this, the docs' statement (distributed.md, Limits) must change with it."""
+    for res in rank_results:
+        kept = {stage: _rel(res[("unchanged_zero_grad", stage)]["grad"], res[("unchanged", stage)]["grad"])
+                for stage in (1, 2)}
+        assert kept[1] > 1e-3 and kept[2] < 1e-7, kept
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_an_early_end_with_a_gradient_held_back_is_refused(rank_results, stage):
+    """Raw engine and accelerate (``accumulate``, ``accelerator.backward``) alike."""
+    for res in rank_results:
+        for error in (res[("early_end", stage)]["error"], res[("acc_early_end", stage)].get("error")):
+            assert error is not None and "engine.backward" in error and f"ZeRO-{stage}" in error, error
+        assert not res[("acc_early_end", stage)]["moved"]
 
 
 def test_bf16_w2_reduced_gradient_is_the_unchanged_loops(rank_results):
