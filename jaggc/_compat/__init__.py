@@ -44,7 +44,7 @@ from .autograd import (
     backward_accumulates_everywhere, backward_task_id, in_backward, queue_backward_callback, rng_states, rng_states_restored,
     run_after_backward)
 from .fsdp_slots import GradSlot, fsdp_gradient_slots, fsdp_version, reshard_fully_sharded
-from .deepspeed import intercept_zero_grad, is_deepspeed_engine, zero3_partitioned, zero_ready_buckets, zero_torch_optimizer
+from .deepspeed import intercept_zero_grad, is_deepspeed_engine, zero12_managed, zero3_partitioned, zero_ready_buckets, zero_torch_optimizer
 
 __all__ = [
     "DYNAMO_ENTER_AUTOCAST", "DYNAMO_EXIT_AUTOCAST", "GradSlot", "MODULE_CALL_SLOT", "SET_GRAD_ENABLED",
@@ -57,5 +57,5 @@ __all__ = [
     "module_hook_keys", "new_fake_mode", "nonstrict_trace", "queue_backward_callback",
     "recompile_limit_types", "recompile_reason", "reshard_fully_sharded", "rng_states", "rng_states_restored", "run_after_backward",
     "traced_input_value", "tree_flatten", "tree_flatten_with_path", "tree_map", "tree_unflatten",
-    "unwrap_backend_error", "version_counter", "written_arguments", "zero3_partitioned", "zero_ready_buckets", "zero_torch_optimizer",
+    "unwrap_backend_error", "version_counter", "written_arguments", "zero12_managed", "zero3_partitioned", "zero_ready_buckets", "zero_torch_optimizer",
 ]

@@ -19,6 +19,13 @@ def zero3_partitioned(module: nn.Module) -> bool:
     return any(hasattr(p, "ds_status") for p in module.parameters())
 
 
+def zero12_managed(module: nn.Module) -> bool:
+    """Whether a ZeRO-1/2 optimizer manages ``module``'s parameters (it numbers each trainable one in
+    its group, ``param_idx_in_group``, and hooks its gradient accumulator): true of ``engine.module``,
+    where the engine itself is out of reach."""
+    return any(hasattr(p, "param_idx_in_group") for p in module.parameters())
+
+
 def zero_ready_buckets(engine: nn.Module) -> None:
     """ZeRO-1/2 ready their gradient buckets (``setup_buckets``, no public name) when a backward's
     first parameter gradient arrives, and the engine's end of backward reduces them: a backward in

@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .._compat import (fsdp_version, intercept_zero_grad, is_deepspeed_engine, zero3_partitioned, zero_ready_buckets,
+from .._compat import (fsdp_version, intercept_zero_grad, is_deepspeed_engine, zero12_managed, zero3_partitioned, zero_ready_buckets,
                        zero_torch_optimizer)
 from ..errors import JaggUnsupportedError
 from .module_state import module_chain
@@ -117,6 +117,18 @@ def engine_of(module: nn.Module) -> Engine:
     return Engine("none")
 
 
+def refuse_bare_zero_module(module: nn.Module, what: str) -> None:
+    """Raise where ``module`` is the bare module of a DeepSpeed ZeRO-1/2 engine (``engine.module``):
+    its parameters' gradient hooks are ZeRO's, but the engine, whose ``backward`` alone takes and
+    reduces their gradients, is out of reach from it (jaggc would hold gradients ZeRO never gets)."""
+    if engine_of(module).zero_stage is None and zero12_managed(module):
+        raise JaggUnsupportedError(
+            f"{what} on {type(module).__name__}, whose parameters a DeepSpeed ZeRO-1/2 optimizer manages (the "
+            f"engine's module, engine.module): jaggc must know the engine, since a gradient reaches ZeRO's "
+            f"partitions only inside engine.backward. Pass the engine: jaggc.stepwise(engine) (or the model "
+            f"accelerator.prepare returned); it installs on engine.module, so a loop that calls either is served")
+
+
 def refuse_zero3(module: nn.Module, what: str) -> None:
     """Raise where ``module`` runs under DeepSpeed ZeRO-3 (``what``: the jaggc entry point)."""
     if engine_of(module).zero_stage == 3:
@@ -128,4 +140,4 @@ def refuse_zero3(module: nn.Module, what: str) -> None:
             f"(fully_shard), on which {what} is supported (docs/distributed.md)")
 
 
-__all__ = ["Engine", "engine_of", "refuse_zero3"]
+__all__ = ["Engine", "engine_of", "refuse_bare_zero_module", "refuse_zero3"]

@@ -43,7 +43,7 @@ from ..runtime.guard import Guard
 from ..runtime.guard_ranks import agree_on_probe
 from ..runtime.guard_stats import range_label
 from ..runtime.calls import DitCall, batch_size
-from ..runtime.engines import Engine, engine_of, refuse_zero3
+from ..runtime.engines import Engine, engine_of, refuse_bare_zero_module, refuse_zero3
 from ..runtime.module_state import module_chain, unwrap
 from ..runtime.optimizer_hook import register_before_optimizer_step, unregister_before_optimizer_step
 from ..runtime.rollout_cache import RolloutCache
@@ -592,6 +592,7 @@ def _class_forward(module: nn.Module):
 
 def _supported_engine(module: nn.Module) -> Engine:
     refuse_zero3(module, "jaggc.stepwise")
+    refuse_bare_zero_module(module, "jaggc.stepwise")
     return engine_of(module)
 
 

@@ -383,6 +383,11 @@ def rank_body(rank: int, world: int) -> dict:
             out["guard"] = None
         except JaggUnsupportedError as e:
             out["guard"] = str(e)
+        try:
+            jaggc.stepwise(_engine(copy.deepcopy(base), 2, 1, 1.0).module, window=4)
+            out["bare"] = None
+        except JaggUnsupportedError as e:
+            out["bare"] = str(e)
         out["base"] = {n: p.detach().clone() for n, p in base.named_parameters()}
         for case in ACC_CASES:
             out[("acc",) + case] = accelerate_loop(base, *case, rank, 4)
@@ -497,6 +502,13 @@ def test_collectives_per_trajectory(rank_results, stage):
 def test_guard_is_refused_on_deepspeed(rank_results):
     for res in rank_results:
         assert res["guard"] is not None and "guard" in res["guard"] and "ZeRO-2" in res["guard"]
+
+
+def test_the_engines_bare_module_is_refused(rank_results):
+    """jaggc.stepwise(engine.module): ZeRO's hooks without the engine that takes their gradients;
+    refused, naming the fix (the engine)."""
+    for res in rank_results:
+        assert res["bare"] is not None and "ZeRO-1/2" in res["bare"] and "jaggc.stepwise(engine)" in res["bare"]
 
 
 @pytest.mark.parametrize("case", ACC_CASES, ids=lambda c: f"zero{c[0]}-{c[1]}")
