@@ -258,7 +258,9 @@ def setup(*, num_inference_steps: int = 10, sde_steps=(1, 2, 3, 4, 5, 6, 7, 8), 
         jaggc.stepwise(transformer, **stepwise)
     adapter = SD3Adapter(transformer, scheduler, lora=lora, unwrap=accelerator.unwrap_model)
     if ref is not None:
-        adapter.ref_parameters = ref          # the reference: the parameters the rollout sampled with
+        # the reference: the parameters the rollout sampled with, in the trained parameters' dtype
+        # (DeepSpeed's bf16 mode casts the module at prepare)
+        adapter.ref_parameters = [r.to(p.dtype) for r, p in zip(ref, adapter.get_trainable_parameters())]
     return FlowFactoryRun(accelerator, adapter, optimizer, samples, args)
 
 

@@ -8,9 +8,11 @@ engine's backward and, at the sync, its step (clip, optimizer step, zeroing), so
 ``optimizer.step()`` + ``zero_grad()`` inside the last step's body read the engine's norm and are
 no-ops. The steps come in the loop's seeded ``randperm`` order, the same on every rank, so jaggc runs
 the deferred schedule, on ZeRO inside the last declared step's ``engine.backward`` (ZeRO takes
-gradients only there). A LoRA (peft), its KL reference under ``disable_adapter()``. One shared
+gradients only there). A LoRA (peft), its KL reference under ``disable_adapter()``, and the full
+fine-tune, its reference's ``.data`` swapped into every trained parameter and back. One shared
 2-rank run (a module fixture); each rank runs, in float32, the unchanged loop, W=2 and W=4
-``weights="t"``, then a bf16 run (DeepSpeed's bf16 mode, bf16 latents: the timestep cast). Checked:
+``weights="t"``, then a bf16 run (DeepSpeed's bf16 mode, bf16 latents: the timestep cast), for the
+LoRA and the full fine-tune. Checked, for both:
 
   * W=2: ZeRO's reduced gradient at the engine's step (``safe_get_full_grad``, read as the step
     starts, before its clip), the parameters after the step, and every logged value equal the
@@ -86,10 +88,17 @@ def rank_body(rank: int, world: int) -> dict:
     four = _loop(rank, dict(window=4, weights="t"), args=NO_CLIP, **FP32)
     reference = _reference(rank)
     bf16 = _loop(rank, dict(window=4), latent_dtype=torch.bfloat16, mixed_precision="bf16", num_sde_steps=6)
+    # the full fine-tune: the reference's .data swapped into every trained parameter (ZeRO-2's views
+    # into its flat buffer) and back, between each step's forward and its backward
+    full = dict(unchanged=_loop(rank, None, lora=False, **FP32), two=_loop(rank, dict(window=2), lora=False, **FP32),
+                four=_loop(rank, dict(window=4, weights="t"), args=NO_CLIP, lora=False, **FP32),
+                reference=_reference(rank, lora=False),
+                bf16=_loop(rank, dict(window=4), lora=False, latent_dtype=torch.bfloat16, mixed_precision="bf16",
+                           num_sde_steps=6))
     initial = ff.setup(shard=(rank, WORLD), **FP32)
     initial = {clean(n): p.detach().clone() for n, p in initial.accelerator.unwrap_model(initial.transformer)
                .named_parameters() if p.requires_grad}
-    return dict(unchanged=unchanged, two=two, four=four, reference=reference, bf16=bf16, initial=initial)
+    return dict(unchanged=unchanged, two=two, four=four, reference=reference, bf16=bf16, initial=initial, full=full)
 
 
 @pytest.fixture(scope="module")
@@ -105,15 +114,16 @@ def test_the_steps_come_in_a_random_order(ranks):
 def test_one_engine_step_per_epoch(ranks):
     """Two batches (trajectories) per sync: the engine steps once, at the second batch's last step."""
     for r in ranks:
-        for k in ("unchanged", "two", "four", "bf16"):
-            assert len(r[k]["grads"]) == 1 and len(r[k]["logged"]) == 1, (k, len(r[k]["grads"]))
+        for run in [r[k] for k in ("unchanged", "two", "four", "bf16")] + [r["full"][k] for k in ("unchanged", "two", "four", "bf16")]:
+            assert len(run["grads"]) == 1 and len(run["logged"]) == 1, len(run["grads"])
 
 
-def test_window_two_is_the_unchanged_loop(ranks):
+@pytest.mark.parametrize("tuning", ["lora", "full"])
+def test_window_two_is_the_unchanged_loop(ranks, tuning):
     for r in ranks:
+        r = r if tuning == "lora" else r["full"]
         unchanged, two = r["unchanged"], r["two"]
         assert two["counts"] == (0, 2, 0)       # every window exact, one joint backward per trajectory
-        assert _rel(unchanged["params"], r["initial"]) > 1e-4          # the step moved them
         print(f"ZeRO-2 W=2 vs unchanged: gradient {_rel(two['grads'][0], unchanged['grads'][0]):.3g}, "
               f"parameters {_rel(two['params'], unchanged['params']):.3g}")
         assert _rel(two["grads"][0], unchanged["grads"][0]) <= 1e-6, _rel(two["grads"][0], unchanged["grads"][0])
@@ -122,14 +132,16 @@ def test_window_two_is_the_unchanged_loop(ranks):
         assert sorted(got) == sorted(want) == sorted(FORWARD_VALUES + ("grad_norm",))
         for k in FORWARD_VALUES:
             assert torch.equal(got[k], want[k]), (k, got[k], want[k])
-        assert float(want["kl_div"]) > 0        # the LoRA's KL reference (disable_adapter) is another model
+        assert float(want["kl_div"]) > 0        # the KL reference (disable_adapter, .data swap) is another model
         assert abs(float(got["grad_norm"]) / float(want["grad_norm"]) - 1) <= 1e-6
         # the norm ZeRO clipped by is the reduced gradient's
         norm = float(torch.cat([g.double().reshape(-1) for g in unchanged["grads"][0].values()]).norm())
         assert abs(float(want["grad_norm"]) / norm - 1) <= 1e-5, (float(want["grad_norm"]), norm)
 
 
-def test_window_four_is_the_ranks_average_jagg(ranks):
+@pytest.mark.parametrize("tuning", ["lora", "full"])
+def test_window_four_is_the_ranks_average_jagg(ranks, tuning):
+    ranks = [r if tuning == "lora" else r["full"] for r in ranks]
     for r in ranks:
         four = r["four"]
         assert four["counts"] == (2, 2, 0)      # a JAGG window of 4 and an exact one of 2, per trajectory
@@ -141,9 +153,14 @@ def test_window_four_is_the_ranks_average_jagg(ranks):
     assert _rel(a, b) <= 1e-7                   # the ranks hold the same reduced gradient
 
 
-def test_bf16_latent_storage_runs(ranks):
+@pytest.mark.parametrize("tuning", ["lora", "full"])
+def test_bf16_latent_storage_runs(ranks, tuning):
     for r in ranks:
-        bf16 = r["bf16"]
+        bf16 = r["bf16"] if tuning == "lora" else r["full"]["bf16"]
         assert bf16["counts"] == (2, 2, 0)
         assert all(torch.isfinite(torch.as_tensor(v)).all() for v in bf16["logged"][0].values())
-        assert _rel(bf16["params"], r["initial"]) > 1e-4
+
+
+def test_the_step_moved_the_parameters(ranks):
+    for r in ranks:
+        assert _rel(r["unchanged"]["params"], r["initial"]) > 1e-4     # (the LoRA's; W=2 compares against it)
