@@ -28,7 +28,8 @@ LoRA and the full fine-tune. Checked, for both:
     apart from jaggc (``reference_jagg``) to 1e-5 (the fp32 joint backward against the reference's
     summation order, and ZeRO's bucketed all-reduce against the test's: ~1e-7);
   * bf16: the two lines run, no refusal (the bf16 timestep is matched to the declared float32 one it
-    rounds from), every window ran (2 JAGG windows, 2 joint backwards), the logged values finite.
+    rounds from), every window ran (2 JAGG windows, 2 joint backwards), the logged values finite;
+    W=2 (LoRA): the logged forward values bit-equal, the reduced gradient within bf16's summation.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from test_sharded import clean  # noqa: E402
 from test_stepwise_frameworks_distributed import FP32, NO_CLIP, WORLD, _reference, _rel  # noqa: E402
 
 TIMEOUT_S = 600
+BF16 = dict(latent_dtype=torch.bfloat16, mixed_precision="bf16", num_sde_steps=6)
 FORWARD_VALUES = ("kl_div", "kl_loss", "ratio", "policy_loss", "loss", "clip_frac_high")
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
@@ -87,18 +89,19 @@ def rank_body(rank: int, world: int) -> dict:
     two = _loop(rank, dict(window=2), **FP32)
     four = _loop(rank, dict(window=4, weights="t"), args=NO_CLIP, **FP32)
     reference = _reference(rank)
-    bf16 = _loop(rank, dict(window=4), latent_dtype=torch.bfloat16, mixed_precision="bf16", num_sde_steps=6)
+    bf16 = _loop(rank, dict(window=4), **BF16)
+    bf16_w2 = (_loop(rank, None, **BF16), _loop(rank, dict(window=2), **BF16))
     # the full fine-tune: the reference's .data swapped into every trained parameter (ZeRO-2's views
     # into its flat buffer) and back, between each step's forward and its backward
     full = dict(unchanged=_loop(rank, None, lora=False, **FP32), two=_loop(rank, dict(window=2), lora=False, **FP32),
                 four=_loop(rank, dict(window=4, weights="t"), args=NO_CLIP, lora=False, **FP32),
                 reference=_reference(rank, lora=False),
-                bf16=_loop(rank, dict(window=4), lora=False, latent_dtype=torch.bfloat16, mixed_precision="bf16",
-                           num_sde_steps=6))
+                bf16=_loop(rank, dict(window=4), lora=False, **BF16))
     initial = ff.setup(shard=(rank, WORLD), **FP32)
     initial = {clean(n): p.detach().clone() for n, p in initial.accelerator.unwrap_model(initial.transformer)
                .named_parameters() if p.requires_grad}
-    return dict(unchanged=unchanged, two=two, four=four, reference=reference, bf16=bf16, initial=initial, full=full)
+    return dict(unchanged=unchanged, two=two, four=four, reference=reference, bf16=bf16, bf16_w2=bf16_w2, initial=initial,
+                full=full)
 
 
 @pytest.fixture(scope="module")
@@ -164,3 +167,19 @@ def test_bf16_latent_storage_runs(ranks, tuning):
 def test_the_step_moved_the_parameters(ranks):
     for r in ranks:
         assert _rel(r["unchanged"]["params"], r["initial"]) > 1e-4     # (the LoRA's; W=2 compares against it)
+
+
+def test_bf16_window_two_is_the_unchanged_loop_to_bf16s_summation(ranks):
+    """DeepSpeed's bf16 mode, W=2: the logged forward values bit-equal; ZeRO's reduced gradient within
+    bf16's summation: the unchanged loop hands ZeRO each step's bf16 gradient alone, jaggc's joint
+    backward first adds a trajectory's 6 steps' bf16 gradients in the module's bf16 (5 roundings of
+    2^-9 of the running sum: <= 6 * 2^-9 ~ 1.2e-2 of the summands' size, where the steps' gradients
+    do not cancel; measured 5.7e-3; bound 2^-6)."""
+    for r in ranks:
+        unchanged, two = r["bf16_w2"]
+        assert two["counts"] == (0, 2, 0)
+        for k in FORWARD_VALUES:
+            assert torch.equal(two["logged"][0][k], unchanged["logged"][0][k]), k
+        err = _rel(two["grads"][0], unchanged["grads"][0])
+        print(f"ZeRO-2 bf16 W=2 vs unchanged: gradient {err:.3g}, parameters {_rel(two['params'], unchanged['params']):.3g}")
+        assert err <= 2 ** -6, err
