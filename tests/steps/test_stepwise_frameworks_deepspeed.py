@@ -14,9 +14,10 @@ fine-tune, its reference's ``.data`` swapped into every trained parameter and ba
 ``weights="t"``, then a bf16 run (DeepSpeed's bf16 mode, bf16 latents: the timestep cast), for the
 LoRA and the full fine-tune. Checked, for both:
 
-  * W=2: ZeRO's reduced gradient at the engine's step (``safe_get_full_grad``, read as the step
-    starts, before its clip), the parameters after the step, and every logged value equal the
-    unchanged loop's. Bound 1e-6 relative for the gradient: the unchanged loop reduces each of the
+  * W=2, with a clip that bites (``max_grad_norm`` 1e-5): ZeRO's reduced gradient at the engine's
+    step (``safe_get_full_grad``, read as the step starts, before its clip), the clipped gradient
+    (each rank's fp32 partition as ZeRO's torch optimizer steps on it), the parameters after the
+    step, and every logged value equal the unchanged loop's. Bound 1e-6 relative for the gradient: the unchanged loop reduces each of the
     12 steps' gradients in its own ``engine.backward`` (all-reduce, average, add into the partition),
     jaggc each trajectory's 6 steps in one joint backward and one reduction: another summation order of
     ~12 fp32 summands per element (a few ulps, 6e-8 each, ~1e-7 as a norm). The parameters after
@@ -42,12 +43,15 @@ import torch
 deepspeed = pytest.importorskip("deepspeed")
 
 import jaggc  # noqa: E402
+from jaggc._compat import zero_torch_optimizer  # noqa: E402
 from jaggc_studies.loops import flow_factory as ff  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 from test_sharded import clean  # noqa: E402
 from test_stepwise_frameworks_distributed import FP32, NO_CLIP, WORLD, _reference, _rel  # noqa: E402
 
 TIMEOUT_S = 600
+#: a clip that bites (the tiny LoRA's gradient norm is ~1e-3): ZeRO clips inside the engine's step
+CLIP = ff.TrainingArguments(max_grad_norm=1e-5)
 BF16 = dict(latent_dtype=torch.bfloat16, mixed_precision="bf16", num_sde_steps=6)
 FORWARD_VALUES = ("kl_div", "kl_loss", "ratio", "policy_loss", "loss", "clip_frac_high")
 
@@ -71,10 +75,16 @@ def _loop(rank: int, stepwise, args=ff.TrainingArguments(), **kwargs) -> dict:
         return engine_step(*a, **k)
 
     engine.step = step
+    clipped = []
+
+    def at_torch_step(opt, a, k):   # the rank's fp32 partition of the gradient, as ZeRO clipped it
+        clipped.append(torch.cat([p.grad.detach().reshape(-1).clone() for g in opt.param_groups for p in g["params"]]))
+
+    zero_torch_optimizer(engine).register_step_pre_hook(at_torch_step)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         logged = (ff.train_unchanged if stepwise is None else ff.train_jaggc)(run)
-    out = dict(grads=grads, logged=logged, order=run.adapter.scheduler.train_timesteps,
+    out = dict(grads=grads, clipped=clipped, logged=logged, order=run.adapter.scheduler.train_timesteps,
                params={clean(n): p.detach().clone() for n, p in engine.module.named_parameters() if p.requires_grad})
     if stepwise is not None:
         c = jaggc.stepwise(engine).counts
@@ -85,15 +95,16 @@ def _loop(rank: int, stepwise, args=ff.TrainingArguments(), **kwargs) -> dict:
 
 def rank_body(rank: int, world: int) -> dict:
     deepspeed.init_distributed(dist_backend="gloo")
-    unchanged = _loop(rank, None, **FP32)
-    two = _loop(rank, dict(window=2), **FP32)
+    unchanged = _loop(rank, None, args=CLIP, **FP32)
+    two = _loop(rank, dict(window=2), args=CLIP, **FP32)
     four = _loop(rank, dict(window=4, weights="t"), args=NO_CLIP, **FP32)
     reference = _reference(rank)
     bf16 = _loop(rank, dict(window=4), **BF16)
     bf16_w2 = (_loop(rank, None, **BF16), _loop(rank, dict(window=2), **BF16))
     # the full fine-tune: the reference's .data swapped into every trained parameter (ZeRO-2's views
     # into its flat buffer) and back, between each step's forward and its backward
-    full = dict(unchanged=_loop(rank, None, lora=False, **FP32), two=_loop(rank, dict(window=2), lora=False, **FP32),
+    full = dict(unchanged=_loop(rank, None, args=CLIP, lora=False, **FP32),
+                two=_loop(rank, dict(window=2), args=CLIP, lora=False, **FP32),
                 four=_loop(rank, dict(window=4, weights="t"), args=NO_CLIP, lora=False, **FP32),
                 reference=_reference(rank, lora=False),
                 bf16=_loop(rank, dict(window=4), lora=False, **BF16))
@@ -137,6 +148,12 @@ def test_window_two_is_the_unchanged_loop(ranks, tuning):
             assert torch.equal(got[k], want[k]), (k, got[k], want[k])
         assert float(want["kl_div"]) > 0        # the KL reference (disable_adapter, .data swap) is another model
         assert abs(float(got["grad_norm"]) / float(want["grad_norm"]) - 1) <= 1e-6
+        assert float(want["grad_norm"]) > 10 * CLIP.max_grad_norm        # the clip bites
+        # the clipped gradient (this rank's partition, as ZeRO's torch optimizer steps on it)
+        [got_clipped], [want_clipped] = two["clipped"], unchanged["clipped"]
+        assert float(want_clipped.norm()) < float(want["grad_norm"]) / 10
+        rel = float((got_clipped.double() - want_clipped.double()).norm() / want_clipped.double().norm())
+        assert rel <= 1e-6, rel
         # the norm ZeRO clipped by is the reduced gradient's
         norm = float(torch.cat([g.double().reshape(-1) for g in unchanged["grads"][0].values()]).norm())
         assert abs(float(want["grad_norm"]) / norm - 1) <= 1e-5, (float(want["grad_norm"]), norm)
