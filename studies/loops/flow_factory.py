@@ -208,7 +208,8 @@ def setup(*, num_inference_steps: int = 10, sde_steps=(1, 2, 3, 4, 5, 6, 7, 8), 
     GradScaler, ``flow_grpo.fp16_on_cpu``). ``engine``: "accelerate" (one process, or DDP
     when torch.distributed is initialized), "fsdp1" or "fsdp2" (the model wrapped before ``prepare``,
     which then prepares the optimizer only: accelerate's FSDP plugin does not start on a CPU group;
-    its ``accumulate`` then syncs FSDP2 every step and runs FSDP1's ``no_sync`` off-sync). ``stepwise``: the keywords of the user's added line."""
+    its ``accumulate`` then syncs FSDP2 every step and runs FSDP1's ``no_sync`` off-sync), or "deepspeed"
+    (accelerate's DeepSpeed plugin, ZeRO-2: ``deepspeed_zero2_accelerator``). ``stepwise``: the keywords of the user's added line."""
     import peft
     from accelerate import Accelerator
 
@@ -232,8 +233,14 @@ def setup(*, num_inference_steps: int = 10, sde_steps=(1, 2, 3, 4, 5, 6, 7, 8), 
     samples = _rollout(transformer, scheduler, samples_per_rank * world, latent_dtype, seed, args)[rank::world]
     ref = None if lora else [p.detach().clone() for p in transformer.parameters() if p.requires_grad]
     off_policy_step(transformer, seed, (lambda name: "lora_" in name) if lora else (lambda name: True))
-    accelerator = Accelerator(cpu=True, mixed_precision="no" if mixed_precision == "fp16" else mixed_precision,
-                              gradient_accumulation_steps=args.gradient_accumulation_steps * num_sde_steps)
+    steps_per_sync = args.gradient_accumulation_steps * num_sde_steps
+    if engine == "deepspeed":
+        accelerator = deepspeed_zero2_accelerator(args, steps_per_sync, mixed_precision)
+        if mixed_precision == "bf16":
+            samples = [_conditioning_in(s, torch.bfloat16) for s in samples]
+    else:
+        accelerator = Accelerator(cpu=True, mixed_precision="no" if mixed_precision == "fp16" else mixed_precision,
+                                  gradient_accumulation_steps=steps_per_sync)
     if mixed_precision == "fp16":
         # a GPU's fp16 mixed precision on the CPU: fp16 autocast forward, GradScaler (flow_grpo.py)
         from jaggc_studies.loops.flow_grpo import fp16_on_cpu
@@ -251,8 +258,48 @@ def setup(*, num_inference_steps: int = 10, sde_steps=(1, 2, 3, 4, 5, 6, 7, 8), 
         jaggc.stepwise(transformer, **stepwise)
     adapter = SD3Adapter(transformer, scheduler, lora=lora, unwrap=accelerator.unwrap_model)
     if ref is not None:
-        adapter.ref_parameters = ref          # the reference: the parameters the rollout sampled with
+        # the reference: the parameters the rollout sampled with, in the trained parameters' dtype
+        # (DeepSpeed's bf16 mode casts the module at prepare)
+        adapter.ref_parameters = [r.to(p.dtype) for r, p in zip(ref, adapter.get_trainable_parameters())]
     return FlowFactoryRun(accelerator, adapter, optimizer, samples, args)
+
+
+def deepspeed_zero2_accelerator(args: TrainingArguments, steps_per_sync: int, mixed_precision: str):
+    """accelerate with its DeepSpeed plugin as Flow-Factory's ``config/deepspeed/deepspeed_zero2.yaml``
+    sets it up: ``distributed_type: DEEPSPEED``, ZeRO stage 2, neither optimizer nor parameters
+    offloaded, no ZeRO-3 init; the training config's mixed precision and accumulation. Under it
+    ``accelerator.backward`` is the engine's backward and, at the sync, its step (clip at
+    ``gradient_clipping``, here the trainer's ``max_grad_norm``; the optimizer step; the zeroing),
+    ``clip_grad_norm_`` only reads the engine's norm and the optimizer wrapper's ``step``/``zero_grad``
+    are no-ops. "bf16" is DeepSpeed's bf16 mode (the module cast to bf16, fp32 master partitions, no
+    autocast). On a CPU accelerate takes the plugin only off ``cpu=True``, with ``LOCAL_RANK`` set and
+    torch.distributed initialized (the ranks' gloo group)."""
+    import torch.distributed as dist
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+
+    if mixed_precision == "fp16":
+        raise ValueError("DeepSpeed's fp16 mode is not modelled here; use mixed_precision='bf16' or 'no'")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    plugin = DeepSpeedPlugin(zero_stage=2, offload_optimizer_device="none", offload_param_device="none",
+                             zero3_init_flag=False, gradient_accumulation_steps=steps_per_sync,
+                             gradient_clipping=args.max_grad_norm)
+    plugin.deepspeed_config.update({"zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
+                                    "train_micro_batch_size_per_gpu": args.per_device_batch_size,
+                                    "train_batch_size": args.per_device_batch_size * steps_per_sync * world})
+    accelerator = Accelerator(deepspeed_plugin=plugin, mixed_precision=mixed_precision,
+                              gradient_accumulation_steps=steps_per_sync)
+    if accelerator.distributed_type.name != "DEEPSPEED":
+        raise RuntimeError(f"accelerate did not take its DeepSpeed plugin ({accelerator.distributed_type}): "
+                           f"set LOCAL_RANK and initialize torch.distributed first")
+    return accelerator
+
+
+def _conditioning_in(sample: dict, dtype) -> dict:
+    """ZeRO's bf16 mode casts the module, not its inputs: the prompt embeddings stored in the
+    module's dtype, as a bf16 pipeline's text encoders give them (the latents already are)."""
+    keys = ("prompt_embeds", "pooled_prompt_embeds", "negative_prompt_embeds", "negative_pooled_prompt_embeds")
+    return {k: (v.to(dtype) if k in keys else v) for k, v in sample.items()}
 
 
 def _rollout(transformer, scheduler: FlowSDEScheduler, n: int, latent_dtype, seed: int, args) -> list[dict]:
@@ -463,5 +510,5 @@ def reference_loss(run: FlowFactoryRun, batch: dict, transformer) -> torch.Tenso
     return total / run.accelerator.gradient_accumulation_steps
 
 
-__all__ = ["FlowFactoryRun", "FlowSDEScheduler", "SD3Adapter", "TrainingArguments", "fsdp1_wrap", "fsdp2_wrap", "reference_loss",
-           "setup", "stack", "train_jaggc", "train_unchanged"]
+__all__ = ["FlowFactoryRun", "FlowSDEScheduler", "SD3Adapter", "TrainingArguments", "deepspeed_zero2_accelerator", "fsdp1_wrap",
+           "fsdp2_wrap", "reference_loss", "setup", "stack", "train_jaggc", "train_unchanged"]
