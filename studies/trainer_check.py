@@ -354,6 +354,12 @@ def main(args) -> int:
     loop_names = [n for n in args.loops.split(",") if n]
     if any(n not in loops.LOOPS for n in loop_names):
         raise SystemExit(f"jaggc trainers: --loops {args.loops!r}: a comma-separated subset of {', '.join(loops.LOOPS)}")
+    framework_names = [n for n in args.frameworks.split(",") if n]
+    if any(n not in loops.FRAMEWORK_LOOPS for n in framework_names):
+        raise SystemExit(f"jaggc trainers: --frameworks {args.frameworks!r}: a comma-separated subset of "
+                         f"{', '.join(loops.FRAMEWORK_LOOPS)}")
+    if framework_names and (args.speed_size == "published" or args.device != "cpu"):
+        raise SystemExit("jaggc trainers: --frameworks runs the CPU forms (--speed-size tiny or 10m, --device cpu)")
     results = run(names, steps=args.steps, first_call_steps=args.first_call_steps, subsets=args.subsets,
                   speed_size=args.speed_size, speed_steps=args.speed_steps, rounds=args.rounds, forms=forms) \
         if names else dict(shapes={})
@@ -366,10 +372,18 @@ def main(args) -> int:
             raise SystemExit(f"jaggc trainers: --backwards {args.backwards!r}: a comma-separated subset of "
                              f"{', '.join(loop_report.FORMS)}")
         results["loops"] = loop_report.run_loops(loop_names, where=where, rounds=args.rounds, forms=backwards)
+    if framework_names:
+        from jaggc_studies.loops import frameworks_speed
+
+        timed = frameworks_speed.measure(args.speed_size, max(args.rounds, 1), loops=framework_names)
+        results["frameworks"] = dict(lines_changed={n: loops.lines_changed(n) for n in framework_names}, speed=timed)
     if names:
         print(format_table(results))
     if loop_names:
         print(loop_report.format_loops(results["loops"]))
+    if framework_names:
+        print("  " + ", ".join(f"{n}: {k} lines changed" for n, k in results["frameworks"]["lines_changed"].items()))
+        print(frameworks_speed.format_results(results["frameworks"]["speed"], args.speed_size, max(args.rounds, 1)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2, default=str)
@@ -402,6 +416,10 @@ def add_arguments(p) -> None:
     p.add_argument("--loops", default=",".join(loops.LOOPS),
                    help="the trainers' own per-step loops with jaggc.stepwise to measure (lines changed, CPU time, "
                         "peak activations, collectives); '' to skip")
+    p.add_argument("--frameworks", default="",
+                   help=f"the frameworks' per-step loops with jaggc.stepwise to time on the CPU (comma-separated: "
+                        f"{', '.join(loops.FRAMEWORK_LOOPS)}; lines changed, CPU time against the unchanged loop at W=4 "
+                        f"with 8 trained steps, cost model); default none")
     p.add_argument("--backwards", default="joint,lowmem,per_window",
                    help="--loops: the stepwise backward forms to measure (each with its CFG-slice, rollout-cache and "
                         "guard-probe variants); fewer forms, a shorter run")

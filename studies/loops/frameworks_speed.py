@@ -78,12 +78,19 @@ def _call_kwargs(model, batch: int, cfg: bool) -> dict:
     return kwargs
 
 
-def measure(size: str = "10m", rounds: int = 5) -> dict:
+#: the loops' timed cases, by loop (loops.FRAMEWORK_LOOPS)
+CASES = {"flow_factory": ("flow_factory_lora", "flow_factory_full"), "verl_omni": ("verl_omni",)}
+
+
+def measure(size: str = "10m", rounds: int = 5, loops=tuple(CASES)) -> dict:
+    """The ``loops``' cases (``CASES``) timed against their unchanged loops (module docstring)."""
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     cases = {"flow_factory_lora": lambda sw: _flow_factory(True, size, sw),
              "flow_factory_full": lambda sw: _flow_factory(False, size, sw),
              "verl_omni": lambda sw: _verl_omni(size, sw)}
+    wanted = {case for loop in loops for case in CASES[loop]}
+    cases = {name: build for name, build in cases.items() if name in wanted}
     results = {}
     for name, build in cases.items():
         unchanged, run = build(None)

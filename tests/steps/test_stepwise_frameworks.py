@@ -173,3 +173,24 @@ def test_docs_show_each_framework_loop_s_diff_as_measured():
     shown = re.findall(r"^```diff\n(.*?)^```", text, re.M | re.S)
     n = len(loops.LOOPS)
     assert [b.rstrip("\n") for b in shown[n:n + 2]] == ["\n".join(loops.user_diff(k)) for k in loops.FRAMEWORK_LOOPS]
+
+
+def test_jaggc_trainers_times_the_frameworks_loops(capsys):
+    """``jaggc trainers --frameworks``: each loop's lines changed and its CPU-time ratio beside its
+    cost model (tiny, one round: the figures' form, not their values); an unknown loop is refused."""
+    import argparse
+    import re
+
+    from jaggc_studies import trainer_check
+
+    parser = argparse.ArgumentParser()
+    trainer_check.add_arguments(parser)
+    args = parser.parse_args(["--names", "none", "--loops", "", "--frameworks", "verl_omni", "--speed-size", "tiny",
+                              "--rounds", "1"])
+    assert trainer_check.main(args) == 0
+    out = capsys.readouterr().out
+    assert "verl_omni: 2 lines changed" in out
+    assert re.search(r"verl_omni\s+\d+\.\d+x \[[\d.]+-[\d.]+\]\s+cost model \d+\.\d+x", out), out
+    assert "flow_factory" not in out
+    with pytest.raises(SystemExit, match="--frameworks 'bogus'"):
+        trainer_check.main(parser.parse_args(["--names", "none", "--loops", "", "--frameworks", "bogus"]))
