@@ -44,7 +44,7 @@ from .autograd import (
     backward_accumulates_everywhere, backward_task_id, in_backward, queue_backward_callback, rng_states, rng_states_restored,
     run_after_backward)
 from .fsdp_slots import GradSlot, fsdp_gradient_slots, fsdp_version, reshard_fully_sharded
-from .deepspeed import intercept_zero_grad, is_deepspeed_engine, zero12_managed, zero3_partitioned, zero_ready_buckets, zero_torch_optimizer
+from .deepspeed import accumulation_taps, intercept_zero_grad, is_deepspeed_engine, zero12_managed, zero3_partitioned, zero_data_parallel_group, zero_ready_buckets, zero_torch_optimizer
 
 __all__ = [
     "DYNAMO_ENTER_AUTOCAST", "DYNAMO_EXIT_AUTOCAST", "GradSlot", "MODULE_CALL_SLOT", "SET_GRAD_ENABLED",
@@ -52,7 +52,7 @@ __all__ = [
     "compiled_inner_module", "compiler_disable", "copy_input_codegen", "detect_fake_mode",
     "dispatch_mode_base", "dynamo_real_stack", "dynamo_recompile_limits", "dynamo_unique_graphs",
     "dynamo_unsupported_types", "fake_mode_accepts_real_tensors", "fake_mode_suspended",
-    "flat_apply_function", "flat_apply_inputs", "fsdp_gradient_slots", "fsdp_version", "fx_patches_reverted", "intercept_zero_grad", "is_deepspeed_engine",
+    "flat_apply_function", "flat_apply_inputs", "fsdp_gradient_slots", "fsdp_version", "fx_patches_reverted", "accumulation_taps", "intercept_zero_grad", "is_deepspeed_engine", "zero_data_parallel_group",
     "backward_task_id", "in_backward", "is_fake", "is_flat_apply_node", "keystr", "lookup_dynamo_backend", "module_call_impl",
     "module_hook_keys", "new_fake_mode", "nonstrict_trace", "queue_backward_callback",
     "recompile_limit_types", "recompile_reason", "reshard_fully_sharded", "rng_states", "rng_states_restored", "run_after_backward",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
 from torch import nn
 
 
@@ -75,5 +76,35 @@ def intercept_zero_grad(engine: nn.Module, before: Callable[[str], None]) -> Cal
 
 _UNSET = object()
 
-__all__ = ["intercept_zero_grad", "is_deepspeed_engine", "zero3_partitioned", "zero_ready_buckets",
-           "zero_torch_optimizer"]
+
+def zero_data_parallel_group(engine: nn.Module):
+    """The process group ZeRO averages gradients over (``seq_data_parallel_group``: the data-parallel
+    group, sequence-parallel ranks included), None (the default group) where the engine names none."""
+    return getattr(engine, "seq_data_parallel_group", None)
+
+
+def accumulation_taps(params, on_grad: Callable[[int, torch.Tensor], None]) -> Callable[[], None]:
+    """Call ``on_grad(i, grad)`` with every gradient autograd accumulates into ``params[i]``, before it
+    is accumulated: a pre-hook on the parameter's ``AccumulateGrad`` node (``view_as(p).grad_fn``'s next
+    function, the idiom DeepSpeed itself uses). ZeRO-2 takes the gradient off ``.grad`` in its
+    post-accumulate hooks, so ``.grad`` never shows it; and unlike a tensor hook on the parameter, a node
+    pre-hook does not run for a ``torch.autograd.grad`` whose inputs are the parameters (that graph
+    captures the gradient, the node does not run): exactly what the loop's backward passes hand ZeRO.
+    The nodes are held until the returned function removes the hooks (autograd caches them weakly)."""
+    handles, nodes = [], []
+    for i, p in enumerate(params):
+        node = p.view_as(p).grad_fn.next_functions[0][0]
+        nodes.append(node)
+        handles.append(node.register_prehook(lambda grads, _i=i: on_grad(_i, grads[0]) if grads[0] is not None
+                                             else None))
+
+    def remove() -> None:
+        for h in handles:
+            h.remove()
+        handles.clear()
+        nodes.clear()
+
+    return remove
+
+__all__ = ["accumulation_taps", "intercept_zero_grad", "is_deepspeed_engine", "zero3_partitioned", "zero_data_parallel_group",
+           "zero_ready_buckets", "zero_torch_optimizer"]

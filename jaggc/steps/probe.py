@@ -11,7 +11,13 @@ Nothing of it changes ``.grad``: the optimizer gets, bit for bit, what an unguar
   after its first forward; under DDP the ranks' average of that difference (whatever the loop synced in
   between: the average of an average is itself, so a synced and a ``no_sync`` backward both count
   right), under FSDP this rank's shard (reduce-scattered, averaged).
-* e_w where autograd sees the parameters (one process, DDP): in a probed trajectory the interior
+  Under DeepSpeed ZeRO-2, whose hooks take each gradient off ``.grad`` into ZeRO's partitions as it is
+  accumulated, J_p is summed from the gradients the trajectory's backward passes hand autograd's
+  accumulators (``_compat.accumulation_taps``, a pre-hook on each ``AccumulateGrad``: what ZeRO gets,
+  the engine's 1/gradient_accumulation_steps and loss scale included) and averaged over ZeRO's
+  data-parallel ranks as under DDP. The probe's own ``torch.autograd.grad`` runs no accumulator: ZeRO
+  sees nothing of it and the taps do not count it.
+* e_w where autograd sees the parameters (one process, DDP, DeepSpeed ZeRO-2): in a probed trajectory the interior
   steps run with grad, on the module inside DDP (DDP's reducer never sees them) and their values are
   the ones the loop would see (the rollout cache's where it serves them); when the window's
   backward runs, ONE ``torch.autograd.grad`` through the knots' graphs (retained: the window's own
@@ -35,7 +41,8 @@ from typing import Any, Sequence
 
 import torch
 
-from .._compat import fsdp_gradient_slots, run_after_backward, tree_flatten
+from .._compat import (accumulation_taps, fsdp_gradient_slots, run_after_backward, tree_flatten,
+                       zero_data_parallel_group)
 from ..runtime.guard_probe import _flat, local_module, sharded_backward, sharded_grads, slots_dtype
 from ..runtime.guard_ranks import agree_all, agree_on_windows
 from ..runtime.guard_stats import (ProbeResult, ShardedSum, local_dot, local_sum, range_of, reduce_norms,
@@ -51,6 +58,10 @@ class TrajectoryProbe:
     def __init__(self, owner, guard, index: int, run):
         self.owner, self.guard, self.index, self.run = owner, guard, index, run
         self.sharded = bool(owner.fsdp)
+        # DeepSpeed ZeRO-2 (ZeRO-1 is refused at install): J_p from the accumulators' taps (module docstring)
+        self.zero = owner.engine.zero_stage is not None
+        self.taken: torch.Tensor | None = None
+        self._untap = None
         if self.sharded:
             self.slots = fsdp_gradient_slots(owner.module)
             self.dtype = slots_dtype(self.slots)
@@ -83,6 +94,8 @@ class TrajectoryProbe:
 
     # --- the flat gradient ---------------------------------------------------------------------
     def _grads(self) -> torch.Tensor:
+        if self.zero:
+            return self.taken.clone()
         if not self.sharded:
             return _flat([p.grad for p in self.params], self.params, self.dtype)
         return sharded_grads(self.slots, self.dtype)
@@ -90,11 +103,30 @@ class TrajectoryProbe:
     def read_before(self) -> None:
         """The trajectory's first DiT forward has run (run.py)."""
         if self.before is None:
+            if self.zero:
+                self._tap()
             self.before = self._grads()
 
     def read_after(self) -> None:
         """The trajectory's last backward finished (run.py queues this after it)."""
         self.after = self._grads()
+        self._stop_taps()
+
+    def _tap(self) -> None:
+        """ZeRO-2: from now on, sum what the loop's backward passes accumulate into each parameter."""
+        sizes = [p.numel() for p in self.params]
+        self.taken = torch.zeros(sum(sizes), dtype=self.dtype, device=self.params[0].device)
+        parts = self.taken.split(sizes)
+
+        def take(i: int, grad: torch.Tensor) -> None:
+            parts[i].add_(grad.detach().reshape(-1).to(self.dtype))
+
+        self._untap = accumulation_taps(self.params, take)
+
+    def _stop_taps(self) -> None:
+        if self._untap is not None:
+            self._untap()
+            self._untap = None
 
     def queue_after(self) -> None:
         run_after_backward(self.read_after)
@@ -165,6 +197,8 @@ class TrajectoryProbe:
         if self.finished:
             return
         self.finished = True
+        self._stop_taps()
+        self.taken = None
         why = ("its last backward never finished" if self.after is None or self.before is None
                else "the loop disturbed a window" if self.owner.counts.fallbacks != self.fallbacks else None)
         if self.owner.distributed and not agree_all(why is None, self._device()) and why is None:
@@ -183,7 +217,7 @@ class TrajectoryProbe:
                 self._rerun_window(win, kept, sigma)
         # in place: the snapshots are not read again (each new flat vector costs its page faults)
         jagg, self.after, self.before = self.after.sub_(self.before), None, None
-        if self.owner.ddp is not None and self.owner.distributed:
+        if (self.owner.ddp is not None or self.zero) and self.owner.distributed:
             jagg, self.errors = self._average(jagg)
         norms = reduce_norms(self.windows, reduce, jagg.device)
         error = total_error(self.errors, jagg)
@@ -213,10 +247,11 @@ class TrajectoryProbe:
                                         what=f"jaggc guard: the probe of window {win.planned.index}"), sigma_min)
 
     def _average(self, jagg: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """DDP: the ranks' average of J and of each σ range's error (module docstring); one all-reduce."""
+        """DDP, ZeRO-2: the ranks' average of J and of each σ range's error (module docstring); one all-reduce."""
         import torch.distributed as dist
 
-        group = getattr(self.owner.ddp, "process_group", None)
+        group = (zero_data_parallel_group(self.owner.engine.wrapper) if self.zero
+                 else getattr(self.owner.ddp, "process_group", None))
         ranges = range(len(self.guard.ranges))
         zeros = torch.zeros_like(jagg)
         seen = torch.tensor([float(r in self.errors) for r in ranges], dtype=jagg.dtype, device=jagg.device)

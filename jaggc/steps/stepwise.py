@@ -154,14 +154,6 @@ class Stepwise:
         self.cfg_slice, self.rollout_cache = bool(cfg_slice), rollout_cache
         if guard is not None and not isinstance(guard, Guard):
             raise JaggInputError(f"stepwise(guard={type(guard).__name__}): pass a jaggc.Guard(every=..., on_drift=...)")
-        if guard is not None and self.engine.zero_stage is not None:
-            # the probe reads the trajectory's gradient from .grad (steps/probe.py), which ZeRO-2 empties after
-            # every backward and ZeRO-1 reduces only at its boundary: its figures would be this rank's, or none
-            raise JaggUnsupportedError(
-                f"stepwise(guard=...) on {self.engine.name}: the guard's probe reads the trajectory's gradient from "
-                f".grad, which ZeRO keeps in its own partitions (ZeRO-2 empties .grad after every backward), so it "
-                f"cannot measure the all-rank gradient here yet. Run without guard= on DeepSpeed and measure the "
-                f"setting with jaggc.calibrate on unwrapped copies, or use the guard under DDP/FSDP")
         self.guard = guard
         self.slicer = SliceLearner() if cfg_slice else None
         self.cache = _rollout_cache(module, rollout_cache, self.options)
