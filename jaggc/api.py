@@ -22,12 +22,18 @@ from .frontends import registry
 from .options import KEYWORDS, DEPRECATED, Options, apply_deprecated
 from .report import Report
 from .report_build import refresh_times
-from .runtime.engines import refuse_zero3
+from .runtime.engines import refuse_whole_loss_guard_on_zero, refuse_zero3
 from .runtime.guard import Guard
 from .runtime.routing import Routing
 from .runtime.weights import DEFAULT_WEIGHTS, Basis
 from .runtime.window import check_window_size
 from .session import CompileSession
+
+
+def _modules_of(args, kwargs, dit) -> list[nn.Module]:
+    """The modules among a call's arguments and the session's ``dit=``, each once."""
+    leaves = _compat.tree_flatten((args, kwargs))[0] + [dit]
+    return list({id(m): m for m in leaves if isinstance(m, nn.Module)}.values())
 
 
 class JaggCompiled:
@@ -67,6 +73,7 @@ class JaggCompiled:
         self._path: str | None = None if capture == "auto" else capture
         self._warned_no_dit = False
         self._one_step_calls = 0         # consecutive calls with one trained DiT call (-1: not per-step)
+        self._guard_engines_checked = False
         self._engines_checked = False    # the modules of the first call: an engine jaggc cannot serve refused
         self._per_step_warned = False
 
@@ -97,6 +104,11 @@ class JaggCompiled:
     # --- entry --------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         if self._guard is not None:
+            if not self._guard_engines_checked:
+                # before the guard snapshots .grad: under ZeRO it would read nothing (engines.py)
+                for module in _modules_of(args, kwargs, self._session.dit):
+                    refuse_whole_loss_guard_on_zero(module)
+                self._guard_engines_checked = True
             return self._guard.call(self._call, self.__wrapped__, args, kwargs, dit=self._session.dit)
         return self._call(*args, **kwargs)
 
@@ -142,8 +154,7 @@ class JaggCompiled:
     def _check_engines(self, args, kwargs) -> None:
         """Refuse, at the first call, a DiT under an engine jaggc cannot serve (runtime/engines.py:
         DeepSpeed ZeRO-3), before any capture touches its partitioned parameters."""
-        leaves = _compat.tree_flatten((args, kwargs))[0] + [self._session.dit]
-        for module in {id(m): m for m in leaves if isinstance(m, nn.Module)}.values():
+        for module in _modules_of(args, kwargs, self._session.dit):
             refuse_zero3(module, "jagg_compile")
 
     def _announce_fallback(self, path: str, failed: list[str]) -> None:

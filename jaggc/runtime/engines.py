@@ -140,4 +140,15 @@ def refuse_zero3(module: nn.Module, what: str) -> None:
             f"(fully_shard), on which {what} is supported (docs/distributed.md)")
 
 
-__all__ = ["Engine", "engine_of", "refuse_bare_zero_module", "refuse_zero3"]
+def refuse_whole_loss_guard_on_zero(module: nn.Module) -> None:
+    """Raise where a guarded ``jagg_compile`` loss runs a DiT under DeepSpeed ZeRO-1/2: the whole-loss
+    probe reads the call's gradient from ``.grad``, which ZeRO empties into its partitions."""
+    if engine_of(module).zero_stage is not None or zero12_managed(module):
+        raise JaggUnsupportedError(
+            f"jagg_compile(guard=...) on {type(module).__name__} under DeepSpeed ZeRO: the whole-loss guard's probe "
+            f"reads the call's gradient from .grad, which ZeRO takes into its own partitions, so its figures "
+            f"would not be the gradient's. Guard a per-step loop instead (jaggc.stepwise(engine, guard=...) is "
+            f"supported on ZeRO-1/2), or run this loss without guard= on DeepSpeed")
+
+
+__all__ = ["Engine", "engine_of", "refuse_bare_zero_module", "refuse_whole_loss_guard_on_zero", "refuse_zero3"]

@@ -24,11 +24,16 @@ a random order per rank (the deferred schedule: every window inside the last ste
   ``engine.module``'s ``zero_grad()`` while one
   is held back (ZeRO keeps the gradient off ``.grad``: the call is watched), and the next trajectory
   starts clean; a zero_grad while nothing is held back and accelerate's clip inside a window run;
-* ZeRO-3 is refused at install with a jaggc error naming ZeRO-3 and what to use instead, and the
-  guard on DeepSpeed likewise (its probe reads ``.grad``, which ZeRO keeps in its partitions);
+* ZeRO-3 is refused at install with a jaggc error naming ZeRO-3 and what to use instead;
+* the guard (``Guard(every=1)``, W=4) on ZeRO-1 and ZeRO-2, both orders: the parameters after the step
+  are bit-identical to the unguarded W=4 loop's (the probe hands ZeRO nothing), and the probe's cosine
+  and relative error are equal on both ranks and equal to those computed here from the ranks' average
+  reference JAGG and the ranks' average exact gradient (1e-6: fp32 gradients, the guard's float64
+  statistics; the two sides differ by fp32 summation orders, ~1e-7 relative, well inside);
 * accelerate with its DeepSpeed plugin on CPU (Flow-GRPO's shape: ``accumulate``,
   ``accelerator.backward``, clip at the sync), ZeRO-1/2: W=4 the reduced gradient as above, W=2 the
   unchanged loop's parameters;
+* a guarded ``jagg_compile`` loss on ZeRO-2 is refused at its first call (its probe reads ``.grad``);
 * the whole-loss path: one ``engine.backward`` of a ``jagg_compile``-d loss gives the ranks' average
   reference JAGG in ZeRO-1's and ZeRO-2's buffers (1e-5, as above); ZeRO-3 refused at the first call.
 """
@@ -119,7 +124,7 @@ def counting_collectives():
 
 def run_loop(base, stage: int, order: str, trajectories: int, clip: float, rank: int, window: int | None,
              backward: str = "joint", bf16: bool = False, rollout_cache: bool = False,
-             zero_grad_after: int | None = None) -> dict:
+             zero_grad_after: int | None = None, guard: bool = False) -> dict:
     """The per-step loop on a fresh engine from ``base``'s weights (``window=None``: unchanged):
     the reduced gradient just before the boundary's step, the parameters after it, the collectives
     of the backward passes (the optimizer step's not counted: the same in both loops)."""
@@ -130,8 +135,10 @@ def run_loop(base, stage: int, order: str, trajectories: int, clip: float, rank:
     if bf16:    # ZeRO's bf16 mode casts the module, not its inputs
         cond = {k: v.bfloat16() for k, v in cond.items()}
         trajs = [(ts, [z.bfloat16() for z in zs], gs) for ts, zs, gs in trajs]
+    probes = []
     if window is not None:
-        jaggc.stepwise(engine, window=window, weights="t", backward=backward, rollout_cache=rollout_cache)
+        jaggc.stepwise(engine, window=window, weights="t", backward=backward, rollout_cache=rollout_cache,
+                       guard=jaggc.Guard(every=1, on_probe=probes.append) if guard else None)
     if rollout_cache:   # the rollout: the sampler's no-grad calls of the engine on the states it visits
         with torch.no_grad():
             for ts, zs, _ in trajs:
@@ -158,6 +165,8 @@ def run_loop(base, stage: int, order: str, trajectories: int, clip: float, rank:
                 engine.zero_grad()
     result = dict(grad=grad, params={n: p.detach().clone() for n, p in engine.module.named_parameters()},
                   collectives=collectives / trajectories)
+    if guard:
+        result["figures"] = [(r.cosine, r.rel_error) for r in probes]
     if window is not None:
         result["counts"] = vars(jaggc.stepwise(engine).counts).copy()
         jaggc.stepwise(engine).close()
@@ -180,6 +189,18 @@ def reference(base, rank: int, trajectories: int, window: int) -> dict:
     dist.all_reduce(total, op=dist.ReduceOp.AVG)
     sizes = [p.numel() for p in model.parameters()]
     return {n: g.view_as(p) for (n, p), g in zip(model.named_parameters(), total.split(sizes))}
+
+
+def exact_reference(base, rank: int) -> dict:
+    """The ranks' average of each rank's exact gradient of its summed loss (one trajectory)."""
+    model = copy.deepcopy(base)
+    cond, ((ts, zs, gs),) = _inputs(base, rank, 1)
+    loss = sum(_loss(model(hidden_states=zs[j], timestep=ts[:, j], return_dict=False, **cond)[0], gs[j])
+               for j in range(T))
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    total = torch.cat([g.reshape(-1) for g in grads]).double() / T
+    dist.all_reduce(total, op=dist.ReduceOp.AVG)
+    return {n: g.view_as(p) for (n, p), g in zip(model.named_parameters(), total.split([p.numel() for p in grads]))}
 
 
 def accelerate_loop(base, stage: int, order: str, trajectories: int, rank: int, window: int | None,
@@ -348,10 +369,28 @@ def whole_loss(base, stage: int, rank: int) -> dict:
     return dict(grad=grad, trained=loss_fn.report.trained_calls)
 
 
+def whole_loss_guard(base, rank: int) -> str | None:
+    """A guarded ``jagg_compile`` loss on a ZeRO-2 engine: refused at its first call (its probe reads ``.grad``)."""
+    engine = _engine(copy.deepcopy(base), 2, 1, 0.0, gas=1)
+    cond, [(ts, zs, gs)] = _inputs(base, rank, 1)
+
+    @jaggc.jagg_compile(window=4, weights="t", guard=jaggc.Guard(every=1))
+    def loss_fn(dit, zs, ts):
+        return sum(_loss(dit(hidden_states=zs[j], timestep=ts[:, j], return_dict=False, **cond)[0], gs[j])
+                   for j in range(T))
+
+    try:
+        loss_fn(engine, zs, ts)
+    except JaggUnsupportedError as e:
+        return str(e)
+    return None
+
+
 W4_CASES = [(stage, order, trajectories, clip) for stage in (1, 2) for order in ("sigma", "random")
             for trajectories, clip in ((1, 1.0), (2, 0.0))]
 ACC_CASES = [(stage, order, 1) for stage in (1, 2) for order in ("sigma", "random")]
 MODE_CASES = [(2, order, 1, 1.0, mode) for mode in ("lowmem", "per_window") for order in ("sigma", "random")]
+GUARD_CASES = [(stage, order) for stage in (1, 2) for order in ("sigma", "random")]
 ZERO_GRAD_CALLS = ("engine", "optimizer", "module")
 W2_CASES = [(stage, order, trajectories, clip) for stage in (1, 2) for order, trajectories, clip in
             (("sigma", 1, 1.0), ("random", 2, 0.0))]
@@ -378,11 +417,9 @@ def rank_body(rank: int, world: int) -> dict:
         for stage in (1, 2):
             out[("unchanged", stage)] = run_loop(base, stage, "sigma", 1, 1.0, rank, None)
             out[("unchanged_zero_grad", stage)] = run_loop(base, stage, "sigma", 1, 1.0, rank, None, zero_grad_after=1)
-        try:
-            jaggc.stepwise(_engine(copy.deepcopy(base), 2, 1, 1.0), window=4, guard=jaggc.Guard(every=1))
-            out["guard"] = None
-        except JaggUnsupportedError as e:
-            out["guard"] = str(e)
+        out["exact"] = exact_reference(base, rank)
+        for case in GUARD_CASES:
+            out[("guard",) + case] = run_loop(base, case[0], case[1], 1, 1.0, rank, 4, guard=True)
         try:
             jaggc.stepwise(_engine(copy.deepcopy(base), 2, 1, 1.0).module, window=4)
             out["bare"] = None
@@ -404,6 +441,7 @@ def rank_body(rank: int, world: int) -> dict:
             out[("early_end", stage)] = early_end(base, stage, rank)
         for stage in (1, 2, 3):
             out[("whole", stage)] = whole_loss(base, stage, rank)
+        out["whole_guard"] = whole_loss_guard(base, rank)
         out["whole_ref"] = {n: g * T for n, g in refs[1].items()}   # the summed loss, one backward
         try:
             _ = jaggc.stepwise(_engine(copy.deepcopy(base), 3, 1, 1.0), window=4)
@@ -499,9 +537,35 @@ def test_collectives_per_trajectory(rank_results, stage):
     print(f"ZeRO-{stage} collectives per trajectory: unchanged {unchanged}, stepwise W=4 {stepwise}")
 
 
-def test_guard_is_refused_on_deepspeed(rank_results):
+def _figures(j: dict, x: dict) -> tuple[float, float]:
+    fj = torch.cat([j[k].double().reshape(-1) for k in sorted(x)])
+    fx = torch.cat([x[k].double().reshape(-1) for k in sorted(x)])
+    return float(fj @ fx / (fj.norm() * fx.norm())), float((fj - fx).norm() / fx.norm())
+
+
+def test_whole_loss_guard_is_refused_on_zero(rank_results):
     for res in rank_results:
-        assert res["guard"] is not None and "guard" in res["guard"] and "ZeRO-2" in res["guard"]
+        refused = res["whole_guard"]
+        assert refused is not None and "guard" in refused and "ZeRO" in refused and "jaggc.stepwise" in refused
+
+
+@pytest.mark.parametrize("case", GUARD_CASES, ids=lambda c: f"zero{c[0]}-{c[1]}")
+def test_guard_figures_and_untouched_parameters(rank_results, case):
+    stage, order = case
+    figures = []
+    for res in rank_results:
+        guarded, unguarded = res[("guard",) + case], res[("w4", stage, order, 1, 1.0)][0]
+        # the probe hands ZeRO nothing: the optimizer stepped on exactly the unguarded loop's gradient
+        for name, p in unguarded["params"].items():
+            assert torch.equal(guarded["params"][name], p), name
+        assert guarded["counts"]["probe_backwards"] > 0
+        cos_ref, rel_ref = _figures(res[("w4", stage, order, 1, 1.0)][1], res["exact"])
+        (cos, rel), = guarded["figures"]
+        # fp32 gradients against the float64 reference: summation-order roundoff ~1e-7 relative
+        assert abs(cos - cos_ref) <= 1e-6 and abs(rel - rel_ref) <= 1e-6 * max(1.0, rel_ref), (cos, cos_ref, rel, rel_ref)
+        assert rel_ref > 1e-4
+        figures.append(guarded["figures"])
+    assert figures[0] == figures[1]     # every rank the same figures
 
 
 def test_the_engines_bare_module_is_refused(rank_results):
