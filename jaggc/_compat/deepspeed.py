@@ -106,5 +106,6 @@ def accumulation_taps(params, on_grad: Callable[[int, torch.Tensor], None]) -> C
 
     return remove
 
+
 __all__ = ["accumulation_taps", "intercept_zero_grad", "is_deepspeed_engine", "zero3_partitioned", "zero_data_parallel_group",
            "zero_ready_buckets", "zero_torch_optimizer"]

@@ -58,7 +58,7 @@ class TrajectoryProbe:
     def __init__(self, owner, guard, index: int, run):
         self.owner, self.guard, self.index, self.run = owner, guard, index, run
         self.sharded = bool(owner.fsdp)
-        # DeepSpeed ZeRO-2 (ZeRO-1 is refused at install): J_p from the accumulators' taps (module docstring)
+        # DeepSpeed ZeRO-1/2: J_p from the accumulators' taps (module docstring)
         self.zero = owner.engine.zero_stage is not None
         self.taken: torch.Tensor | None = None
         self._untap = None
