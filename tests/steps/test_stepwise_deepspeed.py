@@ -55,6 +55,7 @@ from jaggc import models  # noqa: E402
 from jaggc.errors import JaggUnsupportedError  # noqa: E402
 from helpers import reference_jagg  # noqa: E402
 from ranks import run_ranks  # noqa: E402
+from jaggc_studies.bench.deepspeed_zero import counting_collectives  # noqa: E402
 
 WORLD = 2
 TIMEOUT_S = 600
@@ -83,9 +84,13 @@ def _loss(out, g):
     return (out * g).sum() / out.shape[0]
 
 
-def _engine(dit, stage: int, trajectories: int, clip: float, gas: int | None = None, bf16: bool = False):
-    config = {"bf16": {"enabled": bf16},"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": gas or T * trajectories,
-              "zero_optimization": {"stage": stage}, "gradient_clipping": clip,
+def _engine(dit, stage: int, trajectories: int, clip: float, gas: int | None = None, bf16: bool = False,
+            bucket: int | None = None):
+    zero = {"stage": stage}
+    if bucket is not None:      # elements per bucket: several reductions per backward on the tiny model
+        zero.update(reduce_bucket_size=bucket, allgather_bucket_size=bucket)
+    config = {"bf16": {"enabled": bf16}, "train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": gas or T * trajectories,
+              "zero_optimization": zero, "gradient_clipping": clip,
               "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
     engine, *_ = deepspeed.initialize(model=dit, optimizer=torch.optim.SGD(dit.parameters(), lr=LR), config=config)
     return engine
@@ -97,40 +102,15 @@ def _order(rank: int, order: str, k: int) -> list[int]:
     return torch.randperm(T, generator=torch.Generator().manual_seed(7 * rank + k)).tolist()
 
 
-#: the torch.distributed calls DeepSpeed's comm backend makes (deepspeed/comm/torch.py), looked up at call time
-COLLECTIVES = ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_gather",
-               "all_gather_into_tensor", "broadcast")
-
-
-@contextlib.contextmanager
-def counting_collectives():
-    counts = dict.fromkeys(COLLECTIVES, 0)
-    originals = {name: getattr(dist, name) for name in COLLECTIVES}
-
-    def counted(name):
-        def call(*args, **kwargs):
-            counts[name] += 1
-            return originals[name](*args, **kwargs)
-        return call
-
-    for name in COLLECTIVES:
-        setattr(dist, name, counted(name))
-    try:
-        yield counts
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
-
-
 def run_loop(base, stage: int, order: str, trajectories: int, clip: float, rank: int, window: int | None,
              backward: str = "joint", bf16: bool = False, rollout_cache: bool = False,
-             zero_grad_after: int | None = None, guard: bool = False) -> dict:
+             zero_grad_after: int | None = None, guard: bool = False, bucket: int | None = None) -> dict:
     """The per-step loop on a fresh engine from ``base``'s weights (``window=None``: unchanged):
     the reduced gradient just before the boundary's step, the parameters after it, the collectives
     of the backward passes (the optimizer step's not counted: the same in both loops)."""
     from deepspeed.utils import safe_get_full_grad
 
-    engine = _engine(copy.deepcopy(base), stage, trajectories, clip, bf16=bf16)
+    engine = _engine(copy.deepcopy(base), stage, trajectories, clip, bf16=bf16, bucket=bucket)
     cond, trajs = _inputs(base, rank, trajectories)
     if bf16:    # ZeRO's bf16 mode casts the module, not its inputs
         cond = {k: v.bfloat16() for k, v in cond.items()}
@@ -392,6 +372,8 @@ ACC_CASES = [(stage, order, 1) for stage in (1, 2) for order in ("sigma", "rando
 MODE_CASES = [(2, order, 1, 1.0, mode) for mode in ("lowmem", "per_window") for order in ("sigma", "random")]
 GUARD_CASES = [(stage, order) for stage in (1, 2) for order in ("sigma", "random")]
 ZERO_GRAD_CALLS = ("engine", "optimizer", "module")
+#: ZeRO-2 bucket size (elements) that cuts the tiny model's gradient into several reductions per backward
+SMALL_BUCKET = 5000
 W2_CASES = [(stage, order, trajectories, clip) for stage in (1, 2) for order, trajectories, clip in
             (("sigma", 1, 1.0), ("random", 2, 0.0))]
 
@@ -408,6 +390,9 @@ def rank_body(rank: int, world: int) -> dict:
         refs = {n: reference(base, rank, n, 4) for n in (1, 2)}
         for case in W4_CASES:
             out[("w4",) + case] = (run_loop(base, *case, rank, 4), refs[case[2]])
+        for order in ("sigma", "random"):
+            out[("small_buckets", order)] = (run_loop(base, 2, order, 1, 1.0, rank, None, bucket=SMALL_BUCKET),
+                                             run_loop(base, 2, order, 1, 1.0, rank, 4, bucket=SMALL_BUCKET), refs[1])
         for case in MODE_CASES:
             out[("mode",) + case] = (run_loop(base, *case[:4], rank, 4, backward=case[4]), refs[case[2]])
         for order in ("sigma", "random"):
@@ -470,6 +455,20 @@ def test_w2_parameters_are_the_unchanged_loops(rank_results, case):
         for n, p in unchanged["params"].items():
             torch.testing.assert_close(stepwise["params"][n], p, rtol=1e-6, atol=1e-6 * float(p.abs().max()), msg=n)
         assert stepwise["counts"]["jagg_windows"] == 0 and stepwise["counts"]["fallbacks"] == 0
+
+
+@pytest.mark.parametrize("order", ["sigma", "random"])
+def test_zero2_with_small_buckets(rank_results, order):
+    """ZeRO-2 reducing each backward in several buckets (SMALL_BUCKET elements): the unchanged loop
+    makes more all-reduces per step than with one bucket, and W=4's reduced gradient is still the
+    ranks' average JAGG (1e-5), with fewer all-reduces than the unchanged loop."""
+    for res in rank_results:
+        unchanged, run, ref = res[("small_buckets", order)]
+        one_bucket = res[("unchanged", 2)]
+        assert unchanged["collectives"] > one_bucket["collectives"], (unchanged["collectives"], one_bucket["collectives"])
+        assert run["counts"]["jagg_windows"] == 1 and run["counts"]["fallbacks"] == 0, run["counts"]
+        assert _rel(run["grad"], ref) < 1e-5, _rel(run["grad"], ref)
+        assert run["collectives"] < unchanged["collectives"], (run["collectives"], unchanged["collectives"])
 
 
 @pytest.mark.parametrize("case", W4_CASES, ids=lambda c: f"zero{c[0]}-{c[1]}-traj{c[2]}-clip{c[3]}")
