@@ -344,9 +344,13 @@ def whole_loss(base, stage: int, rank: int) -> dict:
         loss = loss_fn(engine, zs, ts)
     except JaggUnsupportedError as e:
         return dict(refused=str(e))
+    with torch.no_grad():       # the loss's value as written, on the module's own weights
+        value = sum(_loss(base(hidden_states=zs[j], timestep=ts[:, j], return_dict=False, **cond)[0], gs[j])
+                    for j in range(T))
     engine.backward(loss)
     grad = {name: safe_get_full_grad(p).detach().clone() for name, p in engine.module.named_parameters()}
-    return dict(grad=grad, trained=loss_fn.report.trained_calls)
+    return dict(grad=grad, trained=loss_fn.report.trained_calls, path=loss_fn.report.path,
+                value=float(loss.detach()), value_ref=float(value))
 
 
 def whole_loss_guard(base, rank: int) -> str | None:
@@ -499,7 +503,9 @@ def test_whole_loss_gradient_in_zeros_buffers(rank_results, stage):
     for res in rank_results:
         run = res[("whole", stage)]
         assert "refused" not in run, run
-        assert run["trained"] == T
+        assert run["trained"] == T and run["path"] == "fx", (run["trained"], run["path"])
+        # the value: the same calls, batched knots rounding fp32 in another order (a few ulp)
+        assert abs(run["value"] - run["value_ref"]) <= 1e-5 * abs(run["value_ref"]) + 1e-7, run
         assert _rel(run["grad"], res["whole_ref"]) < 1e-5, _rel(run["grad"], res["whole_ref"])
 
 
