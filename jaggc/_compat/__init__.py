@@ -4,7 +4,7 @@ Everything here is marked backward-incompatible (or private) upstream; keeping i
 means a PyTorch upgrade that moves one of them costs one file: ``pytree`` (torch's flattening of
 nested arguments), ``dynamo`` (the DiT opaque while Dynamo traces, its errors and backends),
 ``tracing`` (torch.fx and fake tensors while jaggc traces), ``modules`` (nn.Module internals),
-``tensors`` (version counters, an op's written arguments, dispatch modes), ``autograd`` (work after
+``tensors`` (version counters, a storage's reference count, an op's written arguments, dispatch modes), ``autograd`` (work after
 a backward, RNG states), ``fsdp_slots`` (where FSDP keeps its gradients) and ``deepspeed`` (ZeRO's
 buckets and inner optimizer). Callers import the
 names from ``jaggc._compat`` itself. Each name says what jaggc needs and
@@ -39,7 +39,7 @@ from .tracing import (
 from .modules import (
     MODULE_CALL_SLOT, apply_activation_checkpointing, compiled_inner_module, module_call_impl,
     module_hook_keys)
-from .tensors import dispatch_mode_base, version_counter, written_arguments
+from .tensors import dispatch_mode_base, storage_refs, version_counter, written_arguments
 from .autograd import (
     backward_accumulates_everywhere, backward_task_id, in_backward, queue_backward_callback, rng_states, rng_states_restored,
     run_after_backward)
@@ -55,7 +55,7 @@ __all__ = [
     "flat_apply_function", "flat_apply_inputs", "fsdp_gradient_slots", "fsdp_version", "fx_patches_reverted", "accumulation_taps", "intercept_zero_grad", "is_deepspeed_engine", "zero_data_parallel_group",
     "backward_task_id", "in_backward", "is_fake", "is_flat_apply_node", "keystr", "lookup_dynamo_backend", "module_call_impl",
     "module_hook_keys", "new_fake_mode", "nonstrict_trace", "queue_backward_callback",
-    "recompile_limit_types", "recompile_reason", "reshard_fully_sharded", "rng_states", "rng_states_restored", "run_after_backward",
+    "recompile_limit_types", "recompile_reason", "storage_refs", "reshard_fully_sharded", "rng_states", "rng_states_restored", "run_after_backward",
     "traced_input_value", "tree_flatten", "tree_flatten_with_path", "tree_map", "tree_unflatten",
     "unwrap_backend_error", "version_counter", "written_arguments", "zero12_managed", "zero3_partitioned", "zero_ready_buckets", "zero_torch_optimizer",
 ]

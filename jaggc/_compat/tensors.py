@@ -33,3 +33,10 @@ def version_counter(t) -> int:
     ``Tensor._version`` is what autograd's "modified by an inplace operation" check reads; torch
     exposes it under no public name."""
     return t._version
+
+
+def storage_refs(t: torch.Tensor) -> int:
+    """How many tensors (views included) refer to ``t``'s storage: 1 when ``t`` is its only holder.
+    The guard's FlatBuffers reuse a flat vector only then (runtime/flat_buffers.py). A storage's
+    reference count has no public name; ``untyped_storage()`` itself holds one more while it is read."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) - 1

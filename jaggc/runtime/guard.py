@@ -45,6 +45,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import JaggInputError
+from .flat_buffers import FlatBuffers
 from .guard_probe import CallProbe
 from .guard_ranks import agree_on_probe
 from .guard_stats import Block, ProbeResult, range_label, range_of, sigma_ranges
@@ -86,7 +87,9 @@ class Guard:
         self.probed = 0                   # probes finished
         self.exact_ranges: set[int] = set()
         self.jagg_off = False
-        self.block = Block(edges, self.probes)
+        # the probes' flat vectors, reused from one probe to the next (runtime/flat_buffers.py)
+        self.buffers = FlatBuffers()
+        self.block = Block(edges, self.probes, buffers=self.buffers)
         self.history: list[dict] = []     # one entry per decided block
         self.last: ProbeResult | None = None
         self.last_figures: dict = {}
@@ -116,7 +119,7 @@ class Guard:
             warnings.warn(f"jaggc guard: the probe of call {self._pending.index} never saw its backward finish "
                           f"(the loss was not backpropagated, or not on its own); it is dropped", stacklevel=3)
         probe = CallProbe(index, sigma_edges=self.sigma_edges, num_ranges=len(self.ranges),
-                          on_finished=self._finished, on_skipped=self._skipped)
+                          on_finished=self._finished, on_skipped=self._skipped, buffers=self.buffers)
         self.active = probe
         try:
             out = run(*args, **kwargs)
@@ -201,7 +204,7 @@ class Guard:
                 entry["action"] = "warned"
                 warnings.warn(head + f"; drifted σ range(s): {where} (on_drift='warn': nothing changed)", stacklevel=2)
         self.history.append(entry)
-        self.block = Block(self.sigma_edges, self.probes)
+        self.block = Block(self.sigma_edges, self.probes, buffers=self.buffers)
 
     # --- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -229,7 +232,7 @@ class Guard:
         self.exact_ranges = set(state["exact_ranges"])
         self.jagg_off = bool(state["jagg_off"])
         self.history = list(state["history"])
-        self.block = Block(self.sigma_edges, self.probes)
+        self.block = Block(self.sigma_edges, self.probes, buffers=self.buffers)
         self.block.load_state_dict(state["block"])
         self.last_figures = self.block.figures() if self.block.n else {}
         self.active = self._pending = None
@@ -238,10 +241,12 @@ class Guard:
     @property
     def buffer_bytes(self) -> int:
         """Bytes the guard holds between probes: the block's running error sums (the whole gradient's
-        and one per σ range seen) and its exact-gradient sum. A probe adds, while it runs, one
-        ``.grad`` snapshot and one error buffer per σ range with JAGG windows."""
+        and one per σ range seen), its exact-gradient sum, and the flat vectors it keeps for the next
+        probe (``buffers``: up to 12 on the CPU; the block's sums are among them)."""
         held = [self.block.exact_sum] + [m.sum for m in self.block.ranges] + [self.block.whole.sum]
-        return sum(t.numel() * t.element_size() for t in held if t is not None)
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in held + self.buffers.held if t is not None}
+        return sum(storages.values())
 
     def log(self) -> dict[str, float]:
         """Flat figures for a logger: the latest probe and the running block."""

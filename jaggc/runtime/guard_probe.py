@@ -45,8 +45,10 @@ from .aggregate import knot_composites
 from .autocast import current_autocast
 from .calls import DitCall
 from .forwards import chunked_outputs, forward_batched
+from .flat_buffers import FlatBuffers
 from .guard_ranks import agree_on_windows
-from .guard_stats import ProbeResult, ShardedSum, local_dot, local_sum, range_of, reduce_norms, total_error
+from .guard_stats import (ProbeResult, ShardedSum, exact_gradient, local_dot, local_sum, range_of, reduce_norms,
+                          total_error)
 from .module_state import CallState, module_state
 from .param_grads import parameter_grads
 from .weights import noise_levels
@@ -59,9 +61,18 @@ def local_module(dit: nn.Module) -> nn.Module:
     return dit.module if isinstance(dit, DistributedDataParallel) else dit
 
 
-def _flat(grads, params, dtype) -> torch.Tensor:
-    return torch.cat([(torch.zeros(p.numel(), dtype=dtype, device=p.device) if g is None else
-                       g.reshape(-1).to(dtype)) for g, p in zip(grads, params)])
+def _flat(grads, params, dtype, buffers: FlatBuffers | None = None) -> torch.Tensor:
+    """The gradients (None: zero) as one flat ``dtype`` vector, into one of ``buffers`` if given."""
+    if buffers is None:
+        return torch.cat([(torch.zeros(p.numel(), dtype=dtype, device=p.device) if g is None else
+                           g.reshape(-1).to(dtype)) for g, p in zip(grads, params)])
+    out = buffers.empty(sum(p.numel() for p in params), dtype, params[0].device)
+    offset = 0
+    for g, p in zip(grads, params):
+        piece = out[offset:offset + p.numel()]
+        piece.zero_() if g is None else piece.copy_(g.reshape(-1))
+        offset += p.numel()
+    return out
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -201,7 +212,7 @@ class WindowProbe:
             # retain: in the joint mode the real backward goes through the same knot graph next
             grads = parameter_grads(outputs, call.params, cotangents, names=call.names, retain_graph=True,
                                     what=f"jaggc guard: the probe of window {self.position}")
-            call.add_window(self, _flat(grads, call.params, call.dtype))
+            call.add_window(self, _flat(grads, call.params, call.dtype, call.buffers))
         self.unmeasured -= set(per_leaf)
         if not self.unmeasured:
             self.knot_leaves = self.interior_leaves = None      # the interior graph is freed here
@@ -211,11 +222,13 @@ class CallProbe:
     """One probed call of the guarded loss (module docstring)."""
 
     def __init__(self, index: int, *, sigma_edges: tuple[float, ...], num_ranges: int,
-                 on_finished: Callable[[CallProbe], None], on_skipped: Callable[[CallProbe], None] | None = None):
+                 on_finished: Callable[[CallProbe], None], on_skipped: Callable[[CallProbe], None] | None = None,
+                 buffers: FlatBuffers | None = None):
         # what the guard's settings say (its σ ranges), and whom to hand the finished probe to:
         # given, so that this module never reaches back into guard.py
         self.index, self.sigma_edges, self.num_ranges, self.on_finished = index, sigma_edges, num_ranges, on_finished
         self.on_skipped = on_skipped
+        self.buffers = buffers
         self.skipped: str | None = None               # why this call gives no probe (``skip``)
         self.dit: nn.Module | None = None
         self.local: nn.Module | None = None
@@ -253,7 +266,7 @@ class CallProbe:
     def _grads(self) -> torch.Tensor:
         if self.sharded:
             return sharded_grads(self.slots, self.dtype)
-        return _flat([p.grad for p in self.params], self.params, self.dtype)
+        return _flat([p.grad for p in self.params], self.params, self.dtype, self.buffers)
 
     def window(self, dit: nn.Module, calls, steps, *, time_arg, batch: int, times: torch.Tensor,
                knots: tuple[int, ...], phi: torch.Tensor, unbatched, chunk, autocast=None) -> WindowProbe:
@@ -309,8 +322,10 @@ class CallProbe:
         self.kept = []
         self._all_reduce()
         windows = reduce_norms(self.windows, reduce, jagg.device)
-        error = total_error(self.range_errors, jagg)
-        return ProbeResult(index=self.index, jagg=jagg, exact=jagg - error, range_errors=dict(self.range_errors),
+        error = total_error(self.range_errors, jagg, self.buffers)
+        self.snapshot = None
+        return ProbeResult(index=self.index, jagg=jagg, exact=exact_gradient(jagg, error, self.buffers),
+                           range_errors=dict(self.range_errors),
                            windows=windows, reduce=reduce, measured_error=error)
 
     def _all_reduce(self) -> None:

@@ -36,6 +36,8 @@ from typing import Callable
 
 import torch
 
+from .flat_buffers import FlatBuffers
+
 
 def sigma_ranges(edges: tuple[float, ...]) -> list[tuple[float, float]]:
     """[(0, e_0), (e_0, e_1), ..., (e_k, 1)] from increasing interior edges in (0, 1)."""
@@ -116,6 +118,10 @@ def local_dots(pairs: list[tuple[torch.Tensor | None, torch.Tensor | None]], dev
     live = [(k, a, b) for k, (a, b) in enumerate(pairs) if a is not None and b is not None]
     if not live:
         return out
+    # a product asked for twice (one σ range's error is the probe's whole error) is taken once
+    first: dict[tuple[int, int], int] = {}
+    repeats = [(k, first.setdefault((id(a), id(b)), k)) for k, a, b in live]
+    live = [(k, a, b) for k, a, b in live if first[(id(a), id(b))] == k]
     numel, step = live[0][1].numel(), dot_chunk(device)
     for i in range(0, numel, step):
         wide: dict[int, torch.Tensor] = {}
@@ -127,6 +133,9 @@ def local_dots(pairs: list[tuple[torch.Tensor | None, torch.Tensor | None]], dev
 
         for k, a, b in live:
             out[k] += torch.dot(chunk(a), chunk(b))
+    for k, source in repeats:
+        if k != source:
+            out[k] = out[source]
     return out
 
 
@@ -154,15 +163,24 @@ def _check_same_probe(index: float, index_sq: float, reduce, what: str) -> None:
             f"Build the guard alike on every rank and load each rank's own guard state on resume")
 
 
-def total_error(errors: dict[int, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-    """Σ_r e_r as a new vector (the ranges' own stay as they are), or zeros: one allocation."""
+def total_error(errors: dict[int, torch.Tensor], like: torch.Tensor, buffers: FlatBuffers | None = None) -> torch.Tensor:
+    """Σ_r e_r, or zeros. One range's own vector when it is the only one (nothing writes a probe's
+    errors once it is finished), else a new vector (from ``buffers`` if given): the ranges' stay as
+    they are."""
     parts = list(errors.values())
     if not parts:
         return torch.zeros_like(like)
-    total = parts[0].clone()
+    if len(parts) == 1:
+        return parts[0]
+    total = buffers.clone(parts[0]) if buffers is not None else parts[0].clone()
     for e in parts[1:]:
         total.add_(e)
     return total
+
+
+def exact_gradient(jagg: torch.Tensor, error: torch.Tensor, buffers: FlatBuffers | None = None) -> torch.Tensor:
+    """X_p = J_p − e_p as a new vector (from ``buffers`` if given)."""
+    return torch.sub(jagg, error, out=buffers.like(jagg)) if buffers is not None else jagg - error
 
 
 def reduce_norms(windows: list[tuple[int, float, torch.Tensor]], reduce, device) -> list[tuple[int, float, float]]:
@@ -204,9 +222,18 @@ class ProbeResult:
         return self.measured_error
 
     def scalar_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The products of J·X, |J|², |X|², |e|² (``local_dots``)."""
+        """The products |J|², J·e, |e|² (``local_dots``) that J·X, |J|², |X|², |e|² follow from
+        (``scalars_of``): X = J − e is never read, one vector fewer to convert to float64."""
         e = self.error
-        return [(self.jagg, self.exact), (self.jagg, self.jagg), (self.exact, self.exact), (e, e)]
+        return [(self.jagg, self.jagg), (self.jagg, e), (e, e)]
+
+    @staticmethod
+    def scalars_of(jj: float, je: float, ee: float) -> tuple[float, float, float, float]:
+        """(J·X, |J|², |X|², |e|²) with X = J − e. Each product of two float32 numbers is exact in
+        float64 and the sums are float64's, so |X|² = |J|² − 2 J·e + |e|² loses to cancellation only
+        ~1e-16 (|J| + |e|)²: against |X|² a relative 1e-6 only where JAGG's error is ~1e4 times the
+        exact gradient."""
+        return jj - je, jj, jj - 2 * je + ee, ee
 
     def measure(self) -> None:
         """The probe's scalars in one reduction (float64), unless a block has reduced them already."""
@@ -215,7 +242,7 @@ class ProbeResult:
             head = torch.tensor([float(self.index), float(self.index) ** 2], dtype=torch.float64, device=device)
             total = self.reduce(torch.cat([head, local_dots(self.scalar_pairs(), device)])).tolist()
             _check_same_probe(total[0], total[1], self.reduce, "the figures")
-            self.scalars = tuple(total[2:6])
+            self.scalars = self.scalars_of(*total[2:5])
 
     def norm(self, v: torch.Tensor) -> float:
         return norm(v, self.reduce)
@@ -237,19 +264,25 @@ class ProbeResult:
         return math.sqrt(max(self.scalars[3], 0.0)) / max(self.exact_norm, 1e-300)
 
 
+def _clone(t: torch.Tensor, buffers: FlatBuffers | None) -> torch.Tensor:
+    return buffers.clone(t) if buffers is not None and t.dim() == 1 else t.clone()
+
+
 class ErrorMoments:
     """Σ e and Σ |e|² of one error series; the count is the block's (absent probes add zero).
     ``sum_sq`` is |Σ e|², reduced over the ranks by the block with its other scalars."""
 
-    def __init__(self, reduce=local_sum):
+    def __init__(self, reduce=local_sum, buffers: FlatBuffers | None = None):
         self.sum: torch.Tensor | None = None
         self.sq = 0.0
         self.sum_sq = 0.0
         self.reduce = reduce
+        self.buffers = buffers
 
     def add(self, e: torch.Tensor) -> None:
         # a block loaded from a checkpoint may hold its sums on the CPU (accelerate loads them there)
-        self.sum = e.clone() if self.sum is None else self.sum.to(e.device).add_(e)
+        self.sum = _clone(e, self.buffers) if self.sum is None else self.sum.to(e.device).add_(e)
+
 
     def bias_and_floor(self, n: int, mean_exact_norm: float) -> tuple[float, float]:
         """(|ē|, floor), both over |X̄|, as calibrate's ErrorStats.bias (floor inf below 2 probes)."""
@@ -276,13 +309,13 @@ class Block:
     (``_reduce``): the same length and order on every rank whatever windows each rank trained, so
     that the ranks never mispair a collective and all compute the same figures."""
 
-    def __init__(self, edges: tuple[float, ...], size: int, reduce=local_sum):
-        self.edges, self.size, self.reduce = edges, size, reduce
+    def __init__(self, edges: tuple[float, ...], size: int, reduce=local_sum, buffers: FlatBuffers | None = None):
+        self.edges, self.size, self.reduce, self.buffers = edges, size, reduce, buffers
         self.n = 0
         self.cosines: list[float] = []
         self.rel_errors: list[float] = []
-        self.whole = ErrorMoments(reduce)
-        self.ranges = [ErrorMoments(reduce) for _ in sigma_ranges(edges)]
+        self.whole = ErrorMoments(reduce, buffers)
+        self.ranges = [ErrorMoments(reduce, buffers) for _ in sigma_ranges(edges)]
         self.seen = [False for _ in self.ranges]      # the ranges any rank had a window in (agreed)
         self.range_rel: list[list[float]] = [[] for _ in self.ranges]
         self.exact_sum: torch.Tensor | None = None
@@ -304,7 +337,7 @@ class Block:
                 raise ValueError(f"a guard probe filed an error under σ range {r}; the block has {len(self.ranges)}")
         self.n += 1
         self.whole.add(probe.error)
-        self.exact_sum = (probe.exact.clone() if self.exact_sum is None
+        self.exact_sum = (_clone(probe.exact, self.buffers) if self.exact_sum is None
                           else self.exact_sum.to(probe.exact.device).add_(probe.exact))
         for r, moments in enumerate(self.ranges):
             e = probe.range_errors.get(r)
@@ -326,7 +359,7 @@ class Block:
             w["rel"].append(norm_ / max(exact_norm, 1e-300))
 
     def _reduce(self, probe: ProbeResult) -> tuple[tuple[float, ...], list[bool], list[float]]:
-        """One reduction: [i, i², J·X, |J|², |X|², |e|², |Σe|², |Σ X|², then per σ range of the table: present,
+        """One reduction: [i, i², |J|², J·e, |e|², |Σe|², |Σ X|², then per σ range of the table: present,
         |e_r|², |Σ e_r|²] (i the probe's index: the ranks' check that they reduce the same probe)."""
         device = probe.jagg.device
         pairs = probe.scalar_pairs() + [(self.whole.sum, self.whole.sum), (self.exact_sum, self.exact_sum)]
@@ -338,16 +371,16 @@ class Block:
         dots = local_dots(pairs, device)
         head = torch.tensor([float(probe.index), float(probe.index) ** 2], dtype=torch.float64, device=device)
         flags = torch.tensor(present, dtype=torch.float64, device=device)
-        # the layout: [i, i², J·X, |J|², |X|², |e|², |Σe|², |ΣX|²] + per range [present, |e_r|², |Σe_r|²]
-        per_range = torch.stack([flags, dots[6::2], dots[7::2]], 1).reshape(-1)
-        parts = torch.cat([head, dots[:6], per_range])
+        # the layout: [i, i², |J|², J·e, |e|², |Σe|², |ΣX|²] + per range [present, |e_r|², |Σe_r|²]
+        per_range = torch.stack([flags, dots[5::2], dots[6::2]], 1).reshape(-1)
+        parts = torch.cat([head, dots[:5], per_range])
         total = self.reduce(parts).tolist()
         _check_same_probe(total[0], total[1], self.reduce, "the block's statistics")
-        self.whole.sum_sq, self.exact_sum_sq = total[6], total[7]
-        per_range = total[8:]
+        self.whole.sum_sq, self.exact_sum_sq = total[5], total[6]
+        per_range = total[7:]
         for r, moments in enumerate(self.ranges):
             moments.sum_sq = per_range[3 * r + 2]
-        return (tuple(total[2:6]), [per_range[3 * r] > 0 for r in range(len(self.ranges))],
+        return (ProbeResult.scalars_of(*total[2:5]), [per_range[3 * r] > 0 for r in range(len(self.ranges))],
                 [per_range[3 * r + 1] for r in range(len(self.ranges))])
 
     def state_dict(self) -> dict:

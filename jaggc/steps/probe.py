@@ -45,8 +45,8 @@ from .._compat import (accumulation_taps, fsdp_gradient_slots, run_after_backwar
                        zero_data_parallel_group)
 from ..runtime.guard_probe import _flat, local_module, sharded_backward, sharded_grads, slots_dtype
 from ..runtime.guard_ranks import agree_all, agree_on_windows
-from ..runtime.guard_stats import (ProbeResult, ShardedSum, local_dot, local_sum, range_of, reduce_norms,
-                                    total_error)
+from ..runtime.guard_stats import (ProbeResult, ShardedSum, exact_gradient, local_dot, local_sum, range_of,
+                                    reduce_norms, total_error)
 from ..runtime.param_grads import parameter_grads
 from ..runtime.weights import noise_levels
 from .slicing import take_rows
@@ -95,9 +95,9 @@ class TrajectoryProbe:
     # --- the flat gradient ---------------------------------------------------------------------
     def _grads(self) -> torch.Tensor:
         if self.zero:
-            return self.taken.clone()
+            return self.guard.buffers.clone(self.taken)
         if not self.sharded:
-            return _flat([p.grad for p in self.params], self.params, self.dtype)
+            return _flat([p.grad for p in self.params], self.params, self.dtype, self.guard.buffers)
         return sharded_grads(self.slots, self.dtype)
 
     def read_before(self) -> None:
@@ -115,7 +115,7 @@ class TrajectoryProbe:
     def _tap(self) -> None:
         """ZeRO-2: from now on, sum what the loop's backward passes accumulate into each parameter."""
         sizes = [p.numel() for p in self.params]
-        self.taken = torch.zeros(sum(sizes), dtype=self.dtype, device=self.params[0].device)
+        self.taken = self.guard.buffers.empty(sum(sizes), self.dtype, self.params[0].device).zero_()
         parts = self.taken.split(sizes)
 
         def take(i: int, grad: torch.Tensor) -> None:
@@ -176,7 +176,7 @@ class TrajectoryProbe:
             if outputs:
                 grads = parameter_grads(outputs, self.params, cotangents, names=self.names, retain_graph=True,
                                         what=f"jaggc guard: the probe of window {win.planned.index}")
-                self._add(win, _flat(grads, self.params, self.dtype))
+                self._add(win, _flat(grads, self.params, self.dtype, self.guard.buffers))
                 self.owner.counts.probe_backwards += 1
             for visit in interior:
                 visit.probe_graph = None
@@ -220,8 +220,9 @@ class TrajectoryProbe:
         if (self.owner.ddp is not None or self.zero) and self.owner.distributed:
             jagg, self.errors = self._average(jagg)
         norms = reduce_norms(self.windows, reduce, jagg.device)
-        error = total_error(self.errors, jagg)
-        self.guard.record(ProbeResult(index=self.index, jagg=jagg, exact=jagg - error, range_errors=dict(self.errors),
+        error = total_error(self.errors, jagg, self.guard.buffers)
+        self.guard.record(ProbeResult(index=self.index, jagg=jagg, exact=exact_gradient(jagg, error, self.guard.buffers),
+                                      range_errors=dict(self.errors),
                                       windows=norms, reduce=reduce, measured_error=error))
 
     def _rerun_window(self, win, kept, sigma_min: float) -> None:
