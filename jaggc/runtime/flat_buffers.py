@@ -23,7 +23,7 @@ from .._compat import storage_refs
 class FlatBuffers:
     """A small pool of flat vectors (module docstring)."""
 
-    def __init__(self, limit: int = 12):
+    def __init__(self, limit: int = 16):
         self.limit = limit
         self._held: list[torch.Tensor] = []
 

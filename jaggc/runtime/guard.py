@@ -242,7 +242,7 @@ class Guard:
     def buffer_bytes(self) -> int:
         """Bytes the guard holds between probes: the block's running error sums (the whole gradient's
         and one per σ range seen), its exact-gradient sum, and the flat vectors it keeps for the next
-        probe (``buffers``: up to 12 on the CPU; the block's sums are among them)."""
+        probe (``buffers``: up to 16, on the CPU only; the block's sums are among them)."""
         held = [self.block.exact_sum] + [m.sum for m in self.block.ranges] + [self.block.whole.sum]
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                     for t in held + self.buffers.held if t is not None}

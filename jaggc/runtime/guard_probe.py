@@ -323,10 +323,12 @@ class CallProbe:
         self._all_reduce()
         windows = reduce_norms(self.windows, reduce, jagg.device)
         error = total_error(self.range_errors, jagg, self.buffers)
-        self.snapshot = None
-        return ProbeResult(index=self.index, jagg=jagg, exact=exact_gradient(jagg, error, self.buffers),
-                           range_errors=dict(self.range_errors),
-                           windows=windows, reduce=reduce, measured_error=error)
+        result = ProbeResult(index=self.index, jagg=jagg, exact=exact_gradient(jagg, error, self.buffers),
+                             range_errors=dict(self.range_errors), windows=windows, reduce=reduce, measured_error=error)
+        # the guard keeps this probe until the next call's: its vectors are the result's now, and the
+        # guard reuses a flat vector only once nothing else refers to it (runtime/flat_buffers.py)
+        self.snapshot, self.range_errors = None, {}
+        return result
 
     def _all_reduce(self) -> None:
         import torch.distributed as dist

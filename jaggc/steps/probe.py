@@ -206,6 +206,7 @@ class TrajectoryProbe:
             why = "another rank dropped its probe of this trajectory"
         if why is not None:
             self.owner.note_once("probe-dropped", f"the guard's probe of trajectory {self.index} was dropped: {why}")
+            self._let_go()
             return
         reduce = ShardedSum() if self.sharded else local_sum
         if self.sharded:
@@ -221,9 +222,16 @@ class TrajectoryProbe:
             jagg, self.errors = self._average(jagg)
         norms = reduce_norms(self.windows, reduce, jagg.device)
         error = total_error(self.errors, jagg, self.guard.buffers)
-        self.guard.record(ProbeResult(index=self.index, jagg=jagg, exact=exact_gradient(jagg, error, self.guard.buffers),
-                                      range_errors=dict(self.errors),
-                                      windows=norms, reduce=reduce, measured_error=error))
+        result = ProbeResult(index=self.index, jagg=jagg, exact=exact_gradient(jagg, error, self.guard.buffers),
+                             range_errors=dict(self.errors), windows=norms, reduce=reduce, measured_error=error)
+        self._let_go()
+        self.guard.record(result)
+
+    def _let_go(self) -> None:
+        """Drop the probe's vectors: the probe and its run refer to each other, so they live until
+        Python's cycle collector runs, and the guard reuses a flat vector only once nothing refers to
+        it (runtime/flat_buffers.py)."""
+        self.errors, self.kept, self.before, self.after, self.taken = {}, [], None, None, None
 
     def _rerun_window(self, win, kept, sigma_min: float) -> None:
         """FSDP: the window's calls again with grad, one backward into a side buffer: this rank's

@@ -61,18 +61,19 @@ def test_cosine_of_a_3m_float32_model_is_the_float64_computation():
         loss_fn(model, zs + 0.1 * k, ts, gs, cond).backward()
     assert len(results) == 2 and len(guard.history) == 1
     for r in results:
-        j, x, e = r.jagg.double(), r.exact.double(), r.error.double()     # e: the measured Σ_w e_w (X = J − e)
+        j, e = r.jagg.double(), r.error.double()     # e: the measured Σ_w e_w
+        x = j - e                                    # X = J − e, exact in float64 (the guard's definition)
         assert r.jagg.dtype == torch.float32
         cosine = float(j @ x / (j.norm() * x.norm()))
         rel = float(e.norm() / x.norm())
-        # X was made as J − e in float32: e and J − X agree to that rounding, u |J| per element
-        assert float((e - (j - x)).norm()) <= 2.0 ** -24 * float(j.norm())
+        # the result's X vector is J − e rounded to float32: u |X| per element
+        assert float((r.exact.double() - x).norm()) <= 2.0 ** -24 * float(x.norm())
         assert rel > 1e-4, rel                    # JAGG differs from exact here: the cosine is not 1
         assert abs(r.cosine - cosine) <= BOUND, (r.cosine, cosine)
         assert abs(r.rel_error - rel) <= BOUND * max(1.0, 1 / rel), (r.rel_error, rel)
     # the block's bias and floor from the same vectors in float64 (calibrate's definitions)
     e = torch.stack([r.error.double() for r in results])
-    xbar = torch.stack([r.exact.double() for r in results]).mean(0)
+    xbar = torch.stack([r.exact.double() for r in results]).mean(0)      # ΣX_p sums the float32 X vectors
     mean_err = float(e.mean(0).norm()) / float(xbar.norm())
     trcov = float(((e - e.mean(0)) ** 2).sum()) / (len(results) - 1)
     floor = math.sqrt(trcov / len(results)) / float(xbar.norm())

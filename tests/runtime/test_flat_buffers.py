@@ -1,0 +1,90 @@
+"""The guard's reused flat vectors (runtime/flat_buffers.py): handed out again only when nothing
+refers to them, so a kept probe result is never overwritten, and reused when nothing does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import jaggc
+from jaggc import models
+from jaggc.runtime.flat_buffers import FlatBuffers
+
+CPU = torch.device("cpu")
+
+
+def test_a_buffer_is_handed_out_again_only_when_nothing_refers_to_it():
+    pool = FlatBuffers(limit=2)
+    a = pool.empty(8, torch.float32, CPU)
+    b = pool.empty(8, torch.float32, CPU)
+    assert a.data_ptr() != b.data_ptr()
+    view = a[2:]                                      # a view keeps a's storage taken
+    del a
+    c = pool.empty(8, torch.float32, CPU)
+    assert c.data_ptr() not in (view.data_ptr() - 8, b.data_ptr())
+    assert len(pool.held) == 2                        # over the limit: c is not held
+    kept = view.data_ptr() - 8
+    del view
+    assert pool.empty(8, torch.float32, CPU).data_ptr() == kept
+    assert pool.empty(8, torch.float64, CPU).dtype == torch.float64     # another dtype: another vector
+    assert pool.clone(torch.arange(8.0)).tolist() == list(range(8))
+
+
+def test_off_the_cpu_nothing_is_held():
+    pool = FlatBuffers()
+    t = pool.empty(8, torch.float32, torch.device("meta"))
+    assert t.device.type == "meta" and pool.held == []
+
+
+class ProbedLoop:
+    """A per-step loop on a tiny SD3 DiT, every trajectory probed (``Guard(every=1)``)."""
+
+    def __init__(self, on_probe=None):
+        torch.manual_seed(0)
+        self.model = models.sd3("tiny")
+        self.cond = models.sd3_conditioning(self.model, 1, seed=1).kwargs
+        self.shape = models.sd3_latent_shape(self.model, 1)
+        self.guard = jaggc.Guard(every=1, probes=2, on_drift="warn", on_probe=on_probe)
+        jaggc.stepwise(self.model, window=4, weights="t", guard=self.guard)
+        self.times = torch.linspace(0.95, 0.3, 6)
+        self.done = 0
+
+    def train(self, trajectories: int) -> None:
+        for _ in range(trajectories):
+            zs = torch.randn(6, *self.shape, generator=torch.Generator().manual_seed(self.done))
+            self.done += 1
+            self.model.zero_grad()
+            for j in jaggc.stepwise(self.model).steps(range(6), self.times):
+                out = self.model(hidden_states=zs[j], timestep=self.times[j:j + 1] * 1000, return_dict=False,
+                                 **self.cond)[0]
+                out.square().mean().backward()
+
+
+@pytest.mark.filterwarnings("ignore:jaggc guard. JAGG drifted")
+def test_kept_probe_results_are_never_overwritten():
+    results, at_probe = [], []
+
+    def keep(result):
+        results.append(result)
+        at_probe.append({n: getattr(result, n).clone() for n in ("jagg", "exact", "error")})
+
+    loop = ProbedLoop(on_probe=keep)
+    loop.train(5)
+    assert loop.guard.probed == 5 and len(results) == 5
+    for result, then in zip(results, at_probe):
+        for name, value in then.items():
+            assert torch.equal(getattr(result, name), value), name
+    storages = {getattr(r, n).untyped_storage().data_ptr() for r in results for n in ("jagg", "exact")}
+    assert len(storages) == 10                        # every kept result has vectors of its own
+
+
+@pytest.mark.filterwarnings("ignore:jaggc guard. JAGG drifted")
+def test_results_nobody_keeps_let_the_guard_reuse_its_vectors():
+    loop = ProbedLoop()
+    loop.train(2)
+    held = [t.untyped_storage().data_ptr() for t in loop.guard.buffers.held]
+    assert held
+    loop.train(4)                                     # four more probes take no new vector
+    assert loop.guard.probed == 6
+    assert [t.untyped_storage().data_ptr() for t in loop.guard.buffers.held] == held
+    assert loop.guard.buffer_bytes >= sum(t.numel() * 4 for t in loop.guard.buffers.held)
