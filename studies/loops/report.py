@@ -146,7 +146,9 @@ def format_loops(results: dict) -> str:
                          f"{s['trainable'] / 1e6:.2f}M trained of {s['params'] / 1e6:.1f}M, "
                          f"{s['rounds']} rounds; peak memory: {m['kind']}; measured one step's call: "
                          + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in units.items())
-                         + f"; unchanged {s['seconds_per_trajectory']['unchanged']:.3f} s per trajectory")
+                         + f"; unchanged {s['seconds_per_trajectory']['unchanged']:.3f} s per trajectory"
+                         + (f", of which {s['cost_model']['shared_s']:.3f} s not in its modelled DiT passes"
+                            if "shared_s" in s["cost_model"] else ""))
             for label in s["median"]:
                 extra = (f", sampling {s['rollout_s'][label]:.2f} s (unchanged's {s['rollout_s'][baseline(label)]:.2f})"
                          if label in s["rollout_s"] else "")
@@ -154,8 +156,10 @@ def format_loops(results: dict) -> str:
                     extra += (f"; vs {baseline(label)}: Guard(every=8) adds {100 * guard_overhead(s['median'][label]):.1f}% "
                               f"[{100 * guard_overhead(s['max'][label]):.1f}-{100 * guard_overhead(s['min'][label]):.1f}] "
                               f"(cost model {100 * guard_overhead(s['cost_model']['ratio'][label]):.1f}%)")
+                shared = s["cost_model"].get("ratio_with_shared", {})
                 lines.append(f"    {label:22s} {s['median'][label]:.2f}x [{s['min'][label]:.2f}-{s['max'][label]:.2f}]"
                              f"  cost model {s['cost_model']['ratio'][label]:.2f}x"
+                             + (f" ({shared[label]:.2f}x with the loop's other work)" if label in shared else "")
                              f"  {s['seconds_per_trajectory'][label]:.3f} s/trajectory"
                              f"  peak memory {m['ratio'][label]:.2f}x{extra}")
         else:

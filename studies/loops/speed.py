@@ -191,10 +191,11 @@ def speed(name: str, where: Where, *, rounds: int = 5, forms=FORMS) -> dict:
             if table[label][0] is not None:
                 jaggc.stepwise(run.transformer).close()
         costs = cost_model(name, where, forms)
+    trajectories = _trajectories(runs["unchanged"])
+    costs = with_shared_costs(costs, statistics.median(train["unchanged"]) / trajectories)
     ratios = {label: [u / v for u, v in zip(train[baseline(label)], train[label])]
               for label in table if not label.startswith("unchanged")}
     model = runs["unchanged"].transformer
-    trajectories = _trajectories(runs["unchanged"])
     return dict(model=f"{type(unwrap(model)).__name__}-{where.size}", device=str(where.device),
                 dtype=str(where.dtype).removeprefix("torch."), clock="wall, synchronised" if on_cuda(where) else
                 "process CPU", params=sum(p.numel() for p in model.parameters()),
@@ -382,11 +383,22 @@ def cost_model(name: str, where: Where, forms=FORMS, units: dict | None = None) 
     labels = variants(loop, forms)
     # a probed trajectory adds one backward of each JAGG window's W steps (in-window probe: steps/probe.py)
     probe = sum(w * b for w in loop.windows if w > 2)
-    ratio = {label: trajectory(baseline(label)) / trajectory(label) for label in labels
-             if not label.startswith("unchanged") and not label.endswith("/probe")}
-    ratio.update({label: trajectory(baseline(label)) / (trajectory(baseline(label)) + probe)
-                  for label in labels if label.endswith("/probe")})
-    return dict(units=u, ratio=ratio)
+    seconds = {label: trajectory(baseline(label)) + probe if label.endswith("/probe") else trajectory(label)
+               for label in labels}
+    ratio = {label: seconds[baseline(label)] / seconds[label] for label in labels if not label.startswith("unchanged")}
+    return dict(units=u, ratio=ratio, seconds=seconds)
+
+
+def with_shared_costs(costs: dict, unchanged_s: float) -> dict:
+    """The cost model with what the loop runs besides its DiT passes: the unchanged loop's measured
+    seconds per trajectory minus its modelled passes (the loss and log-prob arithmetic, the clip and
+    optimizer steps, Python; and any misfit of F and B measured on one call alone), which every
+    variant runs as well. ``ratio_with_shared``: (U + c) / (V + c); measured / that ratio is then
+    what jaggc's own work and its backward's structure cost beyond the passes it runs."""
+    shared = max(unchanged_s - costs["seconds"]["unchanged"], 0.0)
+    ratio = {label: (costs["seconds"][baseline(label)] + shared) / (costs["seconds"][label] + shared)
+             for label in costs["ratio"]}
+    return dict(costs, shared_s=shared, ratio_with_shared=ratio)
 
 
 def _one_call(name: str, run, half: bool = False) -> Callable:
@@ -412,7 +424,7 @@ def _one_call(name: str, run, half: bool = False) -> Callable:
     return call
 
 
-__all__ = ["FORMS", "LoopSetup", "baseline", "clock", "guard_cost", "guard_overhead", "ledger_ab", "ledger_marks_off", "whole_epoch", "cost_model", "epoch", "loop_setup", "on_cuda", "run_on", "speed",
+__all__ = ["FORMS", "LoopSetup", "baseline", "clock", "guard_cost", "guard_overhead", "ledger_ab", "ledger_marks_off", "whole_epoch", "cost_model", "with_shared_costs", "epoch", "loop_setup", "on_cuda", "run_on", "speed",
            "unit_costs", "variants"]
 
 
