@@ -34,6 +34,8 @@ a random order per rank (the deferred schedule: every window inside the last ste
   ``accelerator.backward``, clip at the sync), ZeRO-1/2: W=4 the reduced gradient as above, W=2 the
   unchanged loop's parameters;
 * a guarded ``jagg_compile`` loss on ZeRO-2 is refused at its first call (its probe reads ``.grad``);
+* DanceGRPO's shape: each rank its own random subset of 4 of the 6 steps: the ranks' average JAGG,
+  and the guard's figures the same on both ranks and those of the average gradients;
 * the whole-loss path: one ``engine.backward`` of a ``jagg_compile``-d loss gives the ranks' average
   reference JAGG in ZeRO-1's and ZeRO-2's buffers (1e-5, as above); ZeRO-3 refused at the first call.
 """
@@ -60,6 +62,7 @@ from jaggc_studies.bench.deepspeed_zero import counting_collectives  # noqa: E40
 WORLD = 2
 TIMEOUT_S = 600
 B, T = 2, 6
+SUBSET = 4          # DanceGRPO's shape: each rank trains its own random 4 of the 6 steps
 LR = 1e-2
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
@@ -97,9 +100,17 @@ def _engine(dit, stage: int, trajectories: int, clip: float, gas: int | None = N
 
 
 def _order(rank: int, order: str, k: int) -> list[int]:
+    """The steps a rank trains in trajectory ``k``: all in σ order, all in a random order, or (DanceGRPO's
+    shape) a random subset of SUBSET steps in a random order, another on each rank."""
     if order == "sigma":
         return list(range(T))
+    if order == "subset":
+        return torch.randperm(T, generator=torch.Generator().manual_seed(11 * rank + k + 1))[:SUBSET].tolist()
     return torch.randperm(T, generator=torch.Generator().manual_seed(7 * rank + k)).tolist()
+
+
+def _steps_per_trajectory(order: str) -> int:
+    return SUBSET if order == "subset" else T
 
 
 def run_loop(base, stage: int, order: str, trajectories: int, clip: float, rank: int, window: int | None,
@@ -110,7 +121,8 @@ def run_loop(base, stage: int, order: str, trajectories: int, clip: float, rank:
     of the backward passes (the optimizer step's not counted: the same in both loops)."""
     from deepspeed.utils import safe_get_full_grad
 
-    engine = _engine(copy.deepcopy(base), stage, trajectories, clip, bf16=bf16, bucket=bucket)
+    engine = _engine(copy.deepcopy(base), stage, trajectories, clip, gas=_steps_per_trajectory(order) * trajectories,
+                     bf16=bf16, bucket=bucket)
     cond, trajs = _inputs(base, rank, trajectories)
     if bf16:    # ZeRO's bf16 mode casts the module, not its inputs
         cond = {k: v.bfloat16() for k, v in cond.items()}
@@ -138,7 +150,7 @@ def run_loop(base, stage: int, order: str, trajectories: int, clip: float, rank:
                     engine.optimizer.zero_grad()
                 engine.backward(_loss(out.float(), gs[j]))
             collectives += sum(counts.values())
-            if k == trajectories - 1 and n == T - 1:
+            if k == trajectories - 1 and n == len(order_k) - 1:
                 grad = {name: safe_get_full_grad(p).detach().clone() for name, p in engine.module.named_parameters()}
             engine.step()
             if n == zero_grad_after:
@@ -153,32 +165,35 @@ def run_loop(base, stage: int, order: str, trajectories: int, clip: float, rank:
     return result
 
 
-def reference(base, rank: int, trajectories: int, window: int) -> dict:
-    """The ranks' average of each rank's plain JAGG of its summed loss (windows cut in σ order, as
-    jaggc cuts them), over ``gradient_accumulation_steps``: what ZeRO's reduced gradient must be."""
+def reference(base, rank: int, trajectories: int, window: int, order: str = "sigma") -> dict:
+    """The ranks' average of each rank's plain JAGG of its summed loss over the steps it trains
+    (windows cut in σ order, as jaggc cuts them), over ``gradient_accumulation_steps``: what ZeRO's
+    reduced gradient must be."""
     model = copy.deepcopy(base)
     cond, trajs = _inputs(base, rank, trajectories)
     total = None
-    for ts, zs, gs in trajs:
+    for k, (ts, zs, gs) in enumerate(trajs):
+        steps = sorted(_order(rank, order, k))
+
         def loss(m):
             return sum(_loss(m(hidden_states=zs[j], timestep=ts[:, j], return_dict=False, **cond)[0], gs[j])
-                       for j in range(T))
+                       for j in steps)
         _, flat = reference_jagg(loss, (model,), model, window)
         total = flat if total is None else total + flat
-    total = total.double() / (T * trajectories)
+    total = total.double() / (_steps_per_trajectory(order) * trajectories)
     dist.all_reduce(total, op=dist.ReduceOp.AVG)
     sizes = [p.numel() for p in model.parameters()]
     return {n: g.view_as(p) for (n, p), g in zip(model.named_parameters(), total.split(sizes))}
 
 
-def exact_reference(base, rank: int) -> dict:
+def exact_reference(base, rank: int, order: str = "sigma") -> dict:
     """The ranks' average of each rank's exact gradient of its summed loss (one trajectory)."""
     model = copy.deepcopy(base)
     cond, ((ts, zs, gs),) = _inputs(base, rank, 1)
     loss = sum(_loss(model(hidden_states=zs[j], timestep=ts[:, j], return_dict=False, **cond)[0], gs[j])
-               for j in range(T))
+               for j in _order(rank, order, 0))
     grads = torch.autograd.grad(loss, list(model.parameters()))
-    total = torch.cat([g.reshape(-1) for g in grads]).double() / T
+    total = torch.cat([g.reshape(-1) for g in grads]).double() / _steps_per_trajectory(order)
     dist.all_reduce(total, op=dist.ReduceOp.AVG)
     return {n: g.view_as(p) for (n, p), g in zip(model.named_parameters(), total.split([p.numel() for p in grads]))}
 
@@ -409,6 +424,10 @@ def rank_body(rank: int, world: int) -> dict:
         out["exact"] = exact_reference(base, rank)
         for case in GUARD_CASES:
             out[("guard",) + case] = run_loop(base, case[0], case[1], 1, 1.0, rank, 4, guard=True)
+        out["subset_refs"] = (reference(base, rank, 1, 4, order="subset"), exact_reference(base, rank, order="subset"))
+        for stage in (1, 2):
+            out[("subset", stage)] = (run_loop(base, stage, "subset", 1, 1.0, rank, 4),
+                                      run_loop(base, stage, "subset", 1, 1.0, rank, 4, guard=True))
         try:
             jaggc.stepwise(_engine(copy.deepcopy(base), 2, 1, 1.0).module, window=4)
             out["bare"] = None
@@ -571,6 +590,30 @@ def test_guard_figures_and_untouched_parameters(rank_results, case):
         assert rel_ref > 1e-4
         figures.append(guarded["figures"])
     assert figures[0] == figures[1]     # every rank the same figures
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_ranks_training_different_steps(rank_results, stage):
+    """DanceGRPO's shape on ZeRO: each rank its own random subset of the steps in its own order (one
+    W=4 window per rank, of different steps): ZeRO's reduced gradient is the ranks' average of their
+    JAGGs (1e-5, as for W=4 above); guarded, the parameters are the unguarded run's bit for bit and
+    the probe's figures are the same on both ranks and those of the ranks' average gradients (1e-6)."""
+    assert set(_order(0, "subset", 0)) != set(_order(1, "subset", 0))       # the premise: other steps
+    figures = []
+    for res in rank_results:
+        run, guarded = res[("subset", stage)]
+        ref, exact = res["subset_refs"]
+        assert run["counts"]["jagg_windows"] == 1 and run["counts"]["fallbacks"] == 0, run["counts"]
+        assert _rel(run["grad"], ref) < 1e-5, _rel(run["grad"], ref)
+        for name, p in run["params"].items():
+            assert torch.equal(guarded["params"][name], p), name
+        cos_ref, rel_ref = _figures(ref, exact)
+        (cos, rel), = guarded["figures"]
+        assert abs(cos - cos_ref) <= 1e-6 and abs(rel - rel_ref) <= 1e-6 * max(1.0, rel_ref), (cos, cos_ref, rel, rel_ref)
+        figures.append(guarded["figures"])
+    a, b = (res[("subset", stage)][0]["grad"] for res in rank_results)
+    assert _rel(a, b) < 1e-7
+    assert figures[0] == figures[1]
 
 
 def test_the_engines_bare_module_is_refused(rank_results):
