@@ -210,8 +210,9 @@ class WindowProbe:
         if outputs:
             call = self.call
             # retain: in the joint mode the real backward goes through the same knot graph next
+            # walked for stand-ins only when a parameter got no gradient (steps/probe.py says why)
             grads = parameter_grads(outputs, call.params, cotangents, names=call.names, retain_graph=True,
-                                    what=f"jaggc guard: the probe of window {self.position}")
+                                    dit_outputs=False, what=f"jaggc guard: the probe of window {self.position}")
             call.add_window(self, _flat(grads, call.params, call.dtype, call.buffers))
         self.unmeasured -= set(per_leaf)
         if not self.unmeasured:

@@ -174,8 +174,11 @@ class TrajectoryProbe:
                 self.kept.append((win, kept))
                 continue
             if outputs:
+                # the graph is walked for stand-ins only when a parameter got no gradient (a stand-in
+                # takes its parameter's: param_grads.py); a walk of every probed window's graph cost
+                # ~5% of a probe at 10M parameters
                 grads = parameter_grads(outputs, self.params, cotangents, names=self.names, retain_graph=True,
-                                        what=f"jaggc guard: the probe of window {win.planned.index}")
+                                        dit_outputs=False, what=f"jaggc guard: the probe of window {win.planned.index}")
                 self._add(win, _flat(grads, self.params, self.dtype, self.guard.buffers))
                 self.owner.counts.probe_backwards += 1
             for visit in interior:

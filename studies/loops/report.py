@@ -160,7 +160,7 @@ def format_loops(results: dict) -> str:
                 lines.append(f"    {label:22s} {s['median'][label]:.2f}x [{s['min'][label]:.2f}-{s['max'][label]:.2f}]"
                              f"  cost model {s['cost_model']['ratio'][label]:.2f}x"
                              + (f" ({shared[label]:.2f}x with the loop's other work)" if label in shared else "")
-                             f"  {s['seconds_per_trajectory'][label]:.3f} s/trajectory"
+                             + f"  {s['seconds_per_trajectory'][label]:.3f} s/trajectory"
                              f"  peak memory {m['ratio'][label]:.2f}x{extra}")
         else:
             lines.append("    peak memory " + ", ".join(f"{f} {v:.2f}x" for f, v in m["ratio"].items()))

@@ -1,5 +1,7 @@
-"""The guard's reused flat vectors (runtime/flat_buffers.py): handed out again only when nothing
-refers to them, so a kept probe result is never overwritten, and reused when nothing does."""
+"""What a probe does beyond its backward passes, made cheaper without losing what it guarantees
+(issue 48, item 3): its flat vectors reused (runtime/flat_buffers.py) only when nothing refers to them,
+so a kept probe result is never overwritten; its graph walked for stand-ins only when a parameter got
+no gradient, which a stand-in always causes."""
 
 from __future__ import annotations
 
@@ -88,3 +90,24 @@ def test_results_nobody_keeps_let_the_guard_reuse_its_vectors():
     assert loop.guard.probed == 6
     assert [t.untyped_storage().data_ptr() for t in loop.guard.buffers.held] == held
     assert loop.guard.buffer_bytes >= sum(t.numel() * 4 for t in loop.guard.buffers.held)
+
+
+@pytest.mark.filterwarnings("ignore:jaggc. the trajectory ended", "ignore:jaggc. the guard's probe")
+def test_a_stand_in_weight_is_named_by_the_probe():
+    """A hook that computes a layer with a trainable copy of its weight (a stand-in): the parameter
+    gets no gradient from the probe's backward, so the probe walks the graph and refuses, naming it,
+    rather than measuring an error without that layer."""
+    loop = ProbedLoop()
+    layer = next(m for m in loop.model.modules() if isinstance(m, torch.nn.Linear))
+    weight = layer.weight
+
+    def swap(module, args):
+        module._parameters["weight"] = weight.detach().clone().requires_grad_()
+
+    def back(module, args, out):
+        module._parameters["weight"] = weight
+
+    layer.register_forward_pre_hook(swap)
+    layer.register_forward_hook(back)
+    with pytest.raises(jaggc.JaggUnsupportedError, match="not the DiT's parameters.*get no gradient"):
+        loop.train(1)
