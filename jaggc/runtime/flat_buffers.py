@@ -53,9 +53,5 @@ class FlatBuffers:
     def held(self) -> list[torch.Tensor]:
         return list(self._held)
 
-    def release(self) -> None:
-        """Drop the held vectors (the ones still referred to elsewhere live on there)."""
-        self._held.clear()
-
 
 __all__ = ["FlatBuffers"]
