@@ -37,7 +37,9 @@ def _batch_of(output) -> int:
 
 @contextlib.contextmanager
 def count_dit_passes(dit: nn.Module):
-    """Yields a PassCounts that is filled while the context is open."""
+    """Yields a PassCounts that is filled while the context is open. On a module with
+    ``jaggc.stepwise`` installed it sees the loop's calls, each step's output with grad and its
+    backward, not the passes jaggc runs for them: ``jaggc.stepwise(module).counts`` has those."""
     counts = PassCounts()
 
     def on_forward(module, args, kwargs, output):
