@@ -38,5 +38,9 @@ def version_counter(t) -> int:
 def storage_refs(t: torch.Tensor) -> int:
     """How many tensors (views included) refer to ``t``'s storage: 1 when ``t`` is its only holder.
     The guard's FlatBuffers reuse a flat vector only then (runtime/flat_buffers.py). A storage's
-    reference count has no public name; ``untyped_storage()`` itself holds one more while it is read."""
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) - 1
+    reference count has no public name; ``untyped_storage()`` itself holds one more while it is read.
+    A torch without it answers 2 (taken): nothing is reused, every vector is a fresh one."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return 2
+    return use_count(t.untyped_storage()._cdata) - 1

@@ -111,3 +111,13 @@ def test_a_stand_in_weight_is_named_by_the_probe():
     layer.register_forward_hook(back)
     with pytest.raises(jaggc.JaggUnsupportedError, match="not the DiT's parameters.*get no gradient"):
         loop.train(1)
+
+
+def test_without_torch_s_storage_count_nothing_is_reused(monkeypatch):
+    """The count is private torch API (_compat): where a torch lacks it, every vector is fresh."""
+    monkeypatch.delattr(torch._C, "_storage_Use_Count")
+    pool = FlatBuffers()
+    a = pool.empty(8, torch.float32, CPU)
+    ptr = a.data_ptr()
+    del a
+    assert pool.empty(8, torch.float32, CPU).data_ptr() != ptr
