@@ -5,6 +5,9 @@ no gradient, which a stand-in always causes."""
 
 from __future__ import annotations
 
+import math
+import warnings
+
 import pytest
 import torch
 
@@ -39,27 +42,35 @@ def test_off_the_cpu_nothing_is_held():
 
 
 class ProbedLoop:
-    """A per-step loop on a tiny SD3 DiT, every trajectory probed (``Guard(every=1)``)."""
+    """A per-step loop on a tiny SD3 DiT, an SGD step after each trajectory; every trajectory probed
+    (``Guard(every=1)``), or none (``guarded=False``). ``gpu_form``: the trainers' GPU form on the
+    CPU, ``train()`` and a live bf16 autocast block inside each step."""
 
-    def __init__(self, on_probe=None):
+    def __init__(self, on_probe=None, guarded: bool = True, gpu_form: bool = False):
         torch.manual_seed(0)
         self.model = models.sd3("tiny")
         self.cond = models.sd3_conditioning(self.model, 1, seed=1).kwargs
         self.shape = models.sd3_latent_shape(self.model, 1)
-        self.guard = jaggc.Guard(every=1, probes=2, on_drift="warn", on_probe=on_probe)
+        self.guard = jaggc.Guard(every=1, probes=2, on_drift="warn", on_probe=on_probe) if guarded else None
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-2)
         jaggc.stepwise(self.model, window=4, weights="t", guard=self.guard)
         self.times = torch.linspace(0.95, 0.3, 6)
+        self.gpu_form = gpu_form
         self.done = 0
 
     def train(self, trajectories: int) -> None:
         for _ in range(trajectories):
             zs = torch.randn(6, *self.shape, generator=torch.Generator().manual_seed(self.done))
             self.done += 1
-            self.model.zero_grad()
+            self.optimizer.zero_grad()
             for j in jaggc.stepwise(self.model).steps(range(6), self.times):
-                out = self.model(hidden_states=zs[j], timestep=self.times[j:j + 1] * 1000, return_dict=False,
-                                 **self.cond)[0]
-                out.square().mean().backward()
+                if self.gpu_form:
+                    self.model.train()
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.gpu_form):
+                    out = self.model(hidden_states=zs[j], timestep=self.times[j:j + 1] * 1000, return_dict=False,
+                                     **self.cond)[0]
+                out.float().square().mean().backward()
+            self.optimizer.step()
 
 
 @pytest.mark.filterwarnings("ignore:jaggc guard. JAGG drifted")
@@ -113,11 +124,34 @@ def test_a_stand_in_weight_is_named_by_the_probe():
         loop.train(1)
 
 
+@pytest.mark.filterwarnings("ignore:jaggc guard. JAGG drifted")
+def test_the_gpu_form_probed_trains_as_unprobed():
+    """Live bf16 autocast and train() inside each step, an SGD step after each trajectory: the probed
+    loop's parameters are the unprobed loop's bit for bit (the probe hands nothing to .grad; both runs
+    make the same calls on this CPU), its probes measured JAGG's error (cosine < 1, finite) and from
+    the third probe on took no new vector."""
+    probed, plain = ProbedLoop(gpu_form=True), ProbedLoop(guarded=False, gpu_form=True)
+    probed.train(2)
+    held = [t.untyped_storage().data_ptr() for t in probed.guard.buffers.held]
+    probed.train(2)
+    plain.train(4)
+    for (name, a), b in zip(probed.model.named_parameters(), plain.model.parameters()):
+        assert torch.equal(a, b), name
+    assert probed.guard.probed == 4 and [t.untyped_storage().data_ptr() for t in probed.guard.buffers.held] == held
+    last = probed.guard.last
+    assert math.isfinite(last.cosine) and last.cosine < 1 and last.rel_error > 0
+
+
 def test_without_torch_s_storage_count_nothing_is_reused(monkeypatch):
-    """The count is private torch API (_compat): where a torch lacks it, every vector is fresh."""
+    """The count is private torch API (_compat): where a torch lacks it, every vector is fresh, and
+    the guard says so once."""
     monkeypatch.delattr(torch._C, "_storage_Use_Count")
     pool = FlatBuffers()
     a = pool.empty(8, torch.float32, CPU)
     ptr = a.data_ptr()
     del a
-    assert pool.empty(8, torch.float32, CPU).data_ptr() != ptr
+    with pytest.warns(UserWarning, match="no storage reference count.*fresh ones"):
+        assert pool.empty(8, torch.float32, CPU).data_ptr() != ptr
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pool.empty(8, torch.float32, CPU)                 # said once
