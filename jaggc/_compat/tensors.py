@@ -35,12 +35,12 @@ def version_counter(t) -> int:
     return t._version
 
 
-def storage_refs(t: torch.Tensor) -> int:
+def storage_refs(t: torch.Tensor) -> int | None:
     """How many tensors (views included) refer to ``t``'s storage: 1 when ``t`` is its only holder.
     The guard's FlatBuffers reuse a flat vector only then (runtime/flat_buffers.py). A storage's
     reference count has no public name; ``untyped_storage()`` itself holds one more while it is read.
-    A torch without it answers 2 (taken): nothing is reused, every vector is a fresh one."""
+    None where this torch lacks it (the caller then treats every storage as shared)."""
     use_count = getattr(torch._C, "_storage_Use_Count", None)
     if use_count is None:
-        return 2
+        return None
     return use_count(t.untyped_storage()._cdata) - 1

@@ -3,8 +3,9 @@
 A probe works on a few flat vectors the size of the trainable parameters: the gradient before and
 after the probed unit, each window's error, the exact gradient, and the block's running sums. Made
 fresh each time, every one costs its page faults on the CPU, which has no caching allocator: at 9M
-parameters a new 37 MB vector costs ~20 ms where a copy into a held one costs ~3 (most of what a
-probe added beyond its backward passes: ``python -m jaggc_studies.loops.speed guard``).
+parameters a new vector costs 5.4x a copy into a held one (``python -m jaggc_studies.bench.flat_vectors``),
+and such vectors were most of what a probe added beyond its backward passes
+(``python -m jaggc_studies.loops.speed guard``).
 
 The guard holds up to ``limit`` of them and hands one out again only when nothing else refers to its
 storage (``_compat.storage_refs``): a ProbeResult an ``on_probe`` callback kept, the guard's last
@@ -14,6 +15,8 @@ already reuses freed memory, for anything, where a held vector would pin it for 
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -26,6 +29,7 @@ class FlatBuffers:
     def __init__(self, limit: int = 16):
         self.limit = limit
         self._held: list[torch.Tensor] = []
+        self._unknown_said = False
 
     def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """An uninitialised flat vector nothing else refers to."""
@@ -33,7 +37,7 @@ class FlatBuffers:
         if device.type != "cpu":
             return torch.empty(numel, dtype=dtype, device=device)
         for held in self._held:
-            if held.numel() == numel and held.dtype == dtype and held.device == device and storage_refs(held) == 1:
+            if held.numel() == numel and held.dtype == dtype and held.device == device and self._free(held):
                 return held.view(-1)
         fresh = torch.empty(numel, dtype=dtype, device=device)
         if len(self._held) < self.limit:
@@ -41,6 +45,15 @@ class FlatBuffers:
         # always a new alias: its reference to the storage is what marks the buffer taken (the held
         # tensor's own is the one reference a free buffer has)
         return fresh.view(-1)
+
+    def _free(self, held: torch.Tensor) -> bool:
+        refs = storage_refs(held)
+        if refs is None and not self._unknown_said:
+            self._unknown_said = True
+            warnings.warn("jaggc guard: this torch has no storage reference count (torch._C._storage_Use_Count), so "
+                          "the guard cannot tell a free flat vector from one still referred to: every probe takes "
+                          "fresh ones, which costs page faults on the CPU (runtime/flat_buffers.py)", stacklevel=3)
+        return refs == 1
 
     def like(self, t: torch.Tensor) -> torch.Tensor:
         return self.empty(t.numel(), t.dtype, t.device)

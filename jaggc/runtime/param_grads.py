@@ -14,8 +14,8 @@ with that check. For the outputs of DiT calls every trainable leaf is the DiT's 
 detached stored data), so the check runs on every call (a walk over the graph's nodes, small next
 to the backward it precedes); for a loss, which may also read other trainable tensors, only when
 some parameter got None. The guard's probes take the second rule for their DiT outputs too: a
-stand-in takes its parameter's gradient, so that parameter gets None and the walk runs; a probe runs
-often enough that walking every window's graph was ~5% of its cost.
+stand-in takes its parameter's gradient, so that parameter gets None and the walk runs; a probe
+would otherwise walk every window's graph in Python, on every probed trajectory.
 """
 
 from __future__ import annotations

@@ -175,8 +175,7 @@ class TrajectoryProbe:
                 continue
             if outputs:
                 # the graph is walked for stand-ins only when a parameter got no gradient (a stand-in
-                # takes its parameter's: param_grads.py); a walk of every probed window's graph cost
-                # ~5% of a probe at 10M parameters
+                # takes its parameter's: param_grads.py)
                 grads = parameter_grads(outputs, self.params, cotangents, names=self.names, retain_graph=True,
                                         dit_outputs=False, what=f"jaggc guard: the probe of window {win.planned.index}")
                 self._add(win, _flat(grads, self.params, self.dtype, self.guard.buffers))
