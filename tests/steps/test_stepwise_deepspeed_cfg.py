@@ -9,7 +9,7 @@ at each trajectory's last step), two trajectories. Checked on ZeRO-1 and ZeRO-2:
 * W=2: the parameters after both boundaries equal the unchanged loop's within the split batch's
   roundoff (a half-size call's rows may round differently: 1e-6 relative, as tests/steps/
   test_stepwise_slice.py bounds it in one process; measured 1.6e-9 and 1.8e-9), with the second
-  trajectory's steps sliced;
+  trajectory's steps sliced (``pytest -s`` prints the measured figures);
 * W=4: ZeRO's reduced gradient at each boundary equals the same W=4 loop's without the slice (1e-5:
   the split batch's roundoff and, after the first step, parameters that differ by it; measured 0 at
   the first boundary, 1.7e-7 at the second), and the second trajectory's steps are sliced.
@@ -107,6 +107,7 @@ def test_w2_with_the_slice_is_the_unchanged_loop(rank_results, stage):
         unchanged, sliced = res[("w2", stage)]
         assert _rel(unchanged["params"], res["base"]) > 1e-6                 # the steps moved them
         assert _rel(sliced["params"], unchanged["params"]) <= 1e-6, _rel(sliced["params"], unchanged["params"])
+        print(f"ZeRO-{stage} W=2 sliced vs unchanged parameters: {_rel(sliced['params'], unchanged['params']):.2g}")
         # the first trajectory learns the uncond rows' zero cotangent, the second runs its 6 steps sliced
         assert sliced["counts"]["sliced_steps"] == T and sliced["counts"]["recoveries"] == 0, sliced["counts"]
         assert sliced["counts"]["fallbacks"] == 0
@@ -120,3 +121,4 @@ def test_w4_with_the_slice_is_w4_without(rank_results, stage):
         assert sliced["counts"]["sliced_steps"] > 0 and sliced["counts"]["recoveries"] == 0, sliced["counts"]
         for got, want in zip(sliced["grads"], plain["grads"]):
             assert _rel(got, want) < 1e-5, _rel(got, want)
+            print(f"ZeRO-{stage} W=4 sliced vs unsliced reduced gradient: {_rel(got, want):.2g}")

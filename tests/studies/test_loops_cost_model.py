@@ -37,3 +37,4 @@ def test_shared_costs_are_what_the_unchanged_loop_measured_beyond_its_passes():
     assert costs["ratio_with_shared"]["joint/probe"] == pytest.approx((8 + 4) / (16 + 4))
     # a measurement below the model (noise) adds nothing rather than a negative cost
     assert with_shared_costs(costs, unchanged_s=10.0)["shared_s"] == 0.0
+
