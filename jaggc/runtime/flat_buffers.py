@@ -50,7 +50,7 @@ class FlatBuffers:
         refs = storage_refs(held)
         if refs is None and not self._unknown_said:
             self._unknown_said = True
-            warnings.warn("jaggc guard: this torch has no storage reference count (torch._C._storage_Use_Count), so "
+            warnings.warn("jaggc guard: this torch has no storage reference count (_compat.storage_refs), so "
                           "the guard cannot tell a free flat vector from one still referred to: every probe takes "
                           "fresh ones, which costs page faults on the CPU (runtime/flat_buffers.py)", stacklevel=3)
         return refs == 1
