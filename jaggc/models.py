@@ -86,11 +86,11 @@ def sd3_conditioning(model, batch: int, *, text_len: int = 5, seed: int = 0) -> 
     """Random ``encoder_hidden_states`` and ``pooled_projections`` of an SD3 model's sizes for ``batch``
     samples; pass ``**cond.kwargs`` to every call."""
     cfg = model.config
-    g = torch.Generator().manual_seed(seed)
-    dtype = next(model.parameters()).dtype
+    g = torch.Generator().manual_seed(seed)        # drawn on the CPU: the same values on every device
+    p = next(model.parameters())
     return Conditioning(dict(
-        encoder_hidden_states=torch.randn(batch, text_len, cfg.joint_attention_dim, generator=g).to(dtype),
-        pooled_projections=torch.randn(batch, cfg.pooled_projection_dim, generator=g).to(dtype),
+        encoder_hidden_states=torch.randn(batch, text_len, cfg.joint_attention_dim, generator=g).to(p.device, p.dtype),
+        pooled_projections=torch.randn(batch, cfg.pooled_projection_dim, generator=g).to(p.device, p.dtype),
     ))
 
 
@@ -105,16 +105,16 @@ def flux_conditioning(model, batch: int, *, height: int = 4, width: int = 4, tex
     """Random text embeddings, pooled projections, guidance and the image/text position ids of a
     Flux model's sizes for ``batch`` samples of ``height`` x ``width`` packed latents."""
     cfg = model.config
-    g = torch.Generator().manual_seed(seed)
-    dtype = next(model.parameters()).dtype
-    img_ids = torch.zeros(height, width, 3)
-    img_ids[..., 1] = torch.arange(height)[:, None]
-    img_ids[..., 2] = torch.arange(width)[None, :]
+    g = torch.Generator().manual_seed(seed)        # drawn on the CPU: the same values on every device
+    p = next(model.parameters())
+    img_ids = torch.zeros(height, width, 3, device=p.device)
+    img_ids[..., 1] = torch.arange(height, device=p.device)[:, None]
+    img_ids[..., 2] = torch.arange(width, device=p.device)[None, :]
     return Conditioning(dict(
-        encoder_hidden_states=torch.randn(batch, text_len, cfg.joint_attention_dim, generator=g).to(dtype),
-        pooled_projections=torch.randn(batch, cfg.pooled_projection_dim, generator=g).to(dtype),
+        encoder_hidden_states=torch.randn(batch, text_len, cfg.joint_attention_dim, generator=g).to(p.device, p.dtype),
+        pooled_projections=torch.randn(batch, cfg.pooled_projection_dim, generator=g).to(p.device, p.dtype),
         img_ids=img_ids.reshape(height * width, 3),
-        txt_ids=torch.zeros(text_len, 3),
+        txt_ids=torch.zeros(text_len, 3, device=p.device),
     ))
 
 

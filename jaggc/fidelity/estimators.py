@@ -178,7 +178,7 @@ def vjp_sum(dit: nn.Module, pairs: Sequence[tuple[DitCall, torch.Tensor]], time_
     """Σ_i J(call_i)ᵀ c_i as one flat vector (consecutive calls of one argument structure batched
     ``chunk`` at a time)."""
     params = params if params is not None else trainable(dit)
-    total = torch.zeros(sum(p.numel() for p in params), dtype=torch.float64)
+    total = torch.zeros(sum(p.numel() for p in params), dtype=torch.float64, device=params[0].device)
     pairs = [(c, g) for c, g in pairs if g is not None and bool(torch.any(g != 0))]
     parts = [[pairs[k] for k in run[lo:lo + chunk]]
              for run in runs(range(len(pairs)), lambda k: structure(pairs[k][0])) for lo in range(0, len(run), chunk)]

@@ -47,6 +47,7 @@ import torch
 from ..errors import JaggInputError
 from .flat_buffers import FlatBuffers
 from .guard_probe import CallProbe
+from .engines import engine_of
 from .guard_ranks import agree_on_probe
 from .guard_stats import Block, ProbeResult, range_label, range_of, sigma_ranges
 from .weights import noise_levels
@@ -111,7 +112,7 @@ class Guard:
             return run(*args, **kwargs)
         probed, index = self.start()
         if dit is not None and _collective(dit):
-            agree_on_probe(probed, index, next(dit.parameters()).device, what=f"jaggc guard, call {index}")
+            agree_on_probe(probed, index, group=engine_of(dit).process_group(), what=f"jaggc guard, call {index}")
         if not probed:
             return run(*args, **kwargs)
         if self._pending is not None and not self._pending.finished:

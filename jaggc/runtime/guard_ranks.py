@@ -11,17 +11,17 @@ window's lowest σ over the ranks (``agree_on_windows``).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+
+from .collectives import agree
 
 
-def agree_on_probe(probed: bool, index: int, device=None, *, group=None, what: str) -> None:
+def agree_on_probe(probed: bool, index: int, *, group=None, what: str) -> None:
     """Every rank probes the same trajectories: one small all-reduce per guarded unit (probed or not)
     before any of a probe's collectives, so that a rank that probes alone (another ``Guard(every=...)``,
     a guard state loaded on one rank only, a rank with more guarded trajectories) is a JaggInputError
     naming it, never a collective another rank does not join."""
-    import torch.distributed as dist
-
-    flags = torch.tensor([int(probed), -int(probed), index, -index], dtype=torch.int64, device=device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    flags = agree([int(probed), -int(probed), index, -index], dist.ReduceOp.MAX, group=group)
     if int(flags[0]) != -int(flags[1]) or int(flags[2]) != -int(flags[3]):
         from ..errors import JaggInputError
 
@@ -32,25 +32,18 @@ def agree_on_probe(probed: bool, index: int, device=None, *, group=None, what: s
             f"as many trajectories on each, and on resume load each rank's own guard state")
 
 
-def agree_all(flag: bool, device=None, *, group=None) -> bool:
+def agree_all(flag: bool, *, group=None) -> bool:
     """True if ``flag`` holds on every rank (one small all-reduce)."""
-    import torch.distributed as dist
-
-    t = torch.tensor([int(flag)], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    return bool(t)
+    return bool(agree([int(flag)], dist.ReduceOp.MIN, group=group)[0])
 
 
-def agree_on_windows(sigmas: list[float], device, *, group=None, what: str) -> list[float]:
+def agree_on_windows(sigmas: list[float], *, group=None, what: str) -> list[float]:
     """Under FSDP, where each window's error is a shard of the ranks' average: every rank's probe must
     measure as many windows (each a collective backward), and files each under the σ range of its
     lowest σ over the ranks (one window of the ranks' joint trajectory). Two small all-reduces; a
     rank with another number of windows is a JaggInputError naming the counts, not a hang."""
-    import torch.distributed as dist
-
     n = len(sigmas)
-    sizes = torch.tensor([n, -n], dtype=torch.int64, device=device)
-    dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
+    sizes = agree([n, -n], dist.ReduceOp.MAX, group=group)
     if int(sizes[0]) != -int(sizes[1]):
         from ..errors import JaggInputError
 
@@ -60,9 +53,7 @@ def agree_on_windows(sigmas: list[float], device, *, group=None, what: str) -> l
             f"must train as many steps per trajectory, in as many windows (the same window, basis and guard)")
     if n == 0:
         return []
-    low = torch.tensor(sigmas, dtype=torch.float64, device=device)
-    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
-    return low.tolist()
+    return agree(sigmas, dist.ReduceOp.MIN, group=group, dtype=torch.float64)
 
 
 __all__ = ["agree_all", "agree_on_probe", "agree_on_windows"]

@@ -79,11 +79,9 @@ class ShardedSum:
         return dist.get_world_size(group=self.group)
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
+        from .collectives import all_reduce_tensor
 
-        t = t.detach().clone()
-        dist.all_reduce(t, group=self.group)
-        return t
+        return all_reduce_tensor(t.detach().clone(), group=self.group)
 
 
 #: elements per float64 chunk of a dot product, by device type: on the CPU a 512 KiB chunk stays in

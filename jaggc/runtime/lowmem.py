@@ -170,8 +170,10 @@ class LowMemRun:
         with_buffer = [(p, b) for p, b in zip(self.params, self.buffer) if b is not None]
         if self.sharded is not None and not roots and self.sharded.buffer_bytes:
             # the last window's outputs carry no gradient: an anchor makes the loss differentiable,
-            # so that loss.backward() still adds the buffer
-            roots, root_grads = [torch.empty(0, requires_grad=True)], [torch.empty(0)]
+            # so that loss.backward() still adds the buffer (on the loss's device: its gradient is
+            # multiplied by the loss's grad_output in _Inject.backward)
+            device = loss.device if isinstance(loss, torch.Tensor) else None
+            roots, root_grads = [torch.empty(0, requires_grad=True, device=device)], [torch.empty(0, device=device)]
         return _Inject.apply(loss, len(roots), root_grads, [b for _, b in with_buffer], self.sharded, *roots,
                              *[p for p, _ in with_buffer])
 
