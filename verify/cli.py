@@ -89,11 +89,12 @@ def verify_loss(spec: str, examples: int, seed: int, windows: tuple, json_path: 
 def registry(suite: str = "all") -> dict[str, Callable]:
     """name -> property function of the selected suite(s), in report order (read at call time, so
     a test can substitute a module's PROPERTIES)."""
-    from . import cfg_properties, loss_properties, properties
+    from . import cfg_properties, loss_properties, properties, serving_properties
 
     chosen = {}
     if suite in ("all", "runtime"):
         chosen.update(properties.PROPERTIES)
+        chosen.update(serving_properties.PROPERTIES)
     if suite in ("all", "losses"):
         chosen.update(loss_properties.PROPERTIES)
         chosen.update(cfg_properties.PROPERTIES)

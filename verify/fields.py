@@ -35,6 +35,25 @@ class AffineJacobianField(nn.Module):
         return x @ m.T + t * torch.sin(self.u) + torch.exp(0.1 * self.w) + theta_free
 
 
+class LinearAffineField(nn.Module):
+    """v = W z + u t + c: linear in θ = (W, u, c), its Jacobian affine in (z, t).
+
+    A parameter change δ moves every output by exactly J δ, so off-policy serving's first-order formula
+    (runtime/first_order.py) is exact on it for any δ when the window's states lie on the chord.
+    """
+
+    def __init__(self, dim: int, *, seed: int = 0, dtype=torch.float64):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.W = _param(dim, dim, generator=g, dtype=dtype)
+        self.u = _param(dim, generator=g, dtype=dtype)
+        self.c = _param(dim, generator=g, dtype=dtype)
+
+    def forward(self, x, timestep):
+        t = timestep.to(x.dtype).reshape(-1, *([1] * (x.ndim - 1)))
+        return x @ self.W.T + t * self.u + self.c
+
+
 class TimeAffineField(nn.Module):
     """v = b(θ) t + c(θ) + φ(z, t): J is free of z and affine in t (exactness condition E2, verify/symbolic.py).
 

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from jaggc.verify import model_check, properties, symbolic
+from jaggc.verify import model_check, properties, serving_properties, symbolic
 from jaggc.verify.cli import main_verify
 
 EXAMPLES = 5
@@ -126,11 +126,11 @@ def test_cli_json_and_exit_code(tmp_path, capsys):
     rc = main_verify(["--examples", "5", "--suite", "runtime", "--json", str(path)])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "all checks passed" in out and "counterexamples found and shrunk: 3/3" in out
+    assert "all checks passed" in out and "counterexamples found and shrunk: 4/4" in out
     entries = json.loads(path.read_text())
     assert isinstance(entries, list)
     names = [e["name"] for e in entries]
-    assert names == ["symbolic"] + list(properties.PROPERTIES)
+    assert names == ["symbolic"] + list(properties.PROPERTIES) + list(serving_properties.PROPERTIES)
     for e in entries:
         assert {"name", "kind", "passed", "examples", "max_rel_err"} <= set(e)
         assert e["kind"] in ("symbolic", "exact", "counterexample") and e["passed"] is True
