@@ -1,9 +1,10 @@
 """autograd: work after a backward pass (its engine's callback queue), whether a thread runs inside a
-backward now, and the RNG states a re-run of a call must draw from."""
+backward now, and the RNG states a re-run of a call must draw from (and whether a call drew)."""
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
@@ -30,25 +31,100 @@ def run_after_backward(fn) -> None:
 
 # --- RNG: a re-run draws what its call drew --------------------------------------------------
 
-def rng_states(*inputs):
-    """The CPU RNG state and that of every accelerator device ``inputs`` live on: what a DiT call
-    drew its dropout masks from. ``torch.utils.checkpoint``'s own device-state helpers (public
-    functions of a module whose API is the checkpoint functions) do the accelerator part."""
-    from torch.utils.checkpoint import get_device_states
+@dataclass(frozen=True)
+class RngStates:
+    """What a DiT call drew its random numbers from: the CPU generator's state and, once per device,
+    the default generator's state of every accelerator device the call touched (its inputs' and its
+    module's parameters' and buffers' devices). ``offsets``: each device's generator offset where
+    its generator has one (CUDA's Philox), the cheap test of whether it drew (``rng_drawn``)."""
 
-    leaves = [x for x in tree_flatten(list(inputs))[0] if isinstance(x, torch.Tensor)]
-    return torch.get_rng_state(), get_device_states(*leaves)
+    cpu: torch.Tensor
+    devices: tuple = ()          # ((torch.device, state), ...), one per device
+    offsets: tuple = ()          # ((torch.device, offset or None), ...)
+
+
+def accelerator_devices(module=None, *inputs) -> tuple:
+    """The accelerator devices (not the CPU, not meta) of ``inputs``' tensors and of ``module``'s
+    parameters and buffers, each once, in a fixed order: the devices whose generators a call of
+    ``module`` on ``inputs`` may draw from. A module with parameters on a device its inputs are not
+    on draws there too (a model split over devices, an input left on the CPU)."""
+    seen: dict = {}
+    tensors = [x for x in tree_flatten(list(inputs))[0] if isinstance(x, torch.Tensor)]
+    if module is not None:
+        tensors += list(module.parameters()) + list(module.buffers())
+    for t in tensors:
+        device = t.device
+        if device.type in ("cpu", "meta") or device in seen:
+            continue
+        if device.index is None:
+            device = torch.device(device.type, _device_module(device.type).current_device())
+        seen[device] = None
+    return tuple(sorted(seen, key=lambda d: (d.type, d.index)))
+
+
+def _device_module(kind: str):
+    return getattr(torch, kind)          # torch.cuda, torch.xpu, ...: get_rng_state(index) and the like
+
+
+def _offset(device: torch.device):
+    """The device generator's offset (CUDA's Philox: every draw advances it), None where its generator
+    has none to read; reading it copies nothing (the state is 16 bytes on CUDA, read as such otherwise)."""
+    generators = getattr(_device_module(device.type), "default_generators", ())
+    if device.index < len(generators) and hasattr(generators[device.index], "get_offset"):
+        try:
+            return generators[device.index].get_offset()
+        except RuntimeError:
+            return None
+    return None
+
+
+def rng_states(*inputs, module=None, devices=()) -> RngStates:
+    """The RNG states a call of ``module`` on ``inputs`` draws from now (``RngStates``): the CPU's and
+    one per accelerator device, those of ``inputs``' tensors, of ``module``'s parameters and buffers and
+    ``devices`` (``accelerator_devices(module)`` computed once by a caller that makes many calls of one
+    module). No accelerator call where no accelerator device is involved (a CPU-only machine)."""
+    found = accelerator_devices(module, *inputs)
+    if devices:
+        found = tuple(sorted(set(found) | set(devices), key=lambda d: (d.type, d.index)))
+    states = tuple((d, _device_module(d.type).get_rng_state(d.index)) for d in found)
+    return RngStates(torch.get_rng_state(), states, tuple((d, _offset(d)) for d in found))
+
+
+def rng_drawn(before: RngStates) -> bool:
+    """Whether any generator of ``before`` advanced since it was taken: the call made between drew
+    random numbers (dropout through a module, ``F.dropout``, attention's ``dropout_p``, any sampling:
+    whichever API drew). The CPU test reads the generator's state again and compares its bytes (about
+    5 KB; a few microseconds); a CUDA device's compares its generator's offset."""
+    if torch.get_rng_state().numpy().tobytes() != before.cpu.numpy().tobytes():
+        return True
+    for (device, state), (_, offset) in zip(before.devices, before.offsets):
+        if offset is not None:
+            if _offset(device) != offset:
+                return True
+        elif not torch.equal(_device_module(device.type).get_rng_state(device.index), state):
+            return True
+    return False
 
 
 @contextlib.contextmanager
-def rng_states_restored(states):
-    """Run the body with the RNG states ``rng_states`` took, then give the caller's stream back."""
-    from torch.utils.checkpoint import set_device_states
-
-    cpu, (devices, device_states) = states
-    with torch.random.fork_rng(devices=devices):
-        torch.set_rng_state(cpu)
-        set_device_states(devices, device_states)
+def rng_states_restored(states: RngStates | None):
+    """Run the body drawing from ``states`` (``rng_states``: the CPU's and each device's), then give
+    every generator its own stream back (``torch.random.fork_rng`` over the same devices). None: the
+    body draws from the generators as they are."""
+    if states is None:
+        yield
+        return
+    kinds: dict = {}
+    for device, _ in states.devices:
+        kinds.setdefault(device.type, []).append(device.index)
+    with contextlib.ExitStack() as stack:
+        if not kinds:
+            stack.enter_context(torch.random.fork_rng(devices=[]))
+        for kind, indices in kinds.items():
+            stack.enter_context(torch.random.fork_rng(devices=indices, device_type=kind))
+        torch.set_rng_state(states.cpu)
+        for device, state in states.devices:
+            _device_module(device.type).set_rng_state(state, device.index)
         yield
 
 

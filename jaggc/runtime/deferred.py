@@ -17,6 +17,19 @@ the trainer's autocast block, and after the loss returned, so after a ``dit.trai
 module back at its end: the same numbers as the forward, never a silent fp32 or train-mode re-run
 of a bf16 or eval-mode call.
 
+And with the random draws of the forward. A DiT with live dropout (an ``nn.Dropout`` in train mode, a
+peft ``lora_dropout``, ``F.dropout`` in a forward, attention's ``dropout_p``) draws a mask per call; the
+re-run must draw the masks the values were computed with, or the gradient belongs to other masks.
+Whether the window's forwards drew is read from the generators around them (``_compat.rng_drawn``: so
+whichever API drew; a few microseconds). When they drew, the knots' values come from forwards of their
+own, batched as the backward re-runs them (all knots in one, or one per knot with
+``batch_knots=False``), each started from recorded RNG states (the CPU's and every accelerator device's
+of the inputs and the module), and the re-run starts from the same states: the same masks, batched
+or not. This costs one knot forward more in the window where jaggc first sees the module draw (in a
+module state and autocast state: remembered per module), none after. Under a guard's probe the
+interior steps' forwards are recorded so too (the probe re-runs them: guard_probe.py). A re-run that
+draws where the forward drew nothing (its values came from the rollout cache) is refused.
+
 Peak DiT activation memory: one knot batch (2B samples; B with ``batch_knots=False``), instead of
 every window's. Cost: the knot forward runs twice (once without grad for the values, once with
 grad in backward), so a window costs (W + 2) forwards + one joint backward instead of W + 2B.
@@ -42,17 +55,23 @@ unsharded gradients and communicates nothing, as it does for any backward.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Sequence
 
 import torch
 from torch import nn
 
-from .._compat import backward_accumulates_everywhere, fsdp_version, tree_flatten, tree_unflatten
+from .._compat import (accelerator_devices, backward_accumulates_everywhere, fsdp_version, rng_drawn, rng_states,
+                       rng_states_restored, tree_flatten, tree_unflatten)
 from ..errors import JaggUnsupportedError
 from .aggregate import knot_composites
-from .calls import DitCall, concat_calls
+from .calls import DitCall, concat_calls, split_output
 from .forwards import nograd_outputs
 from .module_state import CallState, module_chain
+
+# per module, the (module output state, autocast) in which its window forwards were seen drawing random
+# numbers: there a window's knots run in replayable forwards straight away (module docstring)
+_DRAWS: "weakref.WeakKeyDictionary[nn.Module, set]" = weakref.WeakKeyDictionary()
 
 
 class BackwardGroup:
@@ -86,6 +105,9 @@ class DeferredWindow:
         self.diff_index: list[tuple[int, int]] = []  # (step position, leaf index) of each node output
         # the calls' module and autocast state, re-applied in the backward (module docstring)
         self.state = CallState.of(dit)
+        # the RNG states each knot group's forward started from, keyed by its positions: where the
+        # forwards drew random numbers (live dropout), the backward's re-run starts from them
+        self.knot_rng: dict[tuple[int, ...], Any] | None = None
 
     @property
     def grad_forwards(self) -> int:
@@ -95,12 +117,63 @@ class DeferredWindow:
         return concat_calls([self.calls[p] for p in positions], self.time_arg,
                             steps=[self.steps[p] for p in positions], unbatched=self.unbatched)
 
+    def _knot_groups(self) -> list[list[int]]:
+        """The knots (indices into ``knots``) of each grad forward the backward runs."""
+        if self.batch_knots:
+            return [list(range(len(self.knots)))]
+        return [[j] for j in range(len(self.knots))]
+
+    def _recorded_outputs(self, groups: Sequence[Sequence[int]]) -> tuple[dict[int, Any], list]:
+        """No-grad outputs of each group of window positions, one batched forward per group, and the RNG
+        states each forward started from: ``({position: output}, [(positions, states)])``."""
+        outs, record = {}, []
+        with torch.no_grad():
+            for positions in groups:
+                call = self._batched_call(positions)
+                states = rng_states(call.args, call.kwargs, devices=self.devices)
+                for p, o in zip(positions, split_output(call(self.dit), len(positions), self.batch)):
+                    outs[p] = o
+                record.append((tuple(positions), states))
+        return outs, record
+
+    def _forward_values(self) -> dict[int, Any]:
+        """Every step's value without grad (module docstring): as one run of batched forwards, the
+        rollout cache's where it has them (knots included: their grad forward runs again in the
+        backward anyway), unless the forwards draw random numbers; then the knots' (and under a probe
+        the interior steps') from forwards whose RNG states the re-runs start from."""
+        key = (self.state.module.output_key(), self.state.autocast)
+        self.devices = accelerator_devices(self.dit)
+        outs = None
+        if key not in _DRAWS.get(self.dit, ()):
+            before = rng_states(*[(c.args, c.kwargs) for c in self.calls], devices=self.devices)
+            outs = nograd_outputs(self.dit, self.calls, self.steps, time_arg=self.time_arg, batch=self.batch,
+                                  chunk=self.interior_chunk, unbatched=self.unbatched, cache=self.cache)
+            if not rng_drawn(before):
+                return outs
+            _DRAWS.setdefault(self.dit, set()).add(key)
+        # live dropout: the values the re-runs can draw again
+        knot_groups = [[self.knots[j] for j in group] for group in self._knot_groups()]
+        interior = [p for p in range(len(self.calls)) if p not in self.knots]
+        groups = list(knot_groups)
+        if self.probe is not None:
+            chunk = self.interior_chunk or max(len(interior), 1)
+            groups += [interior[lo:lo + chunk] for lo in range(0, len(interior), chunk)]
+        elif outs is None:
+            # the interior steps' values only: their masks are needed by no gradient
+            inner = nograd_outputs(self.dit, [self.calls[p] for p in interior], [self.steps[p] for p in interior],
+                                   time_arg=self.time_arg, batch=self.batch, chunk=self.interior_chunk,
+                                   unbatched=self.unbatched, cache=self.cache)
+            outs = {interior[i]: o for i, o in inner.items()}
+        recorded, record = self._recorded_outputs(groups)
+        outs = {**(outs or {}), **recorded}
+        self.knot_rng = dict(record[:len(knot_groups)])
+        if self.probe is not None:
+            self.probe.replay = record
+        return outs
+
     def run(self) -> list[Any]:
         """Per-step outputs with exact values; their float leaves backpropagate through this window."""
-        # every step's value without grad, the rollout cache's where it has them (knots included:
-        # their grad forward runs again in the backward anyway)
-        outs = nograd_outputs(self.dit, self.calls, self.steps, time_arg=self.time_arg, batch=self.batch,
-                              chunk=self.interior_chunk, unbatched=self.unbatched, cache=self.cache)
+        outs = self._forward_values()
         per_step = [outs[p] for p in range(len(self.calls))]
         flat = [tree_flatten(o) for o in per_step]
         values = []
@@ -145,14 +218,21 @@ class DeferredWindow:
                 per_leaf.setdefault(i, [None] * len(self.calls))[s] = g
             self.probe.measure(per_leaf)       # re-runs the window with grad: 3W F (guard_probe.py)
         gamma = self.composites(grads)
-        if self.batch_knots:
-            groups = [list(range(len(self.knots)))]
-        else:
-            groups = [[j] for j in range(len(self.knots))]
-        for group in groups:
+        for group in self._knot_groups():
+            positions = tuple(self.knots[j] for j in group)
+            states = None if self.knot_rng is None else self.knot_rng[positions]
+            before = rng_states(devices=self.devices) if states is None else None
             with self.group.sync_context(self.dit), torch.enable_grad():
-                with self.state.applied(self.dit):
-                    out = self._batched_call([self.knots[j] for j in group])(self.dit)
+                with self.state.applied(self.dit), rng_states_restored(states):
+                    out = self._batched_call(positions)(self.dit)
+                if before is not None and rng_drawn(before):
+                    raise JaggUnsupportedError(
+                        f"backward='per_window' re-ran the knots (steps {[self.steps[p] for p in positions]}) of a "
+                        f"window whose values came from no forward that drew random numbers (the rollout cache served "
+                        f"them), and the re-run drew some: the DiT has live dropout (a dropout module, F.dropout or "
+                        f"attention's dropout_p in train mode), and the gradient would belong to other masks than the "
+                        f"values'. Turn dropout off while training with JAGG (dit.eval(), p=0, lora_dropout=0), or the "
+                        f"rollout cache off, or use backward='joint'")
                 leaves = tree_flatten(out)[0]
                 roots, root_grads = [], []
                 for i, leaf in enumerate(leaves):

@@ -15,6 +15,13 @@ and low-memory modes run the interior forwards with grad instead of without (the
 their values unchanged), so a window's probe costs one backward of its W steps: 2W F, next to the
 (W+4) F of the window (per-window mode: 3W F, it re-runs the forwards).
 
+A per-window re-run draws the dropout masks of the forwards whose values the loss used: where those
+forwards drew random numbers (live dropout: deferred.py reads it from the generators), the deferred
+window ran its knots and interior steps in forwards whose RNG states it recorded (``replay``), and the
+probe re-runs the same batched forwards from the same states. A re-run that draws where the forwards
+drew nothing (values served by the rollout cache) cannot be measured: the call gives no probe (said
+once by the guard), its gradient untouched.
+
 The JAGG gradient of the whole call is what its backward adds to ``.grad`` (a snapshot before the
 call, read when the backward has finished: ``run_after_backward``, after DDP's own final
 callback); the exact gradient is that minus Σ_w e_w. Under DDP the probe's forwards run on the
@@ -38,12 +45,13 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from .._compat import (backward_accumulates_everywhere, fsdp_gradient_slots, fsdp_version, run_after_backward,
-                       tree_flatten)
+from .._compat import (backward_accumulates_everywhere, fsdp_gradient_slots, fsdp_version, rng_drawn, rng_states,
+                       rng_states_restored, run_after_backward, tree_flatten, tree_unflatten)
 from ..errors import JaggUnsupportedError
 from .aggregate import knot_composites
 from .autocast import current_autocast
-from .calls import DitCall
+from .calls import DitCall, concat_calls, split_output
+from .collectives import agree, all_reduce_tensor
 from .forwards import chunked_outputs, forward_batched
 from .flat_buffers import FlatBuffers
 from .guard_ranks import agree_on_windows
@@ -131,6 +139,9 @@ class WindowProbe:
         # window's forward, not of backward time), of the module they run on
         self.state = CallState(module_state(call.local), autocast if autocast is not None else current_autocast())
         self.knot_leaves: list | None = None          # flat leaves of the knots' batched output, with grad
+        # per-window mode with live dropout: the window's no-grad forwards as [(positions, RNG states)],
+        # knot groups first (deferred.py); the re-run makes the same forwards from the same states
+        self.replay: list | None = None
         self.interior_leaves: dict[int, list] | None = None
         self.unmeasured: set[int] = set()
 
@@ -165,17 +176,50 @@ class WindowProbe:
                     cotangents.append(-grads[p].to(leaf.dtype))
         return outputs, cotangents
 
-    def _rebuild_graph(self) -> None:
+    def _rebuild_graph(self) -> bool:
         """Per-window mode: the knot and interior forwards again, with grad, in the forward's module and
-        autocast state."""
+        autocast state, and from the RNG states of the forwards that made the values where those drew
+        (``replay``). False: the re-run drew random numbers where the forwards drew none; the call gives
+        no probe (module docstring)."""
         dit = self.call.local
+        if self.replay is not None:
+            self._replay_graph(dit)
+            return True
+        before = rng_states(module=dit)
         with self.state.applied(dit), torch.enable_grad():
             knot_out = forward_batched(dit, [self.calls[p] for p in self.knots], [self.steps[p] for p in self.knots],
                                        self.time_arg, self.unbatched)
             interior = self.interior
             outs = grad_forwards(dit, [self.calls[p] for p in interior], [self.steps[p] for p in interior],
                                  time_arg=self.time_arg, batch=self.batch, chunk=self.chunk, unbatched=self.unbatched)
+        if rng_drawn(before):
+            self.call.skip(
+                "the re-run of a per-window window's forwards drew random numbers (live dropout: a dropout module, "
+                "F.dropout or attention's dropout_p in train mode) where the forwards that made its values drew "
+                "none (the rollout cache served them): the probe would measure other masks than the values'. Turn "
+                "dropout off while training with JAGG (eval(), p=0), or the rollout cache off")
+            return False
         self.set_graph(knot_out, {interior[i]: o for i, o in outs.items()})
+        return True
+
+    def _replay_graph(self, dit: nn.Module) -> None:
+        """The forwards of ``replay`` again with grad, each from its recorded RNG states: the knots'
+        outputs concatenated in knot order (one batch, as ``forward_batched`` gives), the interior
+        steps' per position."""
+        outs: dict[int, Any] = {}
+        with self.state.applied(dit), torch.enable_grad():
+            for positions, states in self.replay:
+                call = concat_calls([self.calls[p] for p in positions], self.time_arg,
+                                    steps=[self.steps[p] for p in positions], unbatched=self.unbatched)
+                with rng_states_restored(states):
+                    out = call(dit)
+                for p, o in zip(positions, split_output(out, len(positions), self.batch)):
+                    outs[p] = o
+            knots = [tree_flatten(outs[p]) for p in self.knots]
+            spec = knots[0][1]
+            knot_out = tree_unflatten([torch.cat(ls, 0) if isinstance(ls[0], torch.Tensor) else ls[0]
+                                       for ls in zip(*[leaves for leaves, _ in knots])], spec)
+        self.set_graph(knot_out, {p: outs[p] for p in self.interior})
 
     def measure(self, per_leaf: dict[int, Sequence[torch.Tensor | None]]) -> None:
         """e_w from the upstream gradients, ``{output leaf index: [g_s per window position]}``.
@@ -195,7 +239,8 @@ class WindowProbe:
     def measure_sharded(self, per_leaf) -> None:
         """FSDP: the window's forwards again with grad, in the forward's module and autocast state,
         and ONE backward through FSDP's own hooks into a side buffer (runtime/sharded_grads.py)."""
-        self._rebuild_graph()
+        if not self._rebuild_graph():
+            return
         outputs, cotangents = self._error_cotangents(per_leaf)
         self.knot_leaves = self.interior_leaves = None
         if outputs:
@@ -204,8 +249,9 @@ class WindowProbe:
                                                    what=f"jaggc guard: the probe of window {self.position}"))
 
     def _measure(self, per_leaf) -> None:
-        if self.knot_leaves is None:
-            self._rebuild_graph()
+        if self.knot_leaves is None and not self._rebuild_graph():
+            self.knot_leaves = self.interior_leaves = None
+            return
         outputs, cotangents = self._error_cotangents(per_leaf)
         if outputs:
             call = self.call
@@ -314,7 +360,7 @@ class CallProbe:
         reduce = ShardedSum() if self.sharded else local_sum
         if self.sharded:
             # every rank measures as many windows, each filed under its lowest σ over the ranks
-            sigmas = agree_on_windows([w.sigma_min for w, _ in self.kept], jagg.device,
+            sigmas = agree_on_windows([w.sigma_min for w, _ in self.kept],
                                       what=f"jaggc guard: the probe of call {self.index}")
             for (window, _), sigma in zip(self.kept, sigmas):
                 window.sigma_min = sigma
@@ -343,13 +389,13 @@ class CallProbe:
         numel = self.snapshot.numel()
         flat = torch.cat([self.range_errors.get(r, torch.zeros(numel, dtype=self.dtype, device=self.snapshot.device))
                           for r in ranges])
-        dist.all_reduce(flat, group=getattr(self.dit, "process_group", None))
-        flat /= dist.get_world_size(group=getattr(self.dit, "process_group", None))
+        group = getattr(self.dit, "process_group", None)
+        all_reduce_tensor(flat, group=group)
+        flat /= dist.get_world_size(group=group)
         parts = flat.split(numel)
         # a range no rank had a window in stays absent
-        seen = torch.tensor([float(r in self.range_errors) for r in ranges], device=self.snapshot.device)
-        dist.all_reduce(seen, group=getattr(self.dit, "process_group", None))
-        self.range_errors = {r: parts[r].clone() for r in ranges if float(seen[r]) > 0}
+        seen = agree([int(r in self.range_errors) for r in ranges], dist.ReduceOp.MAX, group=group)
+        self.range_errors = {r: parts[r].clone() for r in ranges if seen[r] > 0}
 
 
 SKIPPED_BACKWARD = (

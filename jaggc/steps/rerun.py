@@ -7,7 +7,11 @@ the same random draws (the call's RNG state). Calls of one window that share the
 ONE forward on their batch-concatenated inputs (``Options(batch_knots=True)``, the default, as the
 whole-loss path batches its knots): on a latency-bound device a forward and backward of 2B cost
 hardly more than of B. With dropout live a batch would draw other masks than the calls did, so
-each call then re-runs on its own with its own RNG state.
+each call then re-runs on its own with its own RNG state: a call whose forward drew random numbers
+(``StepVisit.drew``, read from the generators around the call, so whichever API drew: a dropout module,
+``F.dropout``, attention's ``dropout_p``, a peft ``lora_dropout``) or, before any call ran, a dropout
+module in train mode. A re-run that draws random numbers where its call drew none (its value came from
+the rollout cache, not from a forward jaggc can replay) is refused.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .._compat import rng_states_restored, version_counter
+from .._compat import rng_drawn, rng_states, rng_states_restored, version_counter
 from ..errors import JaggInputError
 from ..runtime.autocast import autocast_applied
 from ..runtime.calls import DitCall, batch_size, concat_calls, resolve_time_arg, split_output
@@ -45,19 +49,25 @@ def rerun_calls(run: RunOfSteps, jobs: Sequence[tuple[StepVisit, DitCall]], *, c
     batched = _batched(run, jobs)
     if batched is not None:
         call, batch = batched
+        before = rng_states(devices=run.devices)
         with _state_applied(run, jobs[0][0].state), owner.passing_through(), torch.enable_grad():
             out = call(owner.module)
             # the slices are views: taken with grad on (a window's backward runs without), or
             # they would carry no graph
             outs = split_output(out, len(jobs), batch)
         owner.counts.grad_forwards += count
+        if rng_drawn(before):
+            raise _drew_in_rerun(run, jobs[0][0])
     else:
         outs = []
         for visit, job in jobs:
             with rng_states_restored(visit.rng), _state_applied(run, visit.state), owner.passing_through(), \
                     torch.enable_grad():
                 outs.append(job(owner.module))
+                drew = not visit.drew and rng_drawn(visit.rng)
             owner.counts.grad_forwards += count
+            if drew:
+                raise _drew_in_rerun(run, visit)
     owner.counts.reruns += len(jobs) if count else 0
     run.latest = jobs[-1][0]
     return outs
@@ -69,6 +79,8 @@ def _batched(run: RunOfSteps, jobs: Sequence[tuple[StepVisit, DitCall]]):
     visits = [v for v, _ in jobs]
     if len(jobs) < 2 or not owner.options.batch_knots or any(v.state != visits[0].state for v in visits):
         return None
+    if any(v.drew for v in visits):
+        return None            # their forwards drew (dropout): one by one, each from its own RNG states
     with _state_applied(run, visits[0].state):
         if any(m.training for m in run.dropouts):
             return None
@@ -93,10 +105,23 @@ def _state_applied(run: RunOfSteps, state):
         yield
 
 
+def _drew_in_rerun(run: RunOfSteps, visit: StepVisit):
+    return run.owner.safety.refuse(run, (
+        f"the re-run of step {visit.step}'s DiT call in its window's backward drew random numbers (live dropout: a "
+        f"dropout module, F.dropout or attention's dropout_p in train mode) where the value the loop saw came from "
+        f"no forward that drew (the rollout cache served it), so the re-run cannot draw that value's masks and its "
+        f"gradient would belong to other masks. Turn dropout off (eval(), p=0, lora_dropout=0) while training with "
+        f"JAGG, or the rollout cache off (rollout_cache=None), or use backward='joint'"), where=visit.where)
+
+
 def live_dropouts(modules: Sequence[nn.Module]) -> list[nn.Module]:
-    """The dropout modules that draw when in training mode (p > 0)."""
+    """The modules that draw dropout masks when in training mode: torch's dropout modules with p > 0 and
+    its modules with a ``dropout`` probability > 0 (``MultiheadAttention``, RNNs). Dropout that no module
+    shows (``F.dropout`` in a forward, attention's ``dropout_p``) is seen once a call drew
+    (``StepVisit.drew``)."""
     kinds = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
-    return [m for m in modules if isinstance(m, kinds) and m.p > 0]
+    return [m for m in modules if (isinstance(m, kinds) and m.p > 0)
+            or (isinstance(m, (nn.MultiheadAttention, nn.RNNBase)) and m.dropout > 0)]
 
 
 __all__ = ["live_dropouts", "rerun_calls"]
