@@ -41,12 +41,13 @@ from .modules import (
     module_hook_keys)
 from .tensors import dispatch_mode_base, storage_refs, version_counter, written_arguments
 from .autograd import (
-    backward_accumulates_everywhere, backward_task_id, in_backward, queue_backward_callback, rng_states, rng_states_restored,
-    run_after_backward)
+    RngStates, accelerator_devices, backward_accumulates_everywhere, backward_task_id, in_backward, queue_backward_callback,
+    rng_drawn, rng_states, rng_states_restored, run_after_backward)
 from .fsdp_slots import GradSlot, fsdp_gradient_slots, fsdp_version, reshard_fully_sharded
-from .deepspeed import accumulation_taps, intercept_zero_grad, is_deepspeed_engine, zero12_managed, zero3_partitioned, zero_data_parallel_group, zero_ready_buckets, zero_torch_optimizer
+from .deepspeed import DEEPSPEED_TESTED, deepspeed_internals_missing, deepspeed_version, accumulation_taps, intercept_zero_grad, is_deepspeed_engine, zero12_managed, zero3_partitioned, zero_data_parallel_group, zero_ready_buckets, zero_torch_optimizer
 
 __all__ = [
+    "DEEPSPEED_TESTED", "deepspeed_internals_missing", "deepspeed_version",
     "DYNAMO_ENTER_AUTOCAST", "DYNAMO_EXIT_AUTOCAST", "GradSlot", "MODULE_CALL_SLOT", "SET_GRAD_ENABLED",
     "apply_activation_checkpointing", "assume_constant_result", "backend_failed_type", "backward_accumulates_everywhere",
     "compiled_inner_module", "compiler_disable", "copy_input_codegen", "detect_fake_mode",
@@ -55,7 +56,7 @@ __all__ = [
     "flat_apply_function", "flat_apply_inputs", "fsdp_gradient_slots", "fsdp_version", "fx_patches_reverted", "accumulation_taps", "intercept_zero_grad", "is_deepspeed_engine", "zero_data_parallel_group",
     "backward_task_id", "in_backward", "is_fake", "is_flat_apply_node", "keystr", "lookup_dynamo_backend", "module_call_impl",
     "module_hook_keys", "new_fake_mode", "nonstrict_trace", "queue_backward_callback",
-    "recompile_limit_types", "recompile_reason", "storage_refs", "reshard_fully_sharded", "rng_states", "rng_states_restored", "run_after_backward",
+    "recompile_limit_types", "recompile_reason", "storage_refs", "reshard_fully_sharded", "RngStates", "accelerator_devices", "rng_drawn", "rng_states", "rng_states_restored", "run_after_backward",
     "traced_input_value", "tree_flatten", "tree_flatten_with_path", "tree_map", "tree_unflatten",
     "unwrap_backend_error", "version_counter", "written_arguments", "zero12_managed", "zero3_partitioned", "zero_ready_buckets", "zero_torch_optimizer",
 ]

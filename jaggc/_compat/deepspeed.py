@@ -3,10 +3,41 @@ DeepSpeed stays optional: nothing here imports it; the engine is recognised by i
 
 from __future__ import annotations
 
+import copy
+import sys
 from typing import Callable
 
 import torch
 from torch import nn
+
+#: the DeepSpeed releases jaggc's DeepSpeed tests ran on (tests/steps/test_stepwise_deepspeed.py,
+#: test_stepwise_engines.py); ``deepspeed_internals_missing`` checks the internals below by name
+DEEPSPEED_TESTED = ("0.19.8",)
+
+
+def deepspeed_version() -> str:
+    """The installed DeepSpeed's version ("unknown" where it is not imported: an engine was built by it)."""
+    module = sys.modules.get("deepspeed")
+    return str(getattr(module, "__version__", "unknown"))
+
+
+def deepspeed_internals_missing(engine: nn.Module, stage: int) -> list[str]:
+    """The DeepSpeed internals jaggc uses on a stage-``stage`` engine that ``engine`` lacks, by name
+    (empty: all there). Every stage: ``engine.module``, ``engine.optimizer`` and
+    ``seq_data_parallel_group`` (the group it reduces over); ZeRO-1/2 besides: the ZeRO optimizer's
+    ``setup_buckets`` (``zero_ready_buckets``) and the ``param_idx_in_group`` it numbers each trainable
+    parameter with (``zero12_managed``)."""
+    missing = [f"engine.{name}" for name in ("module", "optimizer", "seq_data_parallel_group")
+               if not hasattr(engine, name)]
+    if stage in (1, 2):
+        optimizer = getattr(engine, "optimizer", None)
+        if not callable(getattr(optimizer, "setup_buckets", None)):
+            missing.append(f"engine.optimizer.setup_buckets ({type(optimizer).__name__})")
+        module = getattr(engine, "module", None)
+        trainable = [p for p in module.parameters() if p.requires_grad] if isinstance(module, nn.Module) else []
+        if trainable and not any(hasattr(p, "param_idx_in_group") for p in trainable):
+            missing.append("param_idx_in_group (on the engine module's trainable parameters)")
+    return missing
 
 
 def is_deepspeed_engine(module: nn.Module) -> bool:
@@ -46,35 +77,65 @@ def intercept_zero_grad(engine: nn.Module, before: Callable[[str], None]) -> Cal
     a no-op under DeepSpeed) and ``engine.module.zero_grad()`` (torch's, on the bare module). ZeRO's ``zero_grad`` clears ``.grad`` and its ``grad_accum`` attribute, where
     ZeRO-1 accumulates between boundaries, and leaves ZeRO-2's reduced partitions: no trace on ``.grad``
     that a ledger could read, so the call itself is watched. ``before`` may raise: the ``zero_grad`` then
-    does not run. Returns the function that restores both methods."""
+    does not run. Each watcher is a ``_WatchedZeroGrad`` in the instance dict: a copy or pickle of its owner
+    gets the owner's own ``zero_grad``. Returns the function that restores the methods."""
     targets = [(engine, "engine.zero_grad()"), (engine.module, "engine.module.zero_grad()")]
     if getattr(engine, "optimizer", None) is not None and callable(getattr(engine.optimizer, "zero_grad", None)):
         targets.append((engine.optimizer, "engine.optimizer.zero_grad()"))
     restore = []
     for owner, call in targets:
-        previous = owner.__dict__.get("zero_grad", _UNSET)
-        original = owner.zero_grad
-
-        def watched(*args, _original=original, _call=call, **kwargs):
-            before(_call)
-            return _original(*args, **kwargs)
-
+        watched = _WatchedZeroGrad(owner, call, before, owner.__dict__.get("zero_grad", _UNSET))
         owner.__dict__["zero_grad"] = watched
-        restore.append((owner, previous, watched))
+        restore.append((owner, watched))
 
     def remove() -> None:
-        for owner, previous, watched in restore:
+        for owner, watched in restore:
             if owner.__dict__.get("zero_grad") is watched:
-                if previous is _UNSET:
+                if watched.previous is _UNSET:
                     del owner.__dict__["zero_grad"]
                 else:
-                    owner.__dict__["zero_grad"] = previous
+                    owner.__dict__["zero_grad"] = watched.previous
         restore.clear()
 
     return remove
 
 
 _UNSET = object()
+
+
+class _WatchedZeroGrad:
+    """``owner``'s instance ``zero_grad`` slot while watched (``intercept_zero_grad``): ``before(call)``,
+    then the ``zero_grad`` it had. A copy of the owner (``copy.deepcopy(engine.module)``: a reference or
+    EMA model) gets its own class's ``zero_grad`` (or a copy of the instance one it had before), not a
+    path into the original's gradients or the watcher; a pickle of it (``torch.save(engine.module)``)
+    likewise, where a closure would not pickle at all (``InstalledForward`` does the same for the forward)."""
+
+    def __init__(self, owner, call: str, before: Callable[[str], None], previous):
+        self.owner, self.call, self.before, self.previous = owner, call, before, previous
+        self.original = owner.zero_grad if previous is _UNSET else previous
+
+    def __call__(self, *args, **kwargs):
+        self.before(self.call)
+        return self.original(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        if self.previous is not _UNSET:
+            return copy.deepcopy(self.previous, memo)
+        copied = memo.get(id(self.owner))
+        return _class_zero_grad(copied) if copied is not None else _class_zero_grad(self.owner)
+
+    def __reduce__(self):
+        if self.previous is not _UNSET:
+            return (_same, (self.previous,))
+        return (_class_zero_grad, (self.owner,))
+
+
+def _class_zero_grad(owner):
+    return type(owner).zero_grad.__get__(owner)
+
+
+def _same(value):
+    return value
 
 
 def zero_data_parallel_group(engine: nn.Module):
@@ -107,5 +168,6 @@ def accumulation_taps(params, on_grad: Callable[[int, torch.Tensor], None]) -> C
     return remove
 
 
-__all__ = ["accumulation_taps", "intercept_zero_grad", "is_deepspeed_engine", "zero3_partitioned", "zero_data_parallel_group",
+__all__ = ["DEEPSPEED_TESTED", "accumulation_taps", "deepspeed_internals_missing", "deepspeed_version",
+           "intercept_zero_grad", "is_deepspeed_engine", "zero3_partitioned", "zero_data_parallel_group",
            "zero_ready_buckets", "zero_torch_optimizer"]

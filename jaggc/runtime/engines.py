@@ -1,12 +1,13 @@
-"""The engines that hold, hook and reduce a module's gradients, one entry each (``engine_of``).
+"""The engines that hold, hook and reduce a module's gradients, one row each (``engine_of``).
 
 A stepwise window withholds the gradient of its steps until its joint backward; what that must do
 depends on where the engine keeps the gradient between backward passes, which hooks it runs and when
-it communicates. The table below is that knowledge, one row per engine; the stepwise path
-(steps/ranks.py, run.py, stepwise.py, ledger.py) asks ``engine_of(module)`` for it. Not folded in yet:
-the whole-loss runtime's own DDP/FSDP branches (runtime/deferred.py, lowmem.py, guard_probe.py) and
-FSDP's gradient storages (_compat/fsdp_slots.py), and the guard's probe (steps/probe.py: ``owner.ddp``,
-``owner.fsdp``). The next engine (VeOmni, Megatron) is one more row and one more branch of ``engine_of``.
+it communicates. The table below is that knowledge, one row per ``EngineKind`` (``_ROWS``); the
+stepwise path (steps/ranks.py, run.py, stepwise.py, ledger.py, probe.py, safety.py) asks
+``engine_of(module)`` for it and reads its flags, never the engine's name. Not folded in yet: the
+whole-loss runtime's own DDP/FSDP branches (runtime/deferred.py, lowmem.py, guard_probe.py) and
+FSDP's gradient storages (_compat/fsdp_slots.py). The next engine (VeOmni, Megatron) is one more
+kind, one more row and one more branch of ``engine_of``.
 
 | engine | holds the gradient | hooks | reduces | what a window must do |
 |---|---|---|---|---|
@@ -14,6 +15,7 @@ FSDP's gradient storages (_compat/fsdp_slots.py), and the guard's probe (steps/p
 | DDP | ``.grad`` (full) | on the gradient accumulators; its reducer prepared by the latest forward | all-reduce per bucket in every synced backward | the ranks agree on one plan; a synced backward needs the latest forward among its roots (re-run) |
 | FSDP1 | the FlatParameter's ``.grad`` (a shard), views on the originals with ``use_orig_params`` | on the FlatParameter's accumulator, unshard in the forward | reduce-scatter per unit in every backward | as DDP, and every backward's latest forward (its unshard) |
 | FSDP2 | the sharded DTensor's ``.grad`` | on the unsharded parameters | reduce-scatter per group in every backward | as FSDP1 |
+| DeepSpeed stage 0 (no ZeRO: a config without a ``zero_optimization`` section, or stage 0) | ``.grad`` (full, this rank's, accumulated between boundaries); fp16/bf16: the low-precision parameters' ``.grad`` (FP16_Optimizer) | none | all-reduce of every ``.grad`` at the end of the boundary's ``engine.backward`` | as DDP: the ranks agree on one plan, the ledger watches ``.grad`` (a clip between steps is seen, a ``zero_grad`` by its effect); every window's backward inside a loop backward, before the engine's reduction (run.py does that); a window that must run exactly outside a loop backward is refused (its gradient would miss the reduction). The pipeline engine's BF16_Optimizer (``.grad`` moved out in hooks) is refused |
 | DeepSpeed ZeRO-1 | ``.grad`` until the accumulation boundary, then ZeRO's partition | post-accumulate hooks (bookkeeping) | at the end of the boundary's ``engine.backward``, which empties ``.grad`` | as ZeRO-2 (the ledger must not take that emptying for a ``zero_grad``); its ``zero_grad`` (engine's or optimizer's) watched as ZeRO-2's |
 | DeepSpeed ZeRO-2 | ZeRO's buckets and partitions: ``.grad`` is None after every backward | post-accumulate hooks that move each gradient into a bucket | reduce per bucket in every backward; accumulates in its partition | one gradient backward per ``engine.backward`` (ZeRO asserts one reduction per parameter per backward): a window's joint backward runs inside the backward of its last step; on the deferred schedule every window in the trajectory's last step's backward, jointly; ZeRO's buckets readied in a backward with no parameter gradient; ``.grad`` is not watched: the engine's and the ZeRO optimizer's ``zero_grad`` are (``watch_zero_grad``), and refused while a gradient is held back |
 | DeepSpeed ZeRO-3 | partitioned parameters gathered by forward hooks | | | refused (``JaggUnsupportedError``) |
@@ -22,30 +24,86 @@ DeepSpeed: ``jaggc.stepwise(engine)`` installs on ``engine.module`` (the engine'
 each step's output then reaches the engine's own output hooks (its backward prologue and
 ``gradient_accumulation_steps`` scaling) exactly as in the unchanged loop, and jaggc's own forwards
 and joint backwards go through the bare module, whose parameters carry ZeRO's hooks. The private
-DeepSpeed names used sit in ``jaggc/_compat/deepspeed.py``.
+DeepSpeed names used sit in ``jaggc/_compat/deepspeed.py``; a stepwise install checks them by name
+(``refuse_unsupported_engine``) and refuses an engine that lacks one, naming the DeepSpeed versions
+jaggc was tested with.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import nn
 
-from .._compat import (fsdp_version, intercept_zero_grad, is_deepspeed_engine, zero12_managed, zero3_partitioned, zero_ready_buckets,
-                       zero_torch_optimizer)
+from .._compat import (DEEPSPEED_TESTED, deepspeed_internals_missing, deepspeed_version, fsdp_version,
+                       intercept_zero_grad, is_deepspeed_engine, zero12_managed, zero3_partitioned,
+                       zero_data_parallel_group, zero_ready_buckets, zero_torch_optimizer)
 from ..errors import JaggUnsupportedError
 from .module_state import module_chain
 
 
+class EngineKind(enum.Enum):
+    """The engines of the module docstring's table, one per row (its value: the name messages use)."""
+
+    NONE = "none"
+    DDP = "DDP"
+    FSDP1 = "FSDP1"
+    FSDP2 = "FSDP2"
+    DEEPSPEED_STAGE0 = "DeepSpeed stage 0"
+    ZERO1 = "DeepSpeed ZeRO-1"
+    ZERO2 = "DeepSpeed ZeRO-2"
+    ZERO3 = "DeepSpeed ZeRO-3"
+
+    @property
+    def deepspeed(self) -> bool:
+        return self in _ZERO_STAGE
+
+    @property
+    def fsdp(self) -> bool:
+        return self in (EngineKind.FSDP1, EngineKind.FSDP2)
+
+
+#: the ZeRO stage of each DeepSpeed kind (0: DeepSpeed without ZeRO)
+_ZERO_STAGE = {EngineKind.DEEPSPEED_STAGE0: 0, EngineKind.ZERO1: 1, EngineKind.ZERO2: 2, EngineKind.ZERO3: 3}
+_DEEPSPEED_KINDS = {stage: kind for kind, stage in _ZERO_STAGE.items()}
+
+
+@dataclass(frozen=True)
+class _Row:
+    """One row of the table: what the stepwise path reads of an engine (``Engine``'s fields)."""
+
+    hooks_accumulators: bool = False
+    grad_in_dot_grad: bool = True
+    reduces_in_loop_backward: bool = False
+    reduces_only_in_engine_backward: bool = False
+
+
+_ZERO = _Row(hooks_accumulators=True, grad_in_dot_grad=False, reduces_in_loop_backward=True,
+             reduces_only_in_engine_backward=True)
+_ROWS: dict[EngineKind, _Row] = {
+    EngineKind.NONE: _Row(),
+    EngineKind.DDP: _Row(hooks_accumulators=True),
+    EngineKind.FSDP1: _Row(hooks_accumulators=True),
+    EngineKind.FSDP2: _Row(hooks_accumulators=True),
+    EngineKind.DEEPSPEED_STAGE0: _Row(reduces_only_in_engine_backward=True),
+    EngineKind.ZERO1: _ZERO,
+    EngineKind.ZERO2: _ZERO,
+    EngineKind.ZERO3: _ZERO,
+}
+
+
 @dataclass(frozen=True)
 class Engine:
-    """What jaggc must know of the engine that runs a module's backward (module docstring)."""
+    """What jaggc must know of the engine that runs a module's backward (module docstring); made by
+    ``Engine.of(kind, ...)`` from its kind's row."""
 
-    name: str
+    kind: EngineKind
     wrapper: nn.Module | None = None
-    #: every backward communicates: the ranks must make the same backward passes in the same order
+    #: every backward communicates, or the ranks' plans must agree (the probe's reductions, DeepSpeed's
+    #: boundary all-reduce): the ranks must make the same backward passes in the same order
     collective_backward: bool = False
     #: the engine's hooks sit on the gradient accumulators (the tap takes no parameter inputs)
     hooks_accumulators: bool = False
@@ -55,18 +113,49 @@ class Engine:
     #: them, at most once per parameter (ZeRO-2 asserts it): every window's backward runs inside one
     #: loop backward, jointly (DeepSpeed ZeRO-1/2)
     reduces_in_loop_backward: bool = False
-    zero_stage: int | None = None
+    #: the engine reduces the gradient only at the end of its own ``engine.backward`` (DeepSpeed, any
+    #: stage): a gradient added outside one (a window run exactly after the loop left its backward
+    #: passes) would miss the reduction: refused (safety.py)
+    reduces_only_in_engine_backward: bool = False
+
+    @classmethod
+    def of(cls, kind: EngineKind, wrapper: nn.Module | None = None, *, collective: bool = False) -> "Engine":
+        """The engine of ``kind`` (its row of the table), ``wrapper`` the object that runs it (DDP's
+        module, the DeepSpeed engine), ``collective``: in an initialized process group."""
+        return cls(kind, wrapper, collective_backward=collective and kind is not EngineKind.NONE,
+                   **vars(_ROWS[kind]))
+
+    @property
+    def name(self) -> str:
+        return self.kind.value
+
+    @property
+    def zero_stage(self) -> int | None:
+        """The DeepSpeed engine's ZeRO stage (0: DeepSpeed without ZeRO), None elsewhere."""
+        return _ZERO_STAGE.get(self.kind)
+
+    @property
+    def ddp(self) -> nn.Module | None:
+        """The DistributedDataParallel wrapper, None under any other engine."""
+        return self.wrapper if self.kind is EngineKind.DDP else None
 
     def backward_needs_latest_forward(self) -> bool:
         """Whether a backward must have the module's latest forward among its roots: DDP outside
         ``no_sync`` (its reducer is prepared there), FSDP (its hooks unshard there)."""
-        if self.name == "DDP":
+        if self.kind is EngineKind.DDP:
             return bool(self.wrapper.require_backward_grad_sync)
-        return self.name.startswith("FSDP")
+        return self.kind.fsdp
+
+    def process_group(self):
+        """The process group the engine reduces gradients over, where jaggc's agreements between its
+        ranks run (runtime/collectives.py); None: the default group."""
+        if self.kind.deepspeed and self.wrapper is not None:
+            return zero_data_parallel_group(self.wrapper)
+        return getattr(self.wrapper, "process_group", None) if self.wrapper is not None else None
 
     def install_target(self, module: nn.Module) -> nn.Module:
         """The module a stepwise installs on: DeepSpeed's ``engine.module`` (module docstring)."""
-        return self.wrapper.module if self.name.startswith("DeepSpeed") else module
+        return self.wrapper.module if self.kind.deepspeed and self.wrapper is not None else module
 
     def ready_gradient_free_backward(self) -> None:
         """A loop backward that reaches no parameter (a JAGG step's: its gradient goes to jaggc):
@@ -81,15 +170,17 @@ class Engine:
         accumulates where the ledger cannot see it (ZeRO: ``engine.zero_grad()``, the ZeRO optimizer's, the
         bare module's);
         ``before`` may raise to keep it from running. Returns the remover (a no-op elsewhere: there
-        ``.grad`` holds the gradient and the ledger sees a ``zero_grad`` by its effect)."""
-        if self.zero_stage is None or self.wrapper is None:
+        ``.grad`` holds the gradient and the ledger sees a ``zero_grad`` by its effect, DeepSpeed stage 0
+        included)."""
+        if self.grad_in_dot_grad or self.wrapper is None:
             return lambda: None
         return intercept_zero_grad(self.wrapper, before)
 
     def steps(self, optimizer, module: nn.Module) -> bool:
         """Whether ``optimizer``'s step moves ``module``'s parameters: one holding them, or the
-        torch optimizer ZeRO steps on its fp32 partitions."""
-        if self.zero_stage is not None and optimizer is zero_torch_optimizer(self.wrapper):
+        torch optimizer DeepSpeed's optimizer (ZeRO's, or stage 0's fp16/bf16 wrapper) steps on its
+        fp32 copies."""
+        if self.kind.deepspeed and self.wrapper is not None and optimizer is zero_torch_optimizer(self.wrapper):
             return True
         mine = {id(p) for p in module.parameters()}
         return any(id(p) in mine for group in optimizer.param_groups for p in group["params"])
@@ -103,18 +194,36 @@ def engine_of(module: nn.Module) -> Engine:
     for m in chain:
         if is_deepspeed_engine(m):
             stage = int(m.zero_optimization_stage())
-            return Engine(f"DeepSpeed ZeRO-{stage}", m, collective_backward=initialized, hooks_accumulators=True,
-                          grad_in_dot_grad=False, reduces_in_loop_backward=True, zero_stage=stage)
+            return Engine.of(_DEEPSPEED_KINDS.get(stage, EngineKind.ZERO3), m, collective=initialized)
     if zero3_partitioned(module):
-        return Engine("DeepSpeed ZeRO-3", None, collective_backward=initialized, hooks_accumulators=True,
-                      grad_in_dot_grad=False, reduces_in_loop_backward=True, zero_stage=3)
+        return Engine.of(EngineKind.ZERO3, None, collective=initialized)
     version = fsdp_version(module)
     if version is not None:
-        return Engine(f"FSDP{version}", None, collective_backward=initialized, hooks_accumulators=True)
+        return Engine.of(EngineKind.FSDP1 if version == 1 else EngineKind.FSDP2, None, collective=initialized)
     for m in chain:
         if isinstance(m, nn.parallel.DistributedDataParallel):
-            return Engine("DDP", m, collective_backward=initialized, hooks_accumulators=True)
-    return Engine("none")
+            return Engine.of(EngineKind.DDP, m, collective=initialized)
+    return Engine.of(EngineKind.NONE)
+
+
+def refuse_unsupported_engine(engine: Engine, what: str) -> None:
+    """Raise where a stepwise cannot serve ``engine`` (``what``: the jaggc entry point): a DeepSpeed
+    engine that lacks an internal jaggc uses (checked by name: another DeepSpeed release may have
+    moved it), or whose stage-0 optimizer moves the gradients off ``.grad`` in hooks (the pipeline
+    engine's BF16_Optimizer)."""
+    if not engine.kind.deepspeed or engine.wrapper is None:
+        return
+    missing = deepspeed_internals_missing(engine.wrapper, engine.zero_stage)
+    if missing:
+        raise JaggUnsupportedError(
+            f"{what} on a {engine.name} engine of DeepSpeed {deepspeed_version()}: jaggc needs DeepSpeed internals "
+            f"this release lacks ({', '.join(missing)}; jaggc/_compat/deepspeed.py). jaggc is tested with DeepSpeed "
+            f"{', '.join(DEEPSPEED_TESTED)}: install one of those (pip install 'deepspeed=={DEEPSPEED_TESTED[-1]}')")
+    if engine.kind is EngineKind.DEEPSPEED_STAGE0 and type(engine.wrapper.optimizer).__name__ == "BF16_Optimizer":
+        raise JaggUnsupportedError(
+            f"{what} on a DeepSpeed stage-0 engine whose optimizer is DeepSpeed's BF16_Optimizer (the pipeline "
+            f"engine's bf16 mode): it moves each gradient off .grad into its fp32 buffers in hooks, which jaggc "
+            f"does not follow at stage 0. Use ZeRO stage 1 or 2, or bf16 without pipeline parallelism")
 
 
 def refuse_bare_zero_module(module: nn.Module, what: str) -> None:
@@ -143,7 +252,14 @@ def refuse_zero3(module: nn.Module, what: str) -> None:
 def refuse_whole_loss_guard_on_zero(module: nn.Module) -> None:
     """Raise where a guarded ``jagg_compile`` loss runs a DiT under DeepSpeed ZeRO-1/2: the whole-loss
     probe reads the call's gradient from ``.grad``, which ZeRO empties into its partitions."""
-    if engine_of(module).zero_stage is not None or zero12_managed(module):
+    engine = engine_of(module)
+    if engine.kind is EngineKind.DEEPSPEED_STAGE0:
+        raise JaggUnsupportedError(
+            f"jagg_compile(guard=...) on {type(module).__name__} under DeepSpeed stage 0: the whole-loss guard's probe "
+            f"reads the call's gradient from .grad when its backward ends, before engine.backward reduces it over "
+            f"the ranks, so its figures would be one rank's. Guard a per-step loop instead (jaggc.stepwise(engine, "
+            f"guard=...) is supported on DeepSpeed stage 0), or run this loss without guard= on DeepSpeed")
+    if engine.zero_stage is not None or zero12_managed(module):
         raise JaggUnsupportedError(
             f"jagg_compile(guard=...) on {type(module).__name__} under DeepSpeed ZeRO: the whole-loss guard's probe "
             f"reads the call's gradient from .grad, which ZeRO takes into its own partitions, so its figures "
@@ -151,4 +267,4 @@ def refuse_whole_loss_guard_on_zero(module: nn.Module) -> None:
             f"supported on ZeRO-1/2), or run this loss without guard= on DeepSpeed")
 
 
-__all__ = ["Engine", "engine_of", "refuse_bare_zero_module", "refuse_whole_loss_guard_on_zero", "refuse_zero3"]
+__all__ = ["Engine", "EngineKind", "engine_of", "refuse_bare_zero_module", "refuse_unsupported_engine", "refuse_whole_loss_guard_on_zero", "refuse_zero3"]

@@ -41,8 +41,8 @@ from typing import Any, Sequence
 
 import torch
 
-from .._compat import (accumulation_taps, fsdp_gradient_slots, run_after_backward, tree_flatten,
-                       zero_data_parallel_group)
+from .._compat import accumulation_taps, fsdp_gradient_slots, run_after_backward, tree_flatten
+from ..runtime.collectives import agree, all_reduce_tensor
 from ..runtime.guard_probe import _flat, local_module, sharded_backward, sharded_grads, slots_dtype
 from ..runtime.guard_ranks import agree_all, agree_on_windows
 from ..runtime.guard_stats import (ProbeResult, ShardedSum, exact_gradient, local_dot, local_sum, range_of,
@@ -80,12 +80,9 @@ class TrajectoryProbe:
         self.finished = False
         self.fallbacks = owner.counts.fallbacks
 
-    def _device(self) -> torch.device:
-        """Where the probe's small agreement tensors live (the gradients' device: NCCL needs CUDA)."""
-        held = self.after if self.after is not None else self.before
-        if held is not None:
-            return held.device
-        return self.slots[0].shard().device if self.sharded else self.params[0].device
+    def _group(self):
+        """The process group of the probe's agreements and reductions: the engine's."""
+        return self.owner.engine.process_group()
 
     @property
     def in_window(self) -> bool:
@@ -194,16 +191,24 @@ class TrajectoryProbe:
         self.windows.append((win.planned.index, sigma_min, local_dot(error, error)))   # |e_w|², this rank's part
 
     # --- the end -------------------------------------------------------------------------------
-    def finish(self) -> None:
-        """Hand the probe to the guard (once), or drop it with a note."""
+    def finish(self, *, refused: bool = False) -> None:
+        """Hand the probe to the guard (once), or drop it with a note. ``refused``: jaggc refused the
+        trajectory on this rank (``Stepwise.drop``): the probe is dropped here alone, with no agreement
+        between the ranks, since the refusal may be this rank's alone (run.py's order check) and its
+        peers would never join one: the rank must raise its error, not wait for them."""
         if self.finished:
             return
         self.finished = True
         self._stop_taps()
         self.taken = None
+        if refused:
+            self.owner.note_once("probe-dropped", f"the guard's probe of trajectory {self.index} was dropped: jaggc "
+                                                  f"refused its trajectory")
+            self._let_go()
+            return
         why = ("its last backward never finished" if self.after is None or self.before is None
                else "the loop disturbed a window" if self.owner.counts.fallbacks != self.fallbacks else None)
-        if self.owner.distributed and not agree_all(why is None, self._device()) and why is None:
+        if self.owner.distributed and not agree_all(why is None, group=self._group()) and why is None:
             # a probe's reductions need every rank: one rank's dropped probe drops every rank's
             why = "another rank dropped its probe of this trajectory"
         if why is not None:
@@ -214,7 +219,7 @@ class TrajectoryProbe:
         if self.sharded:
             # every rank re-runs as many windows (collective backwards), each filed under its lowest σ
             # over the ranks: the same σ ranges on every rank whatever steps each trained
-            sigmas = agree_on_windows([self.sigma_min(win) for win, _ in self.kept], self.after.device,
+            sigmas = agree_on_windows([self.sigma_min(win) for win, _ in self.kept], group=self._group(),
                                       what=f"jaggc guard: the probe of trajectory {self.index}")
             for (win, kept), sigma in zip(self.kept, sigmas):
                 self._rerun_window(win, kept, sigma)
@@ -261,8 +266,7 @@ class TrajectoryProbe:
         """DDP, ZeRO-2: the ranks' average of J and of each σ range's error (module docstring); one all-reduce."""
         import torch.distributed as dist
 
-        group = (zero_data_parallel_group(self.owner.engine.wrapper) if self.zero
-                 else getattr(self.owner.ddp, "process_group", None))
+        group = self._group()
         ranges = range(len(self.guard.ranges))
         zeros = torch.zeros_like(jagg)
         seen = torch.tensor([float(r in self.errors) for r in ranges], dtype=jagg.dtype, device=jagg.device)
@@ -272,24 +276,24 @@ class TrajectoryProbe:
         # table, so that the per-window figures are the same on every rank
         slots = len(self.run.plan.windows)
         table = torch.zeros(2 * slots, dtype=torch.float64, device=flat.device)
-        lows = torch.full((slots,), float("inf"), dtype=torch.float64, device=flat.device)
+        lows = [float("inf")] * slots
         for pos, sigma, sq in self.windows:
             table[2 * pos] += sq.to(table)
             table[2 * pos + 1] = 1.0
-            lows[pos] = min(float(lows[pos]), sigma)
+            lows[pos] = min(lows[pos], sigma)
         flat = torch.cat([flat, table.to(flat.dtype)])
-        dist.all_reduce(flat, group=group)
-        dist.all_reduce(lows, op=dist.ReduceOp.MIN, group=group)
+        all_reduce_tensor(flat, group=group)
+        lows = agree(lows, dist.ReduceOp.MIN, group=group, dtype=torch.float64)
         world = dist.get_world_size(group=group)
         n = jagg.numel()
         table = flat[len(flat) - 2 * slots:].double()
         flat = flat[:len(flat) - 2 * slots]
         parts = flat[:-len(seen)].split(n)
-        seen = flat[-len(seen):]
-        errors = {r: parts[1 + r] / world for r in ranges if float(seen[r]) > 0}
+        seen = flat[-len(seen):].tolist()           # one host read for the flags
+        errors = {r: parts[1 + r] / world for r in ranges if seen[r] > 0}
         # per window: the ranks' mean |e_w|² (each rank's own window error), its lowest σ over the ranks
-        self.windows = [(pos, float(lows[pos]), table[2 * pos] / world) for pos in range(slots)
-                        if float(table[2 * pos + 1]) > 0]
+        measured = table[1::2].tolist()
+        self.windows = [(pos, lows[pos], table[2 * pos] / world) for pos in range(slots) if measured[pos] > 0]
         return parts[0] / world, errors
 
 

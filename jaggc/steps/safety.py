@@ -17,11 +17,14 @@ inputs) and nothing has read ``.grad`` in between; otherwise it raises.
 | DeepSpeed ZeRO: ``engine.zero_grad()``, the ZeRO optimizer's or ``engine.module``'s ``zero_grad()`` (``.grad`` is ZeRO's, not watched) while a step's gradient is held back | in a wrapper of those calls (runtime/engines.py, ``watch_zero_grad``), before it runs | error (while nothing is held back: allowed) |
 | ``optimizer.step()`` while a step's gradient is held back | in a pre-hook on every optimizer step of the module's parameters, before any parameter moves | error |
 | a trajectory ending early: the ``steps()`` loop left by ``break`` or an exception, fewer steps than declared, a new ``trajectory()`` before the last one finished, ``Stepwise.close()`` | at that moment | open windows run exactly (warning), unless ``.grad`` was written since: error |
+| DeepSpeed (stage 0, ZeRO-1/2): a window that must run exactly outside a loop backward (an early end or a step visited twice after a step's gradient was held back) | at that moment | error: the engine reduces gradients only inside ``engine.backward`` (runtime/engines.py, ``reduces_only_in_engine_backward``) |
 | ``backward(inputs=...)``, ``torch.autograd.grad`` through a JAGG step (the parameters are inputs of its node, tap.py) | at that step's backward | error |
 | a step's gradient never arriving (an exception or a loss left without backward) | when the trajectory ends | it adds nothing, as in the loop; its window runs exactly (warning); under DDP/FSDP, where the forms above do not enter jaggc's node, error |
 | DDP/FSDP, steps out of σ order (the deferred schedule, ranks.py): ``optimizer.step()`` (or a clip) before every declared step's backward ran | in the optimizer pre-hook (the ledger) | error (the windows' backward runs at the end of the last declared step's backward: step in or after that step's body) |
 
-After an error the trajectory is dropped: the next one starts clean.
+After an error the trajectory is dropped: the next one starts clean. Dropping it makes no collective
+(a refusal may be one rank's alone, run.py's order check: the rank must raise, not wait in an agreement
+its peers never join); under DDP/FSDP/DeepSpeed the error names the rank.
 """
 
 from __future__ import annotations
@@ -50,10 +53,12 @@ class Safety:
         warnings.warn(f"jaggc: {message}", stacklevel=4)
 
     def refuse(self, run: "TrajectoryRun", message: str, *, where: str = "") -> JaggUnsupportedError:
-        """The error to raise for ``run``, which is dropped (its graphs freed, the next trajectory clean)."""
+        """The error to raise for ``run``, which is dropped (its graphs freed, the next trajectory clean).
+        Dropping it makes no collective (``Stepwise.drop``): a refusal may be one rank's alone, and that
+        rank raises at once; under DDP/FSDP/DeepSpeed the message names the rank."""
         self.owner.drop(run)
-        return JaggUnsupportedError(message + " (jaggc dropped this trajectory; the next one starts clean)",
-                                    where=where)
+        return JaggUnsupportedError(message + f" (jaggc dropped this trajectory{_on_rank(self.owner)}; the next one "
+                                              f"starts clean)", where=where)
 
     # --- before a step runs ------------------------------------------------------------------
     def before_step(self, run: "TrajectoryRun", step: int, where: str) -> None:
@@ -133,13 +138,15 @@ class Safety:
         win.exact = True
         ready = [v for v in win.pending() if v.grads is not None]
         engine = self.owner.engine
-        if ready and engine.reduces_in_loop_backward and not in_backward():
-            # ZeRO-2 takes a parameter's gradient into its buckets only inside its own backward, which
-            # reduces them at its end (runtime/engines.py): outside one the gradient would be lost
+        if ready and engine.reduces_only_in_engine_backward and not in_backward():
+            # DeepSpeed reduces the gradient only inside its own backward (ZeRO-2 takes each into its
+            # buckets there; stage 0 all-reduces .grad at its end: runtime/engines.py): outside one the
+            # gradient would be lost, or stay this rank's alone
+            into = "ZeRO's partitions" if engine.reduces_in_loop_backward else "DeepSpeed's reduction over the ranks"
             raise self.refuse(run, (
                 f"window {win.planned.index} must run exactly (its steps {sorted(v.step for v in ready)} ran their "
                 f"backward, and the trajectory ended early or a step was visited twice), but on {engine.name} a "
-                f"gradient reaches ZeRO's partitions only inside engine.backward: the held-back gradient cannot be "
+                f"gradient reaches {into} only inside engine.backward: the held-back gradient cannot be "
                 f"added now. Run every declared step once, each with its engine.backward, before the trajectory ends"),
                 where=ready[-1].where)
         run.run_backward([(v, v.grads) for v in ready])
@@ -254,6 +261,16 @@ class Safety:
             + (f"; steps {missing} did not" if missing else "")
             + (f"; steps {unused} ran no backward and add nothing, as in the loop" if unused else "")
             + f"): JAGG window(s) {indices} ran exactly")
+
+
+def _on_rank(owner: StepwiseOwner) -> str:
+    """`` on rank r of n`` where the module's backward passes are collective (a refusal may be one
+    rank's alone: its peers go on until they block in a collective this rank never joins)."""
+    import torch.distributed as dist
+
+    if not owner.distributed or not (dist.is_available() and dist.is_initialized()):
+        return ""
+    return f" on rank {dist.get_rank()} of {dist.get_world_size()}"
 
 
 __all__ = ["FIX_STEP", "Safety"]

@@ -1,0 +1,105 @@
+"""A ``Stepwise``'s settings: their checks (``checked_settings``, ``checked_options``), the engine it
+supports (``supported_engine``), the rollout cache it builds (``build_rollout_cache``), and the comparison
+``jaggc.stepwise(module, ...)`` makes with the settings of one already installed (``same_settings``)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..backward_modes import BackwardMode, backward_mode, modes_where
+from ..errors import JaggInputError, JaggUnsupportedError
+from ..options import Options
+from ..runtime.engines import Engine, engine_of, refuse_bare_zero_module, refuse_unsupported_engine, refuse_zero3
+from ..runtime.guard import Guard
+from ..runtime.rollout_cache import RolloutCache
+from ..runtime.weights import DEFAULT_WEIGHTS, resolve_basis
+from ..runtime.window import check_window_size
+
+#: the backward= forms of a stepwise loop (backward_modes.SUPPORT, its ``stepwise`` column)
+STEPWISE_MODES: tuple[BackwardMode, ...] = modes_where("stepwise")
+
+
+def checked_settings(window: int, weights, backward: str, guard):
+    """``Stepwise(...)``'s window, weights and backward form checked: (the basis, the backward mode)."""
+    check_window_size(window)
+    if backward not in STEPWISE_MODES:
+        raise JaggInputError(f"stepwise(backward={backward!r}): use one of {tuple(m.value for m in STEPWISE_MODES)}")
+    basis = resolve_basis(weights)
+    if basis.kind in ("randomized", "control"):
+        raise JaggUnsupportedError(
+            f"stepwise(weights=Basis({basis.kind!r})) draws a window's knots when the window runs, but a "
+            f"per-step loop must know them at the window's first step; use a deterministic basis (weights='t', "
+            f"the default) or jagg_compile on a whole-trajectory loss")
+    if guard is not None and not isinstance(guard, Guard):
+        raise JaggInputError(f"stepwise(guard={type(guard).__name__}): pass a jaggc.Guard(every=..., on_drift=...)")
+    return basis, backward_mode(backward)
+
+
+def with_defaults(given: dict) -> dict:
+    """``jaggc.stepwise``'s settings (None: not given) with the defaults filled in."""
+    return dict(window=4 if given["window"] is None else given["window"],
+                weights=DEFAULT_WEIGHTS if given["weights"] is None else given["weights"],
+                backward="joint" if given["backward"] is None else given["backward"], options=given["options"],
+                cfg_slice=bool(given["cfg_slice"]),
+                rollout_cache=False if given["rollout_cache"] is None else given["rollout_cache"],
+                guard=given["guard"])
+
+
+def same_settings(existing, module: nn.Module, given: dict) -> None:
+    """``jaggc.stepwise(module, **given)`` on a module that has ``existing`` installed: refused unless
+    every setting given (None: not given) is ``existing``'s."""
+    settings = with_defaults(given)
+    mine = dict(window=existing.window, weights=existing.basis, backward=existing.backward, options=existing.options,
+                cfg_slice=existing.cfg_slice, rollout_cache=existing.rollout_cache, guard=existing.guard)
+    asked = dict(settings, weights=resolve_basis(settings["weights"]), options=checked_options(given["options"]))
+    if mine != asked:
+        differ = sorted(k for k in mine if mine[k] != asked[k])
+        raise JaggInputError(f"{type(module).__name__} already has a jaggc.stepwise with other settings ({differ}: "
+                             f"{', '.join(f'{k}={mine[k]!r}' for k in differ)}); call jaggc.stepwise(module) to get it, "
+                             f"or close() it first")
+
+
+#: the rollout cache's bound with ``rollout_cache=True``
+DEFAULT_CACHE_BYTES = 2 * 2**30
+
+
+def build_rollout_cache(module: nn.Module, setting, options: Options) -> RolloutCache | None:
+    """The rollout cache of ``stepwise(rollout_cache=setting)`` (None: off)."""
+    if setting is False or setting is None:
+        return None
+    if setting is True:
+        max_bytes = DEFAULT_CACHE_BYTES
+    elif isinstance(setting, int) and not isinstance(setting, bool) and setting > 0:
+        max_bytes = setting
+    else:
+        raise JaggInputError(f"stepwise(rollout_cache={setting!r}): pass True (a {DEFAULT_CACHE_BYTES // 2**30} GiB "
+                             f"bound) or the bound in bytes, a positive int")
+    return RolloutCache(module, time_arg=options.time_arg, unbatched=tuple(options.unbatched), max_bytes=max_bytes)
+
+
+def supported_engine(module: nn.Module) -> Engine:
+    """The engine of ``module``, refused where a stepwise cannot serve it (runtime/engines.py)."""
+    refuse_zero3(module, "jaggc.stepwise")
+    refuse_bare_zero_module(module, "jaggc.stepwise")
+    engine = engine_of(module)
+    refuse_unsupported_engine(engine, "jaggc.stepwise")
+    return engine
+
+
+def checked_options(options: Options | None) -> Options:
+    """``options`` (None: the defaults), refused where it sets what a per-step loop does not use."""
+    options = Options() if options is None else options
+    unused = [name for name, default in (("rollout_cache", None), ("split_batches", True), ("backend", None),
+                                         ("on_unsupported", "raise"), ("interior_chunk", None))
+              if getattr(options, name) != default]
+    if unused:
+        instead = {"rollout_cache": "stepwise(rollout_cache=True) records the rollout itself",
+                   "split_batches": "stepwise(cfg_slice=True) is the per-step form of the CFG split"}
+        hints = "".join(f"; {instead[n]}" for n in unused if n in instead)
+        raise JaggInputError(f"stepwise(options=...): {unused} do not apply to a per-step loop (each step is its "
+                             f"own call); leave them at their defaults{hints}")
+    return options
+
+
+__all__ = ["DEFAULT_CACHE_BYTES", "STEPWISE_MODES", "checked_options", "build_rollout_cache", "checked_settings", "same_settings",
+           "supported_engine", "with_defaults"]
