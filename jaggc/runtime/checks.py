@@ -80,22 +80,37 @@ def check_step_values(calls: Sequence[DitCall], steps: Sequence[int]) -> None:
     """Autograd-independence and finiteness of every tensor input of ``calls`` (one host sync)."""
     finite_flags, finite_where = [], []
     for call, step in zip(calls, steps):
-        for name, t in _tensor_inputs(call):
-            if t.requires_grad:
-                raise JaggInputError(
-                    f"the tensor requires grad (it depends on a trainable "
-                    f"value, e.g. an earlier DiT output). JAGG needs stored trajectory data: pass "
-                    f"`.detach()`ed states and conditioning",
-                    where=f"step {step}, input {name}")
-            if t.is_floating_point() and t.device.type != "meta":
-                finite_flags.append(torch.isfinite(t).all())
-                finite_where.append((step, name))
+        for flag, where_ in step_value_flags(call, step, meta=False):
+            finite_flags.append(flag)
+            finite_where.append(where_)
     if finite_flags and not bool(torch.stack(finite_flags).all()):
         step, name = next(w for f, w in zip(finite_flags, finite_where) if not bool(f))
-        raise JaggInputError(
-            f"contains NaN or Inf; check the stored trajectory "
-            f"(rollouts in bf16 can overflow: keep latents and the SDE math in fp32)",
-            where=f"step {step}, input {name}")
+        raise nonfinite_input(step, name)
+
+
+def step_value_flags(call: DitCall, step: int, *, meta: bool = True) -> list:
+    """A call's refusals that need no host read (an input that requires grad raises here), and its
+    finiteness as device flags to read later: ``[(0-d bool tensor, (step, input name))]``, one per
+    floating tensor input (``meta=False``: not for meta tensors, which hold no values; the stepwise
+    path, whose calls run, passes True). ``nonfinite_input`` is the refusal of a false flag."""
+    flags = []
+    for name, t in _tensor_inputs(call):
+        if t.requires_grad:
+            raise JaggInputError(
+                f"the tensor requires grad (it depends on a trainable "
+                f"value, e.g. an earlier DiT output). JAGG needs stored trajectory data: pass "
+                f"`.detach()`ed states and conditioning",
+                where=f"step {step}, input {name}")
+        if t.is_floating_point() and (meta or t.device.type != "meta"):
+            flags.append((torch.isfinite(t).all(), (step, name)))
+    return flags
+
+
+def nonfinite_input(step: int, name: str) -> JaggInputError:
+    return JaggInputError(
+        f"contains NaN or Inf; check the stored trajectory "
+        f"(rollouts in bf16 can overflow: keep latents and the SDE math in fp32)",
+        where=f"step {step}, input {name}")
 
 
 def check_times(times: torch.Tensor, steps: Sequence[int]) -> None:

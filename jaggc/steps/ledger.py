@@ -133,8 +133,9 @@ class GradMarks:
         self.trainable = trainable
         self.canaries = list(range(len(trainable))) if canaries is None else canaries
         self.made: dict[int, tuple[torch.Tensor, int]] = {}      # a None made a mark: (mark, its version)
-        self.negated: dict[int, tuple[torch.Tensor, int]] = {}   # an all-zero gradient negated in place
-        self.seen: dict[int, GradKey] = {}                       # gradients known to hold a nonzero bit
+        # a gradient multiplied in place by its sign (-1 where it was all +0.0: negated; else 1): (it,
+        # its version, the sign, on its device: decided there, with no host read)
+        self.negated: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
 
     @torch.no_grad()
     def mark(self) -> None:
@@ -145,15 +146,15 @@ class GradMarks:
             if g is None:
                 p.grad = mark = torch.full_like(p, -0.0)
                 self.made[i] = (mark, _version(mark))
-            elif not self._is_mark(i, g) and not (i in self.seen and self.seen[i].same(g)):
+            elif not self._is_mark(i, g):
                 unknown.append((i, g))
-        # one host read for every gradient written since the last look (not one per parameter)
-        for (i, g), zero in zip(unknown, _all_bits_zero_each([g for _, g in unknown])):
-            if zero:
-                g.neg_()
-                self.negated[i] = (g, _version(g))
-            else:
-                self.seen[i] = GradKey(g)
+        # an all-zero gradient is negated, any other multiplied by 1 (the same bits), as decided on its
+        # device: no host read (a read per window would stop the CPU until the GPU caught up)
+        for (i, g), zero in zip(unknown, _all_bits_zero_flags([g for _, g in unknown])):
+            local = _local(g)
+            sign = 1 - 2 * zero.to(local.dtype)
+            local.mul_(sign)
+            self.negated[i] = (g, _version(g), sign)
 
     @torch.no_grad()
     def unmark(self) -> None:
@@ -162,13 +163,12 @@ class GradMarks:
             p = self.trainable[i][1]
             if p.grad is mark and _version(mark) == version:
                 p.grad = None
-        for i, (g, version) in self.negated.items():
+        for i, (g, version, sign) in self.negated.items():
             p = self.trainable[i][1]
             if p.grad is g and _version(g) == version:
-                g.neg_()
+                _local(g).mul_(sign)
         self.made.clear()
         self.negated.clear()
-        self.seen.clear()
 
     def _is_mark(self, i: int, g: torch.Tensor) -> bool:
         for table in (self.made, self.negated):
@@ -194,11 +194,12 @@ def _canaries(module: nn.Module, trainable: list[tuple[str, torch.Tensor]]) -> l
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _all_bits_zero_each(grads: list[torch.Tensor]) -> list[bool]:
-    """Whether every element of each gradient is ``+0.0`` (a negative zero has its sign bit set), in
-    one host read per device."""
-    if not grads:
-        return []
+def _all_bits_zero_flags(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per gradient, a 0-d bool on its (local shard's) device: every element is ``+0.0``."""
+    return [~f for f in _nonzero_flags(grads)]
+
+
+def _nonzero_flags(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     flags = []
     for g in grads:
         local = _local(g)
@@ -208,6 +209,15 @@ def _all_bits_zero_each(grads: list[torch.Tensor]) -> list[bool]:
             flags.append(local.ne(0).any())
         else:
             flags.append(local.view(_BITS[local.element_size()]).any())
+    return flags
+
+
+def _all_bits_zero_each(grads: list[torch.Tensor]) -> list[bool]:
+    """Whether every element of each gradient is ``+0.0`` (a negative zero has its sign bit set), in
+    one host read per device."""
+    if not grads:
+        return []
+    flags = _nonzero_flags(grads)
     by_device: dict = {}
     for k, f in enumerate(flags):
         by_device.setdefault(f.device, []).append(k)

@@ -23,6 +23,17 @@ recognised as a cast, not by a wider tolerance: a call whose timestep is a bf16 
 matches the declared step whose value, rounded to that dtype, it equals exactly, when exactly one
 declared step rounds to it. Two declared steps that round to the same value are the same call to
 the DiT; jaggc cannot tell which step it makes and refuses (``JaggInputError``).
+
+Reading a call's timestep on the host stops the CPU until the GPU has caught up (the next step's
+kernels cannot be queued meanwhile), so the host match (``match``) is the last resort:
+
+* ``match_view``: a call whose timestep is a view of the declared tensor (Flow-GRPO without CFG
+  declares ``sample["timesteps"]`` and calls with ``sample["timesteps"][:, j]``) is step ``j`` by its
+  place in the declared tensor's memory (same root tensor, offset, stride, dtype; the memory not
+  written since the declaration): no value is read;
+* ``expect``: a device flag that says whether ``match`` would give an expected step (run.py
+  predicts the next step in σ order for a loop that visits them so); the run reads these flags
+  together, once per window, and re-reads the calls on the host if one is false.
 """
 
 from __future__ import annotations
@@ -33,8 +44,9 @@ from typing import Sequence
 
 import torch
 
+from .._compat import version_counter
 from ..errors import JaggInputError
-from ..runtime.calls import DitCall, per_sample_time, resolve_time_arg
+from ..runtime.calls import DitCall, get_time, per_sample_time, resolve_time_arg
 from ..runtime.weights import Basis, noise_levels
 from ..runtime.window import partition
 
@@ -91,6 +103,8 @@ class TrajectoryPlan:
 
     def __init__(self, timesteps, *, window: int, basis: Basis, time_arg: str | int | None = None, guard=None):
         self.times = declared_times(timesteps)                   # (N, Bd), declaration order
+        self.source = _DeclaredMemory.of(timesteps)              # where the declaration lies (match_view)
+        self._device_times: dict = {}                            # device -> (N, Bd) float64 copy (expect)
         self.time_arg = time_arg
         num_steps = self.times.shape[0]
         if num_steps == 0:
@@ -159,6 +173,40 @@ class TrajectoryPlan:
             return self._match_cast(declared, t, observed.dtype)
         return None
 
+    def match_view(self, call: DitCall) -> int | None:
+        """The declared step whose timestep ``call`` passes as a view of the declared tensor (module
+        docstring), or None (no read: the tensor's place in memory, not its values)."""
+        if self.source is None:
+            return None
+        t = get_time(call, resolve_time_arg(call, self.time_arg))
+        return self.source.step_of(t) if isinstance(t, torch.Tensor) else None
+
+    def expect(self, call: DitCall, step: int) -> torch.Tensor | None:
+        """A 0-d bool tensor on the call's device, true iff ``match(call) == step``, computed there
+        without a host read; None where only the host can tell (a bf16/fp16 timestep: a cast's match;
+        a batch that is no multiple of the declared one; a device without float64)."""
+        arg = resolve_time_arg(call, self.time_arg)
+        observed = per_sample_time(call, arg).detach()
+        bd = self.times.shape[1]
+        if observed.dtype in CAST_DTYPES or observed.ndim != 1 or observed.shape[0] % bd \
+                or observed.device.type == "mps":
+            return None
+        device = observed.device
+        declared = self._device_times.get(device)
+        if declared is None:
+            declared = self._device_times[device] = self.times.to(device)
+        declared = declared.repeat(1, observed.shape[0] // bd)
+        t = observed.to(torch.float64)[None]
+        found = None
+        for candidates, value in ((declared, t), (noise_levels(declared), noise_levels(t))):
+            hits = ((candidates - value).abs() <= MATCH_RTOL * candidates.abs().clamp_min(1e-3)).all(1)
+            unique = hits.sum() == 1
+            mine = unique & hits[step]
+            # the host takes the first rule that has exactly one hit (match)
+            found = mine if found is None else found | (~first_unique & mine)
+            first_unique = unique
+        return found
+
     def _match_cast(self, declared: torch.Tensor, t: torch.Tensor, dtype: torch.dtype) -> int | None:
         """The declared step whose timestep, cast to ``dtype`` (in the declared units or as noise
         levels), is the call's exactly; None if none is; refused if several are."""
@@ -187,6 +235,46 @@ class TrajectoryPlan:
     def describe_steps(self) -> str:
         values = [float(self.times[k].max()) for k in self.order]
         return ", ".join(f"{v:g}" for v in values[:8]) + (", ..." if len(values) > 8 else "")
+
+
+class _DeclaredMemory:
+    """Where a declared timesteps tensor lies: its root tensor (held: its memory cannot be reused),
+    offset, strides, dtype and in-place version. A call's timestep that is one column of it (one
+    element for a 1-d declaration, possibly expanded to the batch) is that step, while the memory
+    is unwritten (the version counter, which views share, is unchanged)."""
+
+    __slots__ = ("root", "offset", "shape", "stride", "dtype", "version")
+
+    @classmethod
+    def of(cls, timesteps) -> "_DeclaredMemory | None":
+        if not isinstance(timesteps, torch.Tensor) or timesteps.ndim not in (1, 2) or timesteps.is_sparse:
+            return None
+        out = cls()
+        t = timesteps.detach()
+        out.root = timesteps._base if timesteps._base is not None else timesteps
+        out.offset, out.shape, out.stride = t.storage_offset(), tuple(t.shape), tuple(t.stride())
+        out.dtype, out.version = t.dtype, version_counter(timesteps)
+        return out
+
+    def step_of(self, t: torch.Tensor) -> int | None:
+        root = t._base if t._base is not None else t
+        if root is not self.root or t.dtype != self.dtype or version_counter(t) != self.version:
+            return None
+        delta = t.storage_offset() - self.offset
+        if len(self.shape) == 2:                      # (batch, steps): a column, t of shape (batch,)
+            batch, steps = self.shape
+            if tuple(t.shape) != (batch,) or (batch > 1 and t.stride() != (self.stride[0],)):
+                return None
+            step_stride = self.stride[1]
+        else:                                         # (steps,): one element, maybe expanded
+            steps = self.shape[0]
+            if t.numel() != 1 and not (t.ndim == 1 and t.stride() == (0,)):
+                return None
+            step_stride = self.stride[0]
+        if step_stride == 0:
+            return None
+        step, rest = divmod(delta, step_stride)
+        return step if rest == 0 and 0 <= step < steps else None
 
 
 __all__ = ["CAST_DTYPES", "MATCH_RTOL", "PlannedWindow", "TrajectoryPlan", "declared_times"]

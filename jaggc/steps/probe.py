@@ -41,9 +41,9 @@ from typing import Any, Sequence
 
 import torch
 
-from .._compat import accumulation_taps, fsdp_gradient_slots, run_after_backward, tree_flatten
+from .._compat import accumulation_taps, run_after_backward, tree_flatten
 from ..runtime.collectives import agree, all_reduce_tensor
-from ..runtime.guard_probe import _flat, local_module, sharded_backward, sharded_grads, slots_dtype
+from ..runtime.guard_probe import _flat, sharded_backward, sharded_grads, slots_dtype
 from ..runtime.guard_ranks import agree_all, agree_on_windows
 from ..runtime.guard_stats import (ProbeResult, ShardedSum, exact_gradient, local_dot, local_sum, range_of,
                                     reduce_norms, total_error)
@@ -57,16 +57,18 @@ class TrajectoryProbe:
 
     def __init__(self, owner, guard, index: int, run):
         self.owner, self.guard, self.index, self.run = owner, guard, index, run
-        self.sharded = bool(owner.fsdp)
-        # DeepSpeed ZeRO-1/2: J_p from the accumulators' taps (module docstring)
-        self.zero = owner.engine.zero_stage is not None
+        engine = owner.engine
+        self.sharded = engine.sharded
+        # DeepSpeed (ZeRO and stage 0): J_p from the accumulators' taps (module docstring)
+        self.zero = engine.grad_from_taps
+        self.numel = engine.numel           # ZeRO-3: a parameter's full size (p.numel() is 0 at rest)
         self.taken: torch.Tensor | None = None
         self._untap = None
         if self.sharded:
-            self.slots = fsdp_gradient_slots(owner.module)
+            self.slots = engine.gradient_slots(owner.module)
             self.dtype = slots_dtype(self.slots)
         else:
-            self.local = local_module(owner.module)
+            self.local = engine.local_module(owner.module)
             self.params = [p for p in self.local.parameters() if p.requires_grad]
             self.names = {id(p): n for n, p in self.local.named_parameters()}
             self.dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
@@ -94,7 +96,7 @@ class TrajectoryProbe:
         if self.zero:
             return self.guard.buffers.clone(self.taken)
         if not self.sharded:
-            return _flat([p.grad for p in self.params], self.params, self.dtype, self.guard.buffers)
+            return _flat([p.grad for p in self.params], self.params, self.dtype, self.guard.buffers, numel=self.numel)
         return sharded_grads(self.slots, self.dtype)
 
     def read_before(self) -> None:
@@ -111,7 +113,7 @@ class TrajectoryProbe:
 
     def _tap(self) -> None:
         """ZeRO-2: from now on, sum what the loop's backward passes accumulate into each parameter."""
-        sizes = [p.numel() for p in self.params]
+        sizes = [self.numel(p) for p in self.params]
         self.taken = self.guard.buffers.empty(sum(sizes), self.dtype, self.params[0].device).zero_()
         parts = self.taken.split(sizes)
 
@@ -175,7 +177,7 @@ class TrajectoryProbe:
                 # takes its parameter's: param_grads.py)
                 grads = parameter_grads(outputs, self.params, cotangents, names=self.names, retain_graph=True,
                                         dit_outputs=False, what=f"jaggc guard: the probe of window {win.planned.index}")
-                self._add(win, _flat(grads, self.params, self.dtype, self.guard.buffers))
+                self._add(win, _flat(grads, self.params, self.dtype, self.guard.buffers, numel=self.numel))
                 self.owner.counts.probe_backwards += 1
             for visit in interior:
                 visit.probe_graph = None
@@ -225,7 +227,7 @@ class TrajectoryProbe:
                 self._rerun_window(win, kept, sigma)
         # in place: the snapshots are not read again (each new flat vector costs its page faults)
         jagg, self.after, self.before = self.after.sub_(self.before), None, None
-        if (self.owner.ddp is not None or self.zero) and self.owner.distributed:
+        if not self.sharded and self.owner.distributed:       # DDP, DeepSpeed: the ranks' average
             jagg, self.errors = self._average(jagg)
         norms = reduce_norms(self.windows, reduce, jagg.device)
         error = total_error(self.errors, jagg, self.guard.buffers)
@@ -263,7 +265,7 @@ class TrajectoryProbe:
                                         what=f"jaggc guard: the probe of window {win.planned.index}"), sigma_min)
 
     def _average(self, jagg: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """DDP, ZeRO-2: the ranks' average of J and of each σ range's error (module docstring); one all-reduce."""
+        """DDP, DeepSpeed: the ranks' average of J and of each σ range's error (module docstring); one all-reduce."""
         import torch.distributed as dist
 
         group = self._group()

@@ -26,7 +26,7 @@ class StepVisit:
     step: int
     call: DitCall
     state: CallState
-    rng: Any                               # the RNG state the call ran with (a re-run draws the same)
+    rng: Any                               # the RNG states the call ran with (_compat.RngStates: a re-run draws the same)
     inputs: list                           # (tensor, version) of its tensor inputs: a re-run needs them unchanged
     where: str                             # the user's file:line of the call
     index: list[int] = field(default_factory=list)     # the tapped (floating) output leaves
@@ -35,6 +35,8 @@ class StepVisit:
     exact: bool = False                    # ran as written (its own DiT backward)
     rows: Any = None                       # slicing.RowSlice: only these rows run with grad (the CFG slice)
     probe_graph: Any = None                # an interior step's output with grad in a probed trajectory (probe.py)
+    drew: bool = False                     # its forward drew random numbers (dropout of any kind: module,
+                                           # F.dropout, attention's dropout_p): it re-runs alone, from ``rng``
 
 
 class StepwiseOwner(Protocol):
@@ -71,6 +73,7 @@ class RunOfSteps(Protocol):
     latest: StepVisit | None
     dropouts: list[nn.Module]
     states: StateReader
+    devices: tuple
 
 
 __all__ = ["RunOfSteps", "StepVisit", "StepwiseOwner"]

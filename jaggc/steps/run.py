@@ -19,6 +19,21 @@ the RNG state of its own call (rerun.py). Anything that would make the result si
 parameter or ``.grad`` written between two steps of a window, a step visited twice, a trajectory
 that ends early) runs the affected window exactly, with one warning, or raises (``safety.py``
 decides which, with the ledger's help).
+
+Host reads. Each read of a device value on the host stops the CPU until the GPU has caught up, so
+the next step's kernels cannot be queued meanwhile. Per call none is needed in the common case:
+
+* which declared step a call is: by the place of its timestep in the declared tensor's memory
+  (``plan.match_view``), or, for a loop whose last trajectory visited its steps in σ order, the next
+  step in σ order, checked on the device (``plan.expect``); else read on the host (``plan.match``);
+* the inputs' finiteness (``Options.check_inputs``): device flags.
+
+Such device flags wait in ``pending`` and are read together with the next read the run makes anyway
+(a rollout-cache lookup, the CFG slice's recovery flags) or before a JAGG window's joint backward:
+at most one read per window. A false finiteness flag refuses then, before any gradient of its window
+lands; a predicted step that was not the call's (the loop left σ order, or called a timestep it did
+not declare) is re-read on the host: the visits are put under their own steps and the windows they
+touched run exactly (one warning), or the undeclared call is refused as before.
 """
 
 from __future__ import annotations
@@ -28,14 +43,15 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .._compat import (backward_accumulates_everywhere, backward_task_id, rng_states, run_after_backward, tree_flatten,
-                       tree_map, version_counter)
+from .._compat import (accelerator_devices, backward_accumulates_everywhere, backward_task_id, rng_drawn, rng_states,
+                       run_after_backward, tree_flatten, tree_map, version_counter)
 from ..backward_modes import BackwardMode
 from ..errors import JaggInputError
 from ..runtime.aggregate import knot_composites
 from ..runtime.calls import DitCall, batch_size, check_output_requires_grad, per_sample_time, resolve_time_arg
 from ..runtime.autocast import current_autocast
-from ..runtime.checks import check_placement, check_step_values
+from ..runtime.checks import check_placement, nonfinite_input, step_value_flags
+from ..runtime.collectives import agree
 from ..runtime.module_state import CallState, StateReader
 from .plan import PlannedWindow, TrajectoryPlan
 from .ranks import agree_on_hit
@@ -74,6 +90,10 @@ class TrajectoryRun:
         self.latest: StepVisit | None = None         # the visit that made the module's latest forward
         self.states = StateReader(owner.module)       # the module's state at each call, for its re-run
         self.dropouts = live_dropouts(self.states.modules)
+        # the accelerator devices of the module's parameters and buffers, whose generators a call may
+        # draw from besides its inputs' (each call's RNG states: rng_states)
+        self.devices = accelerator_devices(owner.module)
+        self.draws = False                           # a call of this trajectory drew random numbers (no CFG slice)
         self.checked_placement = False               # device/dtype of the calls' inputs: checked once
         self.probe = None                            # the guard's probe of this trajectory (steps/probe.py)
         self.backward_steps = 0                      # steps whose backward began
@@ -84,13 +104,26 @@ class TrajectoryRun:
         self._after_task = None                      # the backward pass an after_backward is queued in
         self._exact_task = None                      # the backward pass an exact step's DiT backward ran in
         self._completion_queued = False              # the deferred schedule's end is queued (on_grads)
+        # device flags not read yet (module docstring): ("step", visit, flag) for a predicted step,
+        # ("finite", (step, input), flag); read ones waiting to be judged; the predicted step's flag of
+        # the call being made, for its visit
+        self.pending: list[tuple[str, Any, torch.Tensor]] = []
+        self._verdicts: list[tuple[str, Any, bool]] = []
+        self._expecting: torch.Tensor | None = None
+        self.mispredicted = False                    # a predicted step was not the call's
+        previous = owner._last
+        # predict the steps (module docstring) where the loop's last trajectory visited every declared
+        # step in σ order; not where ranks must agree on every decision (DDP/FSDP)
+        self.predicts = (isinstance(previous, TrajectoryRun) and previous.in_order and not previous.mispredicted
+                         and not previous.dropped and len(previous.visited) == len(previous.plan)
+                         and not owner.distributed and not self.deferred)
 
     def window(self, step: int) -> WindowRun:
         return self.windows[self.plan.window_of[step].index]
 
     # --- a DiT call of the loop --------------------------------------------------------------
     def call(self, call: DitCall, forward: Callable, where: str) -> Any:
-        step = self.plan.match(call)
+        step = self._step_of(call)
         if step is None:
             raise JaggInputError(
                 f"a grad-enabled call of the DiT at {self.plan.describe_call(call)} is none of this "
@@ -106,15 +139,18 @@ class TrajectoryRun:
         rows = self._slice(call)
         exact_now = win.exact and not self.deferred
         if exact_now and rows is None:
-            return self._exact_call(win, step, call, forward, where)
+            out = self._exact_call(win, step, call, forward, where)
+            self._judge()
+            return out
         # "exact": a step of an exact window that is sliced (its backward runs when its gradient
         # arrives) or on the deferred schedule
         role = "exact" if exact_now else win.planned.role(step)
         hold = role != "interior" and (exact_now or self.owner.holds_graphs(self))
         if self.owner.options.check_inputs:
             self._check_inputs(call, step)
-        visit = StepVisit(step, call, self._state(), rng_states(call.args, call.kwargs),
+        visit = StepVisit(step, call, self._state(), rng_states(call.args, call.kwargs, devices=self.devices),
                           _input_versions(call), where, rows=rows if role != "interior" else None)
+        self._expected(visit)
         win.visits[step] = visit
         self.latest = visit
         out = None
@@ -131,6 +167,14 @@ class TrajectoryRun:
                 out = tree_map(_detached, visit.probe_graph)
         if out is None:
             out = self._forward_held(visit, forward) if hold else self._forward_without_grad(call, forward)
+        # whether the call drew random numbers, whichever API drew (a dropout module, F.dropout, attention's
+        # dropout_p): then its re-run runs alone from its RNG states (rerun.py). A few microseconds a call
+        visit.drew = visit.drew or rng_drawn(visit.rng)
+        if visit.drew:
+            self.draws = True
+            if visit.rows is not None and visit.held is None:
+                # its whole call ran (no grad): a re-run of its rows with grad would draw other masks
+                visit.rows = None
         if exact_now:
             self.owner.counts.exact_steps += 1
         if self.probe is not None:
@@ -140,7 +184,111 @@ class TrajectoryRun:
         # views) is no write of the loop's (on_grads looks again when the step's gradient arrives)
         self.owner.ledger.snapshot_grads()
         tapped, visit.index = tap_output(out, lambda grads, v=visit: self.on_grads(v, grads), self.tap_params)
+        self._judge()
         return tapped
+
+    # --- which declared step a call is, and the device flags read later (module docstring) -------
+    def _step_of(self, call: DitCall) -> int | None:
+        self._expecting = None
+        step = self.plan.match_view(call)
+        if step is not None:
+            return step
+        if self.predicts and self.in_order and self.probe is None and len(self.visited) < len(self.plan):
+            step = self.plan.order[len(self.visited)]
+            flag = self.plan.expect(call, step)
+            if flag is not None:
+                self._expecting = flag
+                return step
+        return self.plan.match(call)
+
+    def _expected(self, visit: StepVisit) -> None:
+        """The predicted step's flag waits for the next read, with its visit."""
+        if self._expecting is not None:
+            self.pending.append(("step", visit, self._expecting))
+            self._expecting = None
+
+    def _read(self, extra: torch.Tensor | None = None) -> list:
+        """Read the pending flags and ``extra`` (a 1-d tensor) in ONE host read; returns ``extra``'s
+        values. A false finiteness flag refuses at once; the steps' flags are judged by ``_judge``,
+        where the visits may be moved."""
+        pending, self.pending = self.pending, []
+        if not pending:
+            return [] if extra is None else extra.tolist()
+        flags = torch.stack([f for _, _, f in pending]).to(torch.int64)
+        if extra is not None:
+            flags = torch.cat([flags, extra.to(device=flags.device, dtype=torch.int64)])
+        values = flags.tolist()
+        for (kind, what, _), ok in zip(pending, values):
+            if not ok and kind == "finite":
+                self.owner.drop(self)
+                raise nonfinite_input(*what)
+            self._verdicts.append((kind, what, bool(ok)))
+        return values[len(pending):]
+
+    def settle(self) -> bool:
+        """Read and judge every pending flag (before a JAGG window's joint backward, an optimizer step,
+        the trajectory's end); True if a wrong prediction moved visits."""
+        if self.dropped:
+            self.pending, self._verdicts = [], []
+            return False
+        if self.pending:
+            self._read()
+        return self._judge()
+
+    def _judge(self) -> bool:
+        """A predicted step that was not the call's: every visit not yet verified is re-read on the
+        host, put under its own step, and the windows it touched run exactly (module docstring).
+        True if visits moved."""
+        verdicts, self._verdicts = self._verdicts, []
+        if all(ok for _, _, ok in verdicts):
+            return False
+        unverified = [what for kind, what, _ in verdicts if kind == "step"]
+        unverified += [what for kind, what, _ in self.pending if kind == "step"]
+        self.pending = [p for p in self.pending if p[0] != "step"]
+        self.mispredicted, self.predicts = True, False
+        actual = {id(v): self.plan.match(v.call) for v in unverified}
+        undeclared = next((v for v in unverified if actual[id(v)] is None), None)
+        if undeclared is not None:
+            raise self.owner.safety.refuse(self, (
+                f"a grad-enabled call of the DiT at {self.plan.describe_call(undeclared.call)} is none of this "
+                f"trajectory's declared steps (timesteps {self.plan.describe_steps()}). Declare the timesteps the "
+                f"DiT is called with, one per trained step (sample['timesteps'][:, steps]), or make calls that are "
+                f"not trained steps under torch.no_grad()"), where=undeclared.where)
+        wrong = [v for v in unverified if actual[id(v)] != v.step]
+        if not wrong:
+            return False
+        for v in wrong:
+            win = self.window(v.step)
+            if win.visits.get(v.step) is v:
+                del win.visits[v.step]
+        rename = {v.step: actual[id(v)] for v in wrong}
+        self.visited = [rename.get(s, s) for s in self.visited]
+        demoted = []
+        for v in wrong:
+            step = actual[id(v)]
+            win = self.window(step)
+            if step in win.visits or step in win.dropped:
+                self.owner.safety.visited_twice(self, win, step, v.where)
+            elif v.exact and not win.exact:
+                # its gradient landed through its own graph (it was taken for a step of an exact window)
+                demoted.append(win.planned.index)
+                self.owner.safety.demote(self, win)
+            v.step = step
+            win.visits[step] = v
+        if self.in_order:
+            self.in_order = False
+            self.owner.left_order(self)
+        if demoted:
+            self.owner.safety.warn(
+                f"the steps came out of σ order (the last trajectory visited them in order, so jaggc took each call "
+                f"for the next step in σ order, checked on the device): window(s) {sorted(set(demoted))} ran exactly")
+        # each visit now under its own step: its window's roles hold (a knot without its graph re-runs in
+        # the window's backward), an exact window's visits take their gradient through their own graphs
+        for win in self.windows:
+            if win.exact and not win.done and any(v.grads is not None for v in win.pending()):
+                self.owner.safety.demote(self, win)
+        self._complete_ready()
+        return True
 
     def outside_step(self, forward: Callable, where: str) -> Any:
         """A no-grad call of an FSDP1 module during the trajectory that is no step (a KL reference
@@ -162,7 +310,7 @@ class TrajectoryRun:
         if slicer is None:
             return None
         rows = slicer.rule(batch_size(call))
-        if rows is not None and any(m.training for m in self.dropouts):
+        if rows is not None and (self.draws or any(m.training for m in self.dropouts)):
             self.owner.note_once("slice-dropout", (
                 "the CFG slice is off while the DiT has live dropout (p > 0 in train mode): a sliced call would draw "
                 "other dropout masks than the whole batch's call; every row runs with grad"))
@@ -179,7 +327,7 @@ class TrajectoryRun:
                 # every step's call takes part in one agreement on the cache (_cached): on the deferred
                 # schedule each rank visits its steps in its own order, and this rank's knot meets
                 # another rank's interior step
-                agree_on_hit(False)
+                agree_on_hit(False, group=self.owner.engine.process_group())
             out = forward(*call.args, **call.kwargs)
             check_output_requires_grad(self.owner.module, out)
             visit.held = out
@@ -187,6 +335,18 @@ class TrajectoryRun:
             return out
         unbatched = self.owner.options.unbatched
         free = self._forward_without_grad(call_rows(call, rows.runs(False), unbatched), forward)
+        if rng_drawn(visit.rng):
+            # the call draws random numbers (dropout that no module shows: F.dropout, attention's
+            # dropout_p): its rows with grad would draw from where the free rows left the generators,
+            # which a re-run (or recovery) of one part cannot replay. The whole call runs with grad, from
+            # the states it starts from now, as an unsliced call; the free rows' forward is wasted once
+            visit.drew, visit.rows = True, None
+            visit.rng = rng_states(call.args, call.kwargs, devices=self.devices)
+            out = forward(*call.args, **call.kwargs)
+            check_output_requires_grad(self.owner.module, out)
+            visit.held = out
+            counts.grad_forwards += 1
+            return out
         trained = call_rows(call, rows.runs(True), unbatched)
         out = forward(*trained.args, **trained.kwargs)
         check_output_requires_grad(self.owner.module, out)
@@ -202,8 +362,10 @@ class TrajectoryRun:
         cache = self.owner.cache
         if cache is None:
             return None
-        out = cache.lookup(call)
-        if self.owner.distributed and not agree_on_hit(out is not None):
+        pending = cache.prepare(call)
+        # its one host read carries the run's pending flags (module docstring)
+        out = None if pending is None else cache.finish(pending, self._read(pending.rows))
+        if self.owner.distributed and not agree_on_hit(out is not None, group=self.owner.engine.process_group()):
             out = None
         if out is not None:
             self.owner.counts.cached_forwards += 1
@@ -232,10 +394,12 @@ class TrajectoryRun:
         if not self.checked_placement:
             check_placement(self.owner.module, call, f"step {step}", dtypes=False)
             self.checked_placement = True
-        check_step_values([call], [step])
+        for flag, where in step_value_flags(call, step):
+            self.pending.append(("finite", where, flag))
 
     def _exact_call(self, win: WindowRun, step: int, call: DitCall, forward: Callable, where: str) -> Any:
         win.visits[step] = self.latest = StepVisit(step, call, None, None, [], where, exact=True)
+        self._expected(self.latest)
         out = forward(*call.args, **call.kwargs)
         self.owner.counts.grad_forwards += 1
         self.owner.counts.exact_steps += 1
@@ -317,8 +481,27 @@ class TrajectoryRun:
             # the window had to run exactly after this step's forward: its gradient goes through its own graph
             self.run_backward([(visit, visit.grads)])
             visit.exact = True
+            self._judge()
         elif all(s in win.visits and win.visits[s].grads is not None for s in win.planned.steps):
-            self.complete(win)
+            # every flag read before the window's gradient lands; a wrong prediction moved the visits
+            # (_judge), and the windows complete as they now stand
+            if any(v.rows is not None for v in win.visits.values()):
+                # the CFG slice reads its flags before the window's backward: the pending ones go with them
+                try:
+                    self.complete(win)
+                except _Moved:
+                    self._judge()
+                    self._complete_ready()
+            elif self.settle():
+                self._complete_ready()
+            else:
+                self.complete(win)
+
+    def _complete_ready(self) -> None:
+        for w in self.windows:
+            if not (w.done or w.exact) and all(s in w.visits and w.visits[s].grads is not None
+                                                for s in w.planned.steps):
+                self.complete(w)
 
     def after_this_backward(self) -> None:
         """When the loop's backward running now has finished (after DDP's and FSDP's own end of
@@ -440,10 +623,13 @@ class TrajectoryRun:
         each rank's order of steps, and every rank must make the same forwards and collectives)."""
         if not entries:
             return
+        if self.pending and not any(v.rows is not None for v, _ in entries):
+            # the pending flags are read before any gradient lands (with the CFG slice's flags: _recovered)
+            self._read()
         if self.owner.engine.backward_needs_latest_forward():
             if self.deferred or not any(v is self.latest and v.held is not None for v, _ in entries):
                 entries[-1][0].held = None
-        recovered = self._recovered(entries)
+        recovered = self._recovered(entries, before_jagg=any(w.jagg for w in windows))
         unbatched = self.owner.options.unbatched
         jobs = [(v, _trained_call(v, unbatched)) for v, _ in entries if v.held is None]
         self.owner.counts.sliced_steps += sum(v.rows is not None for v, _ in jobs)
@@ -481,7 +667,7 @@ class TrajectoryRun:
             self.owner.counts.backwards += 1
         self.owner.ledger.snapshot_grads()
 
-    def _recovered(self, entries: list[tuple[StepVisit, list]]) -> list[StepVisit]:
+    def _recovered(self, entries: list[tuple[StepVisit, list]], before_jagg: bool = False) -> list[StepVisit]:
         """The sliced visits among ``entries`` whose rows run without grad got a nonzero cotangent
         (one host read; under DDP/FSDP the ranks agree, so that they re-run alike)."""
         sliced = [(v, grads) for v, grads in entries if v.rows is not None]
@@ -490,14 +676,19 @@ class TrajectoryRun:
         flags = []
         for visit, grads in sliced:
             batch, runs = batch_size(visit.call), visit.rows.runs(False)
-            parts = [take_rows(g, runs, batch).ne(0).any().cpu() for g in grads if g is not None]
-            flags.append(torch.stack(parts).any() if parts else torch.tensor(False))
-        flags = torch.stack(flags).to(torch.int64)
+            parts = [take_rows(g, runs, batch).ne(0).any() for g in grads if g is not None]
+            flags.append(torch.stack(parts).any() if parts else None)
+        device = next((f.device for f in flags if f is not None), None)
+        flags = [torch.zeros((), dtype=torch.bool, device=device) if f is None else f for f in flags]
+        # one host read, with the run's pending flags (module docstring)
+        values = self._read(torch.stack(flags)) if device is not None else [0] * len(flags)
+        if before_jagg and any(kind == "step" and not ok for kind, _, ok in self._verdicts):
+            raise _Moved()          # a predicted step was wrong: no JAGG backward on it (on_grads)
         if self.owner.distributed:
             import torch.distributed as dist
 
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        recovered = [v for (v, _), f in zip(sliced, flags.tolist()) if f]
+            values = agree(values, dist.ReduceOp.MAX, group=self.owner.engine.process_group())
+        recovered = [v for (v, _), f in zip(sliced, values) if f]
         if recovered:
             self.owner.counts.recoveries += len(recovered)
             self.owner.note_once("slice-recovery", (
@@ -517,6 +708,10 @@ class TrajectoryRun:
 
     def missing(self) -> list[int]:
         return [s for s in self.plan.order if s not in self.window(s).visits and s not in self.window(s).dropped]
+
+
+class _Moved(Exception):
+    """A JAGG window's backward met a wrong predicted step before any gradient landed (on_grads)."""
 
 
 def _trained_call(visit: StepVisit, unbatched) -> DitCall:

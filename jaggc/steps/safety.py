@@ -47,7 +47,8 @@ class Safety:
     def __init__(self, owner: StepwiseOwner):
         self.owner = owner
 
-    def _warn(self, message: str) -> None:
+    def warn(self, message: str) -> None:
+        """A fallback the run takes: counted, kept in the notes, and one warning."""
         self.owner.counts.fallbacks += 1
         self.owner.notes.append(message)
         warnings.warn(f"jaggc: {message}", stacklevel=4)
@@ -122,14 +123,14 @@ class Safety:
                     visit.held = visit.grads = None
             self.demote(run, win)
         self.owner.ledger.withholding(run.withheld())
-        self._warn(f"zero_grad() ran between the steps of a JAGG window ({when}): the gradient of steps "
+        self.warn(f"zero_grad() ran between the steps of a JAGG window ({when}): the gradient of steps "
                    f"{sorted(dropped)} was dropped, as the loop drops it, and the window runs exactly. {FIX_STEP}")
         return dropped
 
     def visited_twice(self, run: "TrajectoryRun", win: "WindowRun", step: int, where: str) -> None:
         if not win.exact:
             self.demote(run, win)
-        self._warn(f"{where}: step {step} (window {win.planned.index}) was called twice in one trajectory; its window "
+        self.warn(f"{where}: step {step} (window {win.planned.index}) was called twice in one trajectory; its window "
                    f"runs exactly (each call its own backward, as in the loop). Declare each trajectory's steps once")
 
     def demote(self, run: "TrajectoryRun", win: "WindowRun") -> None:
@@ -256,7 +257,7 @@ class Safety:
             self.demote(run, win)
         missing = run.missing()
         unused = sorted(v.step for v in no_grad)
-        self._warn(
+        self.warn(
             f"the trajectory ended {reason} ({len(run.visited)} of {len(run.plan)} declared steps ran"
             + (f"; steps {missing} did not" if missing else "")
             + (f"; steps {unused} ran no backward and add nothing, as in the loop" if unused else "")

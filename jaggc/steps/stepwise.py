@@ -79,7 +79,7 @@ class Stepwise:
         self.guard = guard
         self.slicer = SliceLearner() if cfg_slice else None
         self.cache = build_rollout_cache(module, rollout_cache, self.options)
-        self.ledger = Ledger(module, watch_grads=self.engine.grad_in_dot_grad)
+        self.ledger = Ledger(self.engine.watched_parameters(module), watch_grads=self.engine.grad_in_dot_grad)
         self.safety = Safety(self)
         self._run: TrajectoryRun | None = None
         self._last: TrajectoryRun | None = None
@@ -187,7 +187,8 @@ class Stepwise:
             # ones: the ledger reads the parameters at rest (FSDPModule.reshard frees the gathered copies)
             reshard_fully_sharded(self.module)
         # its parameters as they are now (an adapter added since)
-        self.ledger = Ledger(self.module, watch_grads=self.engine.grad_in_dot_grad)
+        self.ledger = Ledger(self.engine.watched_parameters(self.module),
+                             watch_grads=self.engine.grad_in_dot_grad)
         if not any(not w.exact for w in plan.windows):
             self._warn_once("all-exact", (
                 f"no window of the declared trajectory runs JAGG (" + "; ".join(sorted({w.reason for w in plan.windows}))
