@@ -19,8 +19,9 @@ from .options import Options
 from .report import Report
 from .runtime.routing import Routing
 from .steps import Stepwise, stepwise
+from .steps.stepwise_settings import FirstOrder
 
-__all__ += ["JaggCompiled", "Options", "Report", "Routing", "Stepwise", "explain", "jagg_compile", "stepwise"]
+__all__ += ["FirstOrder", "JaggCompiled", "Options", "Report", "Routing", "Stepwise", "explain", "jagg_compile", "stepwise"]
 
 
 def calibrate(loss_fn, dit, batch, target_cosine=0.95, candidates=None, **kwargs):

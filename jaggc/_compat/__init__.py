@@ -44,7 +44,7 @@ from .autograd import (
     RngStates, accelerator_devices, backward_accumulates_everywhere, backward_task_id, in_backward, queue_backward_callback,
     rng_drawn, rng_states, rng_states_restored, run_after_backward)
 from .fsdp_slots import GradSlot, fsdp_gradient_slots, fsdp_version, reshard_fully_sharded
-from .deepspeed import DEEPSPEED_TESTED, deepspeed_internals_missing, deepspeed_version, accumulation_taps, intercept_zero_grad, is_deepspeed_engine, zero12_managed, zero3_partitioned, zero_data_parallel_group, zero_ready_buckets, zero_torch_optimizer
+from .deepspeed import DEEPSPEED_TESTED, deepspeed_internals_missing, deepspeed_version, accumulation_taps, intercept_zero_grad, is_deepspeed_engine, zero12_managed, Zero3Partitions, zero3_numel, zero3_partitioned, zero_data_parallel_group, zero_ready_buckets, zero_torch_optimizer
 
 __all__ = [
     "DEEPSPEED_TESTED", "deepspeed_internals_missing", "deepspeed_version",
@@ -58,5 +58,5 @@ __all__ = [
     "module_hook_keys", "new_fake_mode", "nonstrict_trace", "queue_backward_callback",
     "recompile_limit_types", "recompile_reason", "storage_refs", "reshard_fully_sharded", "RngStates", "accelerator_devices", "rng_drawn", "rng_states", "rng_states_restored", "run_after_backward",
     "traced_input_value", "tree_flatten", "tree_flatten_with_path", "tree_map", "tree_unflatten",
-    "unwrap_backend_error", "version_counter", "written_arguments", "zero12_managed", "zero3_partitioned", "zero_ready_buckets", "zero_torch_optimizer",
+    "unwrap_backend_error", "version_counter", "written_arguments", "zero12_managed", "Zero3Partitions", "zero3_numel", "zero3_partitioned", "zero_ready_buckets", "zero_torch_optimizer",
 ]

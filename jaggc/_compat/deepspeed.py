@@ -37,6 +37,12 @@ def deepspeed_internals_missing(engine: nn.Module, stage: int) -> list[str]:
         trainable = [p for p in module.parameters() if p.requires_grad] if isinstance(module, nn.Module) else []
         if trainable and not any(hasattr(p, "param_idx_in_group") for p in trainable):
             missing.append("param_idx_in_group (on the engine module's trainable parameters)")
+    if stage == 3:
+        module = getattr(engine, "module", None)
+        params = list(module.parameters()) if isinstance(module, nn.Module) else []
+        for name in ("ds_tensor", "ds_numel"):
+            if params and not all(hasattr(p, name) for p in params):
+                missing.append(f"{name} (on the engine module's ZeRO-3 parameters)")
     return missing
 
 
@@ -49,6 +55,32 @@ def zero3_partitioned(module: nn.Module) -> bool:
     """Whether ``module``'s parameters are ZeRO-3 partitioned (each carries ``ds_status``: gathered by
     hooks of the forward, released after it), also where the loop holds ``engine.module``."""
     return any(hasattr(p, "ds_status") for p in module.parameters())
+
+
+def zero3_numel(p: torch.Tensor) -> int:
+    """The full size of a ZeRO-3 partitioned parameter (``ds_numel``; ``p.numel()`` is 0 at rest)."""
+    return int(getattr(p, "ds_numel", p.numel()))
+
+
+class Zero3Partitions:
+    """``module``'s parameters as ZeRO-3 holds them at rest: each one's partition on this rank
+    (``p.ds_tensor``), by name. ``p.data`` is swapped by ZeRO-3's hooks (gathered for a forward or a
+    module's backward, then released to an empty tensor): its storage and version say nothing of a
+    write, while the optimizer writes the partition in place (a stepwise ledger reads these)."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def named_parameters(self):
+        for name, p in self.module.named_parameters():
+            yield name, getattr(p, "ds_tensor", p)
+
+    def parameters(self):
+        for _, p in self.named_parameters():
+            yield p
+
+    def modules(self):
+        return self.module.modules()
 
 
 def zero12_managed(module: nn.Module) -> bool:
@@ -169,5 +201,5 @@ def accumulation_taps(params, on_grad: Callable[[int, torch.Tensor], None]) -> C
 
 
 __all__ = ["DEEPSPEED_TESTED", "accumulation_taps", "deepspeed_internals_missing", "deepspeed_version",
-           "intercept_zero_grad", "is_deepspeed_engine", "zero3_partitioned", "zero_data_parallel_group",
+           "intercept_zero_grad", "is_deepspeed_engine", "Zero3Partitions", "zero3_numel", "zero3_partitioned", "zero_data_parallel_group",
            "zero_ready_buckets", "zero_torch_optimizer"]

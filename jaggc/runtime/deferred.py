@@ -61,13 +61,14 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .._compat import (accelerator_devices, backward_accumulates_everywhere, fsdp_version, rng_drawn, rng_states,
+from .._compat import (accelerator_devices, backward_accumulates_everywhere, rng_drawn, rng_states,
                        rng_states_restored, tree_flatten, tree_unflatten)
 from ..errors import JaggUnsupportedError
 from .aggregate import knot_composites
 from .calls import DitCall, concat_calls, split_output
+from .engines import engine_of
 from .forwards import nograd_outputs
-from .module_state import CallState, module_chain
+from .module_state import CallState
 
 # per module, the (module output state, autocast) in which its window forwards were seen drawing random
 # numbers: there a window's knots run in replayable forwards straight away (module docstring)
@@ -86,9 +87,9 @@ class BackwardGroup:
 
     def sync_context(self, dit: nn.Module):
         self.remaining -= 1
-        if self.remaining <= 0 or not hasattr(dit, "no_sync") or fsdp_version(dit):
+        if self.remaining <= 0:
             return contextlib.nullcontext()
-        return dit.no_sync()
+        return engine_of(dit).sync_skipped(dit)      # DDP's no_sync(); FSDP reduce-scatters per window
 
 
 class DeferredWindow:
@@ -205,10 +206,10 @@ class DeferredWindow:
         """Run the window's knot backward. A plain backward: nested, into ``.grad``; returns
         Nones. ``backward(inputs=...)`` / ``autograd.grad``: returns the parameter gradients."""
         returned = not backward_accumulates_everywhere()
-        if returned and (fsdp_version(self.dit) or any(type(m).__name__ == "DistributedDataParallel"
-                                                        for m in module_chain(self.dit))):
+        engine = engine_of(self.dit)
+        if returned and engine.hooks_accumulators:
             raise JaggUnsupportedError(
-                "backward='per_window' under DDP/FSDP runs each window's knot backward through the wrapper's "
+                f"backward='per_window' under {engine.name} runs each window's knot backward through the wrapper's "
                 "hooks of a plain loss.backward(); loss.backward(inputs=...) and torch.autograd.grad(loss, ...) "
                 "would bypass its gradient reduction. Call loss.backward() or use backward='joint'")
         param_grads: list[torch.Tensor | None] = [None] * len(self.params)

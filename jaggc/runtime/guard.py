@@ -307,15 +307,9 @@ def _table(f: dict, title: str) -> str:
 
 def _collective(dit) -> bool:
     """Whether ``dit``'s backward passes are collective (DDP or FSDP in an initialized group)."""
-    import torch.distributed as dist
+    from .engines import engine_of
 
-    from .._compat import fsdp_version
-    from .module_state import module_chain
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return False
-    return fsdp_version(dit) is not None or any(
-        isinstance(m, torch.nn.parallel.DistributedDataParallel) for m in module_chain(dit))
+    return engine_of(dit).collective_backward
 
 
 def active_probe(options: Any) -> CallProbe | None:

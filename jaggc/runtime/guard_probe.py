@@ -45,13 +45,14 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from .._compat import (backward_accumulates_everywhere, fsdp_gradient_slots, fsdp_version, rng_drawn, rng_states,
+from .._compat import (backward_accumulates_everywhere, rng_drawn, rng_states,
                        rng_states_restored, run_after_backward, tree_flatten, tree_unflatten)
 from ..errors import JaggUnsupportedError
 from .aggregate import knot_composites
 from .autocast import current_autocast
 from .calls import DitCall, concat_calls, split_output
 from .collectives import agree, all_reduce_tensor
+from .engines import engine_of
 from .forwards import chunked_outputs, forward_batched
 from .flat_buffers import FlatBuffers
 from .guard_ranks import agree_on_windows
@@ -64,22 +65,23 @@ from .weights import noise_levels
 
 def local_module(dit: nn.Module) -> nn.Module:
     """The module the probe's forwards run on: DDP's wrapped module (no reducer bookkeeping)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    return dit.module if isinstance(dit, DistributedDataParallel) else dit
+    return engine_of(dit).local_module(dit)
 
 
-def _flat(grads, params, dtype, buffers: FlatBuffers | None = None) -> torch.Tensor:
-    """The gradients (None: zero) as one flat ``dtype`` vector, into one of ``buffers`` if given."""
+def _flat(grads, params, dtype, buffers: FlatBuffers | None = None, *,
+          numel: Callable[[torch.Tensor], int] = torch.numel) -> torch.Tensor:
+    """The gradients (None: zero) as one flat ``dtype`` vector, into one of ``buffers`` if given.
+    ``numel``: a parameter's gradient size (``Engine.numel``: ZeRO-3's partitioned parameters are
+    empty at rest)."""
     if buffers is None:
-        return torch.cat([(torch.zeros(p.numel(), dtype=dtype, device=p.device) if g is None else
+        return torch.cat([(torch.zeros(numel(p), dtype=dtype, device=p.device) if g is None else
                            g.reshape(-1).to(dtype)) for g, p in zip(grads, params)])
-    out = buffers.empty(sum(p.numel() for p in params), dtype, params[0].device)
+    out = buffers.empty(sum(numel(p) for p in params), dtype, params[0].device)
     offset = 0
     for g, p in zip(grads, params):
-        piece = out[offset:offset + p.numel()]
+        piece = out[offset:offset + numel(p)]
         piece.zero_() if g is None else piece.copy_(g.reshape(-1))
-        offset += p.numel()
+        offset += numel(p)
     return out
 
 
@@ -296,12 +298,13 @@ class CallProbe:
                 raise JaggUnsupportedError("jaggc guard: one loss call runs two different DiT modules; a guard probes "
                                            "one. Guard each module's loss separately")
             return
-        self.dit, self.local = dit, local_module(dit)
-        if fsdp_version(dit):
+        engine = engine_of(dit)
+        self.dit, self.local = dit, engine.local_module(dit)
+        if engine.sharded:
             # autograd sees only FSDP's gathered copies: the probe keeps each window's upstream
             # gradients and measures them through FSDP's own backward after the call's (module docstring)
             self.sharded = True
-            self.slots = fsdp_gradient_slots(dit)
+            self.slots = engine.gradient_slots(dit)
             self.dtype = slots_dtype(self.slots)
         else:
             self.params = [p for p in self.local.parameters() if p.requires_grad]
@@ -379,17 +382,17 @@ class CallProbe:
 
     def _all_reduce(self) -> None:
         import torch.distributed as dist
-        from torch.nn.parallel import DistributedDataParallel
 
-        if not (isinstance(self.dit, DistributedDataParallel) and dist.is_available() and dist.is_initialized()):
-            return
-        if not getattr(self.dit, "require_backward_grad_sync", True):
+        engine = engine_of(self.dit)
+        if engine.ddp is None or not engine.collective_backward:
+            return      # the whole-loss probe averages over DDP's ranks (FSDP's: ShardedSum; DeepSpeed: refused)
+        if not getattr(engine.ddp, "require_backward_grad_sync", True):
             return        # the user's no_sync() step: DDP reduced nothing, nor do we
         ranges = range(self.num_ranges)
         numel = self.snapshot.numel()
         flat = torch.cat([self.range_errors.get(r, torch.zeros(numel, dtype=self.dtype, device=self.snapshot.device))
                           for r in ranges])
-        group = getattr(self.dit, "process_group", None)
+        group = engine.process_group()
         all_reduce_tensor(flat, group=group)
         flat /= dist.get_world_size(group=group)
         parts = flat.split(numel)

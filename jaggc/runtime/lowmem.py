@@ -35,11 +35,12 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .._compat import fsdp_version, tree_flatten, tree_unflatten
+from .._compat import tree_flatten, tree_unflatten
 from ..errors import JaggGraphError
 from .aggregate import knot_composites
 from .calls import DitCall, split_output
 from .deferred import BackwardGroup
+from .engines import engine_of
 from .memory import storage_bytes
 from .param_grads import parameter_grads
 from .sharded_grads import ShardedGradBuffer
@@ -66,7 +67,7 @@ class LowMemRun:
         self.dit = dit
         # under FSDP the windows' backward runs through FSDP and the buffer is sharded like the
         # gradient (sharded_grads.py); otherwise it is autograd.grad into one gradient per parameter
-        self.sharded = ShardedGradBuffer(dit) if fsdp_version(dit) else None
+        self.sharded = ShardedGradBuffer(dit) if engine_of(dit).sharded else None
         self.params = trainable_parameters(dit) if self.sharded is None else []
         self.names = {id(p): n for n, p in dit.named_parameters()} if self.sharded is None else {}
         self.buffer: list[torch.Tensor | None] = [None] * len(self.params)

@@ -22,6 +22,8 @@ class BeforeStep(Protocol):
 
 _LIVE: "weakref.WeakValueDictionary[int, BeforeStep]" = weakref.WeakValueDictionary()
 _HOOK: list = []
+_AFTER: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_POST_HOOK: list = []
 _ORDER = [0]
 
 
@@ -34,6 +36,30 @@ def register_before_optimizer_step(obj: BeforeStep) -> None:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         _HOOK.append(register_optimizer_step_pre_hook(_before_optimizer_step))
+
+
+def register_after_optimizer_step(obj) -> None:
+    """Call ``obj.after_optimizer_step(optimizer)`` after every optimizer step while ``obj`` lives
+    (the global post-hook: ``register_optimizer_step_post_hook``)."""
+    if not any(v is obj for v in _AFTER.values()):
+        _ORDER[0] += 1
+        _AFTER[_ORDER[0]] = obj
+    if not _POST_HOOK:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _POST_HOOK.append(register_optimizer_step_post_hook(_after_optimizer_step))
+
+
+def unregister_after_optimizer_step(obj) -> None:
+    for key in [k for k, v in _AFTER.items() if v is obj]:
+        del _AFTER[key]
+
+
+def _after_optimizer_step(optimizer, args, kwargs) -> None:
+    for key in sorted(_AFTER.keys()):
+        obj = _AFTER.get(key)
+        if obj is not None:
+            obj.after_optimizer_step(optimizer)
 
 
 def unregister_before_optimizer_step(obj: BeforeStep) -> None:
@@ -55,4 +81,5 @@ def steps_parameters_of(optimizer, module) -> bool:
     return any(id(p) in mine for group in optimizer.param_groups for p in group["params"])
 
 
-__all__ = ["register_before_optimizer_step", "steps_parameters_of", "unregister_before_optimizer_step"]
+__all__ = ["register_after_optimizer_step", "register_before_optimizer_step", "steps_parameters_of",
+           "unregister_after_optimizer_step", "unregister_before_optimizer_step"]

@@ -41,6 +41,14 @@ computes differently in the two. Live dropout or batch statistics make a call no
 inputs: it is neither recorded nor served. ``strict_state=True`` keys rows by the whole module
 state instead (every train flag; the intercept fallback's recording, which replays one loss call).
 
+Off-policy serving (``first_order=True``, first_order.py): the rows outlive the parameters they were
+recorded at, as long as every change since is an optimizer's. The owner reports each optimizer step of
+the module (``before_optimizer_step`` / ``after_optimizer_step``): a parameter written by anything else
+between them taints the recording (the rows are dropped at the next look), and after more than
+``max_optimizer_steps`` steps they are not served. ``stale_prepare`` then looks rows up as
+``prepare`` does, and each table indexes the rollout's passes (rollout_passes.py), so that the knots'
+rows of a training call's samples are found, with their inputs.
+
 ``max_bytes`` bounds the memory the rows hold (the outputs, on their device); a call that would
 exceed it is not recorded (``stats.skipped_rows``), and ``nbytes`` / ``stats.bytes_per_row`` say what
 it holds.
@@ -64,6 +72,7 @@ from .._compat import tree_flatten, tree_unflatten, version_counter
 from .calls import DitCall, batch_size, batched_time, get_time, resolve_time_arg, set_time
 from .function_state import FunctionStateReader
 from .module_state import output_key, unwrap
+from .rollout_passes import PassIndex
 
 
 def parameter_versions(dit: nn.Module) -> tuple:
@@ -95,6 +104,8 @@ class RolloutCache:
     unbatched: tuple[str, ...] = ("img_ids", "txt_ids")
     max_bytes: int | None = None
     strict_state: bool = False
+    first_order: bool = False
+    max_optimizer_steps: int = 8
     stats: RolloutCacheStats = field(default_factory=RolloutCacheStats)
     # private state, not constructor arguments: (state, host key) -> _Table of rows, the parameter
     # versions the rows were recorded at, the bytes held
@@ -102,6 +113,11 @@ class RolloutCache:
     _versions: tuple | None = field(default=None, init=False, repr=False)
     _bytes: int = field(default=0, init=False, repr=False)
     _reader: FunctionStateReader | None = field(default=None, init=False, repr=False)
+    # first_order: the parameter versions the optimizer steps since the recording left, their number,
+    # and whether anything else wrote a parameter
+    _explained: tuple | None = field(default=None, init=False, repr=False)
+    _steps: int = field(default=0, init=False, repr=False)
+    _tainted: bool = field(default=False, init=False, repr=False)
 
     def __len__(self) -> int:
         return sum(t.rows for t in self._rows.values())
@@ -135,6 +151,34 @@ class RolloutCache:
         self._bytes = 0
         self._reader = None
         self.stats.recorded_rows = 0
+        self._explained, self._steps, self._tainted = None, 0, False
+
+    # --- off-policy serving: the optimizer steps since the recording ---------------------------
+    def before_optimizer_step(self) -> None:
+        """An optimizer step of the module's parameters is about to run: whatever changed them since the
+        recording or the last step must have been an optimizer step, else the rows are tainted."""
+        if self.first_order and self._versions is not None and not self._tainted:
+            if parameter_versions(self.dit) != (self._explained or self._versions):
+                self._tainted = True
+
+    def after_optimizer_step(self) -> None:
+        if self.first_order and self._versions is not None and not self._tainted:
+            self._explained = parameter_versions(self.dit)
+            self._steps += 1
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps since the recording (first_order)."""
+        return self._steps
+
+    def serves_stale(self) -> bool:
+        """True while the rows may be served first-order: every change of the parameters since the
+        recording an optimizer step's, at most ``max_optimizer_steps`` of them (module docstring)."""
+        if not self.first_order or self._versions is None or not self._rows or self._tainted:
+            return False
+        if self._steps == 0 or self._steps > self.max_optimizer_steps:
+            return False
+        return parameter_versions(self.dit) == self._explained
 
     # --- the state a row is valid in -----------------------------------------------------------
     def _state(self):
@@ -151,6 +195,8 @@ class RolloutCache:
         if self._versions is None or not self._rows:
             return False
         if parameter_versions(self.dit) != self._versions:
+            if self.serves_stale():
+                return False          # kept for off-policy serving (stale_prepare), not served as on-policy
             self.stats.invalidations += 1
             self.clear()
             return False
@@ -180,6 +226,14 @@ class RolloutCache:
         table = self._rows.get((state, key))
         if table is None:
             table = self._rows[(state, key)] = _Table()
+            if self.first_order:
+                time_arg = resolve_time_arg(call, self.time_arg)
+                canonical = canonical_call(self.dit, call)
+                # the state: diffusers' hidden_states, else the forward's first argument
+                state_arg = "hidden_states" if "hidden_states" in canonical.kwargs else _canonical_name(self.dit, call, 0)
+                table.passes = PassIndex(time_arg=_canonical_name(self.dit, call, time_arg), state_arg=state_arg)
+        if table.passes is not None:
+            table.passes.add(canonical_call(self.dit, call), table.rows, batch)
         table.add(prints, leaves, batched, spec)
         self._bytes += batch * row_bytes
         self.stats.recorded_rows += batch
@@ -206,6 +260,20 @@ class RolloutCache:
         table = self._rows.get((state, key))
         if table is None:
             self.stats.misses += 1
+            return None
+        return PendingLookup(table, table.match(prints))
+
+    def stale_prepare(self, call: DitCall) -> "PendingLookup | None":
+        """``prepare`` for off-policy serving: the rows recorded before the optimizer steps since
+        (``serves_stale``), None where they may not be served or the host knows the call misses."""
+        if not self.serves_stale():
+            return None
+        state, reusable = self._state()
+        if not reusable:
+            return None
+        key, prints = self._fingerprints(call)
+        table = self._rows.get((state, key))
+        if table is None or table.passes is None:
             return None
         return PendingLookup(table, table.match(prints))
 
@@ -251,6 +319,18 @@ class RolloutCache:
 
     def _is_unbatched(self, call: DitCall, leaf: torch.Tensor) -> bool:
         return any(call.kwargs.get(name) is leaf for name in self.unbatched)
+
+
+def _canonical_name(dit: nn.Module, call: DitCall, arg: str | int) -> str | int:
+    """The name ``canonical_call`` gives the argument ``arg`` (a position or a name) of ``call``."""
+    if isinstance(arg, str):
+        return arg
+    signature = _forward_signature(type(unwrap(dit)))
+    if signature is None:
+        return arg
+    names = [n for n, p in signature.parameters.items()
+             if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)][1:]
+    return names[arg] if arg < len(names) else arg
 
 
 def canonical_call(dit: nn.Module, call: DitCall) -> DitCall:
@@ -299,6 +379,7 @@ class _Table:
     recording order (a row recorded again is found at its latest recording)."""
 
     def __init__(self):
+        self.passes: PassIndex | None = None        # first_order: the rollout's passes (rollout_passes.py)
         self.prints: list[torch.Tensor] = []        # (b, 3) per recorded call
         self.outputs: list[tuple] = []              # (leaves, batched, spec) per recorded call
         self.starts: list[int] = []                 # the first row index of each recorded call

@@ -9,7 +9,8 @@ call being sample i. ``PassIndex`` rebuilds the passes from the recorded calls: 
 latest pass with the same conditioning (every tensor input but the state and the timestep, by
 identity, and every other argument by value) whose timestep is above its own, else starts a pass.
 Rows of a training call are found by fingerprint (rollout_cache.py); the same sample at another
-timestep is then the row at the same position of the pass's call at that timestep.
+timestep is then the row at the same position of the pass's call at that timestep. Two passes of the
+same conditioning interleaved (a call either could continue) are not linked at all.
 
 What cannot be linked is not served: a row whose pass has no call at the knot's timestep, or two
 calls of one pass at it (``knot_rows`` returns None, and the step runs its forward). The index holds
@@ -44,8 +45,9 @@ class PassIndex:
     time_arg: str | int
     state_arg: str | int
     calls: list[RecordedCall] = field(default_factory=list)
-    _open: dict = field(default_factory=dict)      # conditioning key -> (pass id, its last call's lowest time)
+    _open: dict = field(default_factory=dict)      # conditioning key -> {pass id: its last call's times}
     _passes: int = 0
+    _ambiguous: set = field(default_factory=set)   # passes a call could not be told apart between
 
     def add(self, call: DitCall, first_row: int, batch: int) -> None:
         """Index a recorded call whose rows start at ``first_row`` (one host read of its timesteps)."""
@@ -54,12 +56,16 @@ class PassIndex:
                  if isinstance(t, torch.Tensor) else [float(t)])
         times = times * batch if len(times) == 1 else times
         key = self._conditioning(call)
-        opened = self._open.get(key)
-        if opened is not None and min(opened[1]) > max(times):
-            pass_id = opened[0]
-        else:
+        opened = self._open.setdefault(key, {})          # pass id -> its last call's times
+        takers = [p for p, last in opened.items() if len(last) == len(times) and min(last) > max(times)]
+        if not takers:
             pass_id, self._passes = self._passes, self._passes + 1
-        self._open[key] = (pass_id, times)
+        else:
+            pass_id = takers[-1]
+            if len(takers) > 1:
+                # two passes of one conditioning interleaved: which one this call continues is unknown
+                self._ambiguous.update(takers)
+        opened[pass_id] = times
         self.calls.append(RecordedCall(call, first_row, times, pass_id))
 
     def knot_rows(self, rows: list[int], knot_times: list[float], rtol: float = 1e-6) -> list[int] | None:
@@ -72,6 +78,8 @@ class PassIndex:
             if found is None:
                 return None
             recorded, position = found
+            if recorded.pass_id in self._ambiguous:
+                return None
             same = [c for c in self.calls if c.pass_id == recorded.pass_id and position < len(c.times)
                     and abs(c.times[position] - t) <= rtol * max(abs(t), 1e-3)]
             if len(same) != 1:
@@ -140,10 +148,47 @@ def _leaf_key(leaf) -> tuple:
     return ("tensor", id(leaf))
 
 
+def shifted_call(call: DitCall, shift: int) -> DitCall | None:
+    """``call`` with each input that is one index of a stored tensor's step axis (``latents[:, j]``,
+    ``timesteps[:, j]``: a view of its root along one axis) moved ``shift`` indices along it; the inputs
+    that are no such view (the conditioning) kept. None where an input's axis is ambiguous or the index
+    leaves the root. The loop's own call of the other step is then checked against it (its rows must be
+    the ones this call found in the recording), so a loop that indexes its stored steps otherwise is
+    caught, not served."""
+    flat, spec = tree_flatten((call.args, call.kwargs))
+    out = []
+    for leaf in flat:
+        if isinstance(leaf, torch.Tensor) and leaf._base is not None:
+            leaf = _shifted_view(leaf, shift)
+            if leaf is None:
+                return None
+        out.append(leaf)
+    args, kwargs = _unflatten(out, spec)
+    return DitCall(tuple(args), dict(kwargs))
+
+
+def _shifted_view(view: torch.Tensor, shift: int) -> torch.Tensor | None:
+    root = view._base
+    if root.ndim != view.ndim + 1:
+        return None
+    delta = view.storage_offset() - root.storage_offset()
+    axes = [d for d in range(root.ndim)
+            if tuple(root.shape[:d] + root.shape[d + 1:]) == tuple(view.shape)
+            and tuple(root.stride()[:d] + root.stride()[d + 1:]) == tuple(view.stride())
+            and root.stride(d) > 0 and delta % root.stride(d) == 0 and 0 <= delta // root.stride(d) < root.shape[d]]
+    if len(axes) != 1:
+        return None
+    d = axes[0]
+    index = delta // root.stride(d) + shift
+    if not 0 <= index < root.shape[d]:
+        return None
+    return root.select(d, index)
+
+
 def _unflatten(leaves: list[Any], spec):
     from .._compat import tree_unflatten
 
     return tree_unflatten(leaves, spec)
 
 
-__all__ = ["PassIndex", "RecordedCall"]
+__all__ = ["PassIndex", "RecordedCall", "shifted_call"]

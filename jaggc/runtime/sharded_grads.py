@@ -30,8 +30,9 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .._compat import GradSlot, fsdp_gradient_slots, run_after_backward
+from .._compat import GradSlot, run_after_backward
 from ..errors import JaggUnsupportedError
+from .engines import engine_of
 from .memory import storage_bytes
 from .param_grads import check_graph_leaves
 
@@ -44,7 +45,7 @@ class ShardedGradBuffer:
     docstring)."""
 
     def __init__(self, dit: nn.Module):
-        self.slots: list[GradSlot] = fsdp_gradient_slots(dit)
+        self.slots: list[GradSlot] = engine_of(dit).gradient_slots(dit)
         self.buffer: list[torch.Tensor | None] = [None] * len(self.slots)
         self.added = False
 

@@ -134,8 +134,12 @@ class TrajectoryProbe:
     def interior_forward(self, call) -> Any:
         """An interior step of a probed trajectory, with grad, on the module inside DDP."""
         owner = self.owner
+        # ZeRO-3: the loop's call of the module ran its hooks (collective all-gathers) once; a nested
+        # call of the module would run its root hooks again on this rank alone where the ranks' roles
+        # differ (the deferred schedule): its forward, through jaggc (passing through), inside them
+        run = self.local.forward if owner.engine.partitioned_parameters else self.local
         with owner.passing_through(), torch.enable_grad():
-            out = self.local(*call.args, **call.kwargs)
+            out = run(*call.args, **call.kwargs)
         owner.counts.probe_forwards += 1
         return out
 

@@ -35,6 +35,8 @@ class StepVisit:
     exact: bool = False                    # ran as written (its own DiT backward)
     rows: Any = None                       # slicing.RowSlice: only these rows run with grad (the CFG slice)
     probe_graph: Any = None                # an interior step's output with grad in a probed trajectory (probe.py)
+    now: Any = None                        # first-order serving: a knot's visible output, detached
+    recorded_rows: list | None = None      # first-order serving: a knot's rows in the recording
     drew: bool = False                     # its forward drew random numbers (dropout of any kind: module,
                                            # F.dropout, attention's dropout_p): it re-runs alone, from ``rng``
 

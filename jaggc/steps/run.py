@@ -44,7 +44,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .._compat import (accelerator_devices, backward_accumulates_everywhere, backward_task_id, rng_drawn, rng_states,
-                       run_after_backward, tree_flatten, tree_map, version_counter)
+                       run_after_backward, tree_flatten, tree_map, tree_unflatten, version_counter)
 from ..backward_modes import BackwardMode
 from ..errors import JaggInputError
 from ..runtime.aggregate import knot_composites
@@ -53,6 +53,8 @@ from ..runtime.autocast import current_autocast
 from ..runtime.checks import check_placement, nonfinite_input, step_value_flags
 from ..runtime.collectives import agree
 from ..runtime.module_state import CallState, StateReader
+from ..runtime.rollout_passes import shifted_call
+from ..runtime.weights import noise_levels
 from .plan import PlannedWindow, TrajectoryPlan
 from .ranks import agree_on_hit
 from .rerun import live_dropouts, rerun_calls
@@ -68,6 +70,8 @@ class WindowRun:
         self.done = False
         self.dropped: set[int] = set()     # steps a zero_grad wiped before the window completed
         self.jagg = False                  # its backward sends knot composites (window_entries)
+        self.prefetched: dict[int, Prefetched] = {}   # knots forwarded before their step (first_order.py)
+        self.linked: dict[int, tuple] = {}            # a knot's (call, recorded rows) for first-order serving
 
     @property
     def open(self) -> bool:
@@ -98,6 +102,7 @@ class TrajectoryRun:
         self.probe = None                            # the guard's probe of this trajectory (steps/probe.py)
         self.backward_steps = 0                      # steps whose backward began
         self.dropped = False                         # refused: the owner forgot it (Stepwise.drop)
+        self.no_grad_pass = False                    # declared without grad: its calls record (stepwise.py)
         # the tap's parameter inputs (tap.py), where no DDP/FSDP hooks their gradient accumulators
         self.tap_params = ([] if owner.distributed or owner.engine.hooks_accumulators
                            else [p for p in owner.module.parameters() if p.requires_grad])
@@ -154,7 +159,10 @@ class TrajectoryRun:
         win.visits[step] = visit
         self.latest = visit
         out = None
-        if hold and role == "knot" and self.owner.cache is not None and not self.owner.distributed:
+        prefetched = win.prefetched.pop(step, None)
+        if prefetched is not None:
+            visit, out = self._take_prefetched(win, visit, prefetched, call)
+        if out is None and hold and role == "knot" and self.owner.cache is not None and not self.owner.distributed:
             # a knot the rollout made whole needs no forward now: its window's backward re-runs it
             # (its rows with grad), batched with the other knot, as backward="per_window" does
             out = self._cached(call)
@@ -165,8 +173,12 @@ class TrajectoryRun:
             out = self._cached(call)
             if out is None:
                 out = tree_map(_detached, visit.probe_graph)
+        if out is None and role == "interior" and self._serves_first_order(win):
+            out = self._serve_first_order(win, visit, call, forward)
         if out is None:
             out = self._forward_held(visit, forward) if hold else self._forward_without_grad(call, forward)
+        if role == "knot" and self._serves_first_order(win) and visit.now is None:
+            visit.now = tree_map(_detached, out)
         # whether the call drew random numbers, whichever API drew (a dropout module, F.dropout, attention's
         # dropout_p): then its re-run runs alone from its RNG states (rerun.py). A few microseconds a call
         visit.drew = visit.drew or rng_drawn(visit.rng)
@@ -370,6 +382,124 @@ class TrajectoryRun:
         if out is not None:
             self.owner.counts.cached_forwards += 1
         return out
+
+    # --- off-policy serving (runtime/first_order.py) ---------------------------------------------
+    def _serves_first_order(self, win: WindowRun) -> bool:
+        """Whether ``win``'s interior steps may be served first-order now: the cache's rows are the
+        recording's before optimizer steps it accounts for, the window runs JAGG with held knot graphs, in
+        one process (the ranks' forwards would have to agree: announced once), unprobed."""
+        cache = self.owner.cache
+        if cache is None or not cache.first_order or win.exact or win.planned.exact or self.probe is not None:
+            return False
+        if self.owner.backward is not BackwardMode.JOINT or self.deferred:
+            return False
+        if self.owner.distributed:
+            self.owner.note_once("first-order-ranks", (
+                "rollout_cache='first_order' serves nothing under DDP/FSDP/DeepSpeed yet (the ranks would have to "
+                "agree on every early knot forward): off-policy interior steps run their forwards"))
+            return False
+        return cache.serves_stale()
+
+    def _stale_rows(self, call: DitCall, cache) -> tuple[Any, list[int]] | None:
+        pending = cache.stale_prepare(call)
+        if pending is None:
+            return None
+        rows = self._read(pending.rows)           # one host read, with the run's pending flags
+        return (pending.table, rows) if all(r >= 0 for r in rows) else None
+
+    def _serve_first_order(self, win: WindowRun, visit: StepVisit, call: DitCall, forward: Callable) -> Any | None:
+        """``visit``'s output as its recorded one plus the knots' change since (first_order.py), its
+        knots forwarded first where the loop has not reached them; None (the forward runs) where a row
+        or a knot's row is not linked, or the window's knots are not the planned ones."""
+        cache, counts = self.owner.cache, self.owner.counts
+        found = self._stale_rows(call, cache)
+        steps = list(win.planned.steps)
+        positions, phi = self.owner.basis.sample(self.plan.times[steps])       # (S, K, Bd), declared times
+        if found is None or tuple(positions) != win.planned.knots:
+            counts.first_order_missed += 1
+            return None
+        table, rows = found
+        now, then = [], []
+        for s in (steps[p] for p in positions):
+            linked = self._knot_rows(win, visit, call, table, rows, s)
+            knot_now = None if linked is None else self._knot_now(win, s, table, linked[1], forward, linked[0])
+            if knot_now is None:
+                counts.first_order_missed += 1
+                return None
+            now.append(knot_now)
+            then.append(table.output(linked[1]))
+        weights = phi[steps.index(visit.step)].repeat(1, len(rows) // phi.shape[-1])    # (K, call batch)
+        counts.first_order_served += 1
+        return _served(table.output(rows), then, now, weights, len(rows))
+
+    def _knot_rows(self, win: WindowRun, visit: StepVisit, call: DitCall, table, rows: list[int], knot: int):
+        """(the knot's call on the recorded rows, or None where the knot's visit has one; the recorded
+        rows of the same samples at ``knot``), or None where they cannot be linked. Through the
+        rollout's passes (rollout_passes.py); else, where the loop calls the DiT on views of its stored
+        steps (``latents[:, j]``, the timestep a column of the declared tensor), on the same views moved
+        to the knot's index, looked up in the recording (one host read, once per window)."""
+        linked = win.linked.get(knot)
+        if linked is not None:
+            return linked
+        tile, rest = divmod(len(rows), self.plan.times.shape[1])
+        knot_rows = None
+        # the declared timesteps in the units the DiT is called with, or as noise levels (0..1000 vs σ)
+        for times in (self.plan.times[knot], noise_levels(self.plan.times[knot])) if not rest else ():
+            knot_rows = knot_rows or table.passes.knot_rows(rows, times.repeat(tile).tolist())
+        knot_call = None
+        if knot_rows is not None:
+            knot_call = table.passes.call_of_rows(knot_rows, tuple(self.owner.options.unbatched))
+        elif self.plan.match_view(call) == visit.step:
+            knot_call = shifted_call(call, knot - visit.step)
+            found = None if knot_call is None else self._stale_rows(knot_call, self.owner.cache)
+            knot_rows = None if found is None or found[0] is not table else found[1]
+        if knot_rows is None or knot_call is None:
+            return None
+        win.linked[knot] = (knot_call, knot_rows)
+        return win.linked[knot]
+
+    def _knot_now(self, win: WindowRun, step: int, table, knot_rows: list[int], forward: Callable,
+                  call: DitCall | None = None) -> Any | None:
+        """The visible output now of knot ``step`` on the recorded rows ``knot_rows``: its visit's, if the
+        loop made it on those rows, else a forward made now of ``call`` (the recording's inputs of those
+        rows), kept for the loop's own call of the knot (``_take_prefetched``)."""
+        visited = win.visits.get(step)
+        if visited is not None:
+            if visited.recorded_rows is None:
+                found = self._stale_rows(visited.call, self.owner.cache)
+                visited.recorded_rows = [] if found is None else found[1]
+            return visited.now if visited.recorded_rows == knot_rows else None
+        ahead = win.prefetched.get(step)
+        if ahead is not None:
+            return ahead.now if ahead.rows == knot_rows else None
+        if call is None:
+            return None
+        rows = self._slice(call)
+        visit = StepVisit(step, call, self._state(), rng_states(call.args, call.kwargs, devices=self.devices),
+                          _input_versions(call), "(a knot forwarded before its step)", rows=rows)
+        out = self._forward_held(visit, forward)
+        visit.drew = rng_drawn(visit.rng)
+        visit.now, visit.recorded_rows = tree_map(_detached, out), knot_rows
+        win.prefetched[step] = Prefetched(visit, knot_rows, out)
+        self.owner.counts.prefetched_knots += 1
+        return visit.now
+
+    def _take_prefetched(self, win: WindowRun, visit: StepVisit, ahead: "Prefetched", call: DitCall):
+        """The loop's own call of a knot forwarded before its step: its visit and visible output are the
+        early forward's if the call's rows are the recorded ones it ran on (one host read); else the window
+        runs exactly (its interior steps re-run with grad in its backward), announced."""
+        found = self._stale_rows(call, self.owner.cache) if self.owner.cache.serves_stale() else None
+        if found is not None and found[1] == ahead.rows:
+            early = ahead.visit
+            early.where, early.inputs, early.state = visit.where, visit.inputs, visit.state
+            win.visits[visit.step] = self.latest = early
+            return early, ahead.out
+        self.owner.safety.warn(
+            f"step {visit.step} (a knot of window {win.planned.index}) was forwarded before the loop reached it, on "
+            f"the rollout's inputs of its samples, to serve the window's interior steps first-order; the loop's call "
+            f"of it has other inputs: window {win.planned.index} runs exactly")
+        self.owner.safety.demote(self, win)
+        return visit, None
 
     def _forward_without_grad(self, call: DitCall, forward: Callable) -> Any:
         """A no-grad forward of ``call``: from the rollout cache when it has the call at these
@@ -728,3 +858,28 @@ def _input_versions(call: DitCall) -> list:
 
 
 __all__ = ["StepVisit", "TrajectoryRun", "WindowRun"]
+
+
+class Prefetched:
+    """A knot forwarded before the loop's call of it (``TrajectoryRun._knot_now``): its visit (graph
+    held), the recorded rows it ran on, and its visible output."""
+
+    def __init__(self, visit: StepVisit, rows: list[int], out: Any):
+        self.visit, self.rows, self.out = visit, rows, out
+        self.now = visit.now
+
+
+def _served(recorded: Any, then: list, now: list, weights: torch.Tensor, batch: int) -> Any:
+    """``serve_first_order`` on each batched floating leaf of the output (the others as recorded)."""
+    from ..runtime.first_order import serve_first_order
+
+    leaves, spec = tree_flatten(recorded)
+    then_leaves = [tree_flatten(t)[0] for t in then]
+    now_leaves = [tree_flatten(n)[0] for n in now]
+    out = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.ndim >= 1 and leaf.shape[0] == batch:
+            leaf = serve_first_order(leaf, [t[i] for t in then_leaves], [n[i] for n in now_leaves], weights)
+        out.append(leaf)
+    return tree_unflatten(out, spec)
+

@@ -46,7 +46,8 @@ from ..runtime.calls import DitCall
 from ..runtime.engines import EngineKind
 from ..runtime.guard import Guard
 from ..runtime.guard_ranks import agree_on_probe
-from ..runtime.optimizer_hook import register_before_optimizer_step, unregister_before_optimizer_step
+from ..runtime.optimizer_hook import (register_after_optimizer_step, register_before_optimizer_step,
+                                      unregister_after_optimizer_step, unregister_before_optimizer_step)
 from ..runtime.weights import DEFAULT_WEIGHTS
 from .ledger import Ledger
 from .plan import TrajectoryPlan
@@ -96,7 +97,8 @@ class Stepwise:
 
     @property
     def fsdp(self) -> bool:
-        return self.engine.kind.fsdp
+        """The gradient is FSDP's, in sharded storages (the engine's row: ``Engine.sharded``)."""
+        return self.engine.sharded
 
     @property
     def fsdp1(self) -> bool:
@@ -115,14 +117,17 @@ class Stepwise:
         # the call path (stepwise_install.py) and, with a rollout cache, the rollout's recording
         self._recording = install_forward(self, self.module)
         register_before_optimizer_step(self)
+        if self.cache is not None and self.cache.first_order:
+            register_after_optimizer_step(self)
         # ZeRO's zero_grad leaves no trace on .grad for the ledger: the call itself is watched
         self._unwatch_zero_grad = self.engine.watch_zero_grad(self.before_engine_zero_grad)
 
     # --- the rollout cache's recording ----------------------------------------------------------
     def records(self) -> bool:
-        """Whether a no-grad call made now is a rollout's, to record: outside any trajectory and
-        any call jaggc makes itself."""
-        return (self.cache is not None and not torch.is_grad_enabled() and (self._run is None or self._run.over())
+        """Whether a no-grad call made now is a rollout's, to record: outside any trajectory, or in one
+        declared without grad (a pass of the loop itself), and no call jaggc makes itself."""
+        return (self.cache is not None and not torch.is_grad_enabled()
+                and (self._run is None or self._run.over() or self._run.no_grad_pass)
                 and not getattr(self._local, "through", 0) and not getattr(self._local, "outer", 0))
 
     def record(self, call: DitCall, output) -> None:
@@ -155,6 +160,7 @@ class Stepwise:
                 self._recording.remove()
                 self._recording = None
             unregister_before_optimizer_step(self)
+            unregister_after_optimizer_step(self)
             self._unwatch_zero_grad()
 
     # --- trajectories ------------------------------------------------------------------------------
@@ -172,6 +178,9 @@ class Stepwise:
             if self.slicer is not None:
                 agree_on_slice(self.slicer, group=self.engine.process_group())
         run = TrajectoryRun(self, plan)
+        # a trajectory declared without grad is a pass of the loop itself at the current parameters
+        # (verl-omni's old-log-prob pass): its calls record like a rollout's
+        run.no_grad_pass = not torch.is_grad_enabled()
         self._run = self._last = run
         self.counts.trajectories += 1
         if self.guard is not None:
@@ -224,12 +233,20 @@ class Stepwise:
         if not self.engine.steps(optimizer, self.module):
             return
         self.raise_deferred()
+        if self.cache is not None:
+            self.cache.before_optimizer_step()
         if self._run is not None:
             self._run.settle()
             self.safety.optimizer_step(self._run)
             if self._run.probe is not None and self._run.over():
                 # the guard's FSDP probe re-runs its windows' calls: before the parameters move
                 self._run.probe.finish()
+
+    def after_optimizer_step(self, optimizer) -> None:
+        """After an optimizer step of this module's parameters: the rollout cache counts it (off-policy
+        serving: runtime/rollout_cache.py)."""
+        if self.cache is not None and self.engine.steps(optimizer, self.module):
+            self.cache.after_optimizer_step()
 
     def before_engine_zero_grad(self, call: str) -> None:
         """Before a ``zero_grad`` of the engine's own gradient store (``call``; runtime/engines.py,

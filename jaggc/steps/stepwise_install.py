@@ -12,8 +12,9 @@ import weakref
 import torch
 from torch import nn
 
-from .._compat import in_backward, is_deepspeed_engine
+from .._compat import in_backward
 from ..runtime.calls import DitCall
+from ..runtime.engines import install_target_of
 from ..runtime.module_state import unwrap
 from ..source import frame_location, user_frame
 
@@ -46,8 +47,7 @@ def remove_forward(owner, module: nn.Module) -> None:
 
 def installed(module: nn.Module):
     """The ``Stepwise`` installed on ``module`` (on a DeepSpeed engine: on ``engine.module``), or None."""
-    if is_deepspeed_engine(module):
-        module = module.module             # where stepwise installs on a DeepSpeed engine
+    module = install_target_of(module)     # where stepwise installs on a DeepSpeed engine (runtime/engines.py)
     installed = module.__dict__.get("forward")
     return installed.owner if isinstance(installed, InstalledForward) else None
 
@@ -72,6 +72,9 @@ class InstalledForward:
             finally:
                 owner._local.outer = 0
             owner.record(DitCall(tuple(args), dict(kwargs)), out)
+            # where this module is the innermost, its own forward hooks (the inner recorder among them)
+            # run after this returns: that hook must not record the call a second time
+            owner._local.last_recorded = out
             return out
         if (owner._run is None or not torch.is_grad_enabled() or getattr(owner._local, "through", 0)
                 or in_backward()):
@@ -107,6 +110,9 @@ class _InnerRecorder:
 
     def __call__(self, module, args, kwargs, output) -> None:
         owner = self.owner()
+        if owner is not None and output is getattr(owner._local, "last_recorded", None):
+            owner._local.last_recorded = None          # recorded by the installed forward (InstalledForward)
+            return
         if owner is not None and owner.records():
             owner.record(DitCall(tuple(args), dict(kwargs)), output)
 

@@ -27,6 +27,9 @@ class StepwiseCounts:
     probe_backwards: int = 0      # the guard's: one per probed JAGG window
     sliced_steps: int = 0         # forwards (or re-runs) with grad on the CFG slice's rows only (slicing.py)
     recoveries: int = 0           # sliced rows re-run with grad: their cotangent was not zero
+    first_order_served: int = 0   # interior steps served off-policy: recorded output + the knots' change
+    prefetched_knots: int = 0     # knots forwarded before their step, for first-order serving
+    first_order_missed: int = 0   # interior steps off-policy that ran their forward (a row not linked)
 
 
 @dataclass
@@ -60,6 +63,11 @@ class StepwiseReport:
                          f"({_bound(k['max_bytes'])}; {k['bytes_per_row'] / 2**10:.1f} KiB per row, "
                          f"{k['bytes_per_sample_step'] / 2**10:.1f} KiB per sample-step)"
                          + (f"; {k['skipped_rows']} rows not recorded (max_bytes)" if k["skipped_rows"] else ""))
+            if k.get("first_order"):
+                lines.append(f"  off-policy serving (first_order, at most {k['max_optimizer_steps']} optimizer steps "
+                             f"since the recording): {c.first_order_served} interior steps served first-order, "
+                             f"{c.prefetched_knots} knots forwarded before their step, {c.first_order_missed} missed "
+                             f"(forward run); {k['optimizer_steps']} optimizer steps since the recording")
         if self.guard is not None:
             lines.append(f"  guard: {self.guard}; probe forwards {c.probe_forwards}, probe backwards {c.probe_backwards}")
         for w in self.windows:
@@ -110,7 +118,9 @@ def cache_figures(cache, run) -> dict | None:
     st = cache.stats
     return dict(hits=st.hits, misses=st.misses, invalidations=st.invalidations, rows=len(cache),
                 bytes=cache.nbytes, max_bytes=cache.max_bytes, bytes_per_row=st.bytes_per_row,
-                bytes_per_sample_step=st.bytes_per_row * per_sample, skipped_rows=st.skipped_rows)
+                bytes_per_sample_step=st.bytes_per_row * per_sample, skipped_rows=st.skipped_rows,
+                first_order=cache.first_order, max_optimizer_steps=cache.max_optimizer_steps,
+                optimizer_steps=cache.optimizer_steps)
 
 
 __all__ = ["StepwiseCounts", "StepwiseReport", "build_report", "cache_figures", "guard_line"]

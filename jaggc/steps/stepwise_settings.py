@@ -4,12 +4,14 @@ supports (``supported_engine``), the rollout cache it builds (``build_rollout_ca
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import nn
 
 from ..backward_modes import BackwardMode, backward_mode, modes_where
 from ..errors import JaggInputError, JaggUnsupportedError
 from ..options import Options
-from ..runtime.engines import Engine, engine_of, refuse_bare_zero_module, refuse_unsupported_engine, refuse_zero3
+from ..runtime.engines import Engine, engine_of, refuse_bare_zero_module, refuse_unsupported_engine
 from ..runtime.guard import Guard
 from ..runtime.rollout_cache import RolloutCache
 from ..runtime.weights import DEFAULT_WEIGHTS, resolve_basis
@@ -61,25 +63,52 @@ def same_settings(existing, module: nn.Module, given: dict) -> None:
 
 #: the rollout cache's bound with ``rollout_cache=True``
 DEFAULT_CACHE_BYTES = 2 * 2**30
+#: off-policy serving's default bound on the optimizer steps since the recording: after 8 AdamW steps
+#: (lr 3e-4, digits base, W=4) the upstream gradients at served outputs still have cosine 0.998 to those
+#: at the true outputs, an error an order of magnitude below JAGG's own (cosine 0.88-0.96 to exact):
+#: ../shared/docs/background/off-policy-serving.md, and docs/stepwise.md's "Off-policy serving"
+DEFAULT_MAX_OPTIMIZER_STEPS = 8
+
+
+@dataclass(frozen=True)
+class FirstOrder:
+    """``stepwise(rollout_cache=FirstOrder(...))``: the rollout cache, and after optimizer steps since the
+    recording an interior step's output served as the recorded one plus its window's knots' change
+    (runtime/first_order.py) while at most ``max_optimizer_steps`` steps, and nothing else, changed the
+    parameters; ``rollout_cache="first_order"`` is ``FirstOrder()``."""
+
+    max_optimizer_steps: int = DEFAULT_MAX_OPTIMIZER_STEPS
+    max_bytes: int = DEFAULT_CACHE_BYTES
 
 
 def build_rollout_cache(module: nn.Module, setting, options: Options) -> RolloutCache | None:
     """The rollout cache of ``stepwise(rollout_cache=setting)`` (None: off)."""
     if setting is False or setting is None:
         return None
+    first_order = None
+    if setting == "first_order":
+        first_order = FirstOrder()
+    elif isinstance(setting, FirstOrder):
+        first_order = setting
+    if first_order is not None:
+        if not (isinstance(first_order.max_optimizer_steps, int) and first_order.max_optimizer_steps >= 1):
+            raise JaggInputError(f"FirstOrder(max_optimizer_steps={first_order.max_optimizer_steps!r}): a positive int")
+        return RolloutCache(module, time_arg=options.time_arg, unbatched=tuple(options.unbatched),
+                            max_bytes=first_order.max_bytes, first_order=True,
+                            max_optimizer_steps=first_order.max_optimizer_steps)
     if setting is True:
         max_bytes = DEFAULT_CACHE_BYTES
     elif isinstance(setting, int) and not isinstance(setting, bool) and setting > 0:
         max_bytes = setting
     else:
         raise JaggInputError(f"stepwise(rollout_cache={setting!r}): pass True (a {DEFAULT_CACHE_BYTES // 2**30} GiB "
-                             f"bound) or the bound in bytes, a positive int")
+                             f"bound), the bound in bytes (a positive int), or 'first_order' / "
+                             f"jaggc.FirstOrder(max_optimizer_steps=...) to serve off-policy steps too")
     return RolloutCache(module, time_arg=options.time_arg, unbatched=tuple(options.unbatched), max_bytes=max_bytes)
 
 
 def supported_engine(module: nn.Module) -> Engine:
     """The engine of ``module``, refused where a stepwise cannot serve it (runtime/engines.py)."""
-    refuse_zero3(module, "jaggc.stepwise")
     refuse_bare_zero_module(module, "jaggc.stepwise")
     engine = engine_of(module)
     refuse_unsupported_engine(engine, "jaggc.stepwise")

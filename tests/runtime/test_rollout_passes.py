@@ -71,3 +71,17 @@ def test_large_conditioning_is_linked_by_identity():
     # step 3's row 0 belongs to a pass that began at step 2: step 0 is not in it
     assert index.knot_rows([3 * B], [float(TIMES[0])]) is None
     assert index.knot_rows([3 * B], [float(TIMES[4])]) == [4 * B]
+
+
+def test_interleaved_passes_of_one_conditioning_are_not_linked():
+    gen = torch.Generator().manual_seed(3)
+    index = PassIndex(time_arg="timestep", state_arg="hidden_states")
+    cond = torch.randn(B, 700, generator=gen)
+    rows = 0
+    for j in range(T):
+        for _ in range(2):              # batch A's step j, then batch B's, with the same conditioning tensor
+            z = torch.randn(B, D, generator=gen)
+            index.add(DitCall((), dict(hidden_states=z, timestep=TIMES[j].expand(B), encoder_hidden_states=cond)),
+                      rows, B)
+            rows += B
+    assert index.knot_rows([2 * 2 * B], [float(TIMES[0])]) is None
