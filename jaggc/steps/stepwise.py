@@ -366,9 +366,12 @@ def stepwise(module: nn.Module, *, window: int | None = None, weights=None, back
     ``cfg_slice=True``: a call whose batch tiles the declared batch (classifier-free guidance's
     ``[uncond; cond]``) runs the row blocks whose gradient was exactly zero in the last trajectory
     without grad (slicing.py). ``rollout_cache=True`` (or a bound in bytes; True: 2 GiB): the
-    module's no-grad calls outside a trajectory (the rollout) are recorded, and a no-grad forward
-    of a step is served from them while the parameters, the inputs and the module's state are the
-    rollout's (runtime/rollout_cache.py). ``guard=jaggc.Guard(every=8, ...)``: one trajectory in
+    module's no-grad calls outside a trajectory (the rollout) or in one declared under ``no_grad`` (a
+    pass of the loop itself) are recorded, and a no-grad forward of a step is served from them while
+    the parameters, the inputs and the module's state are the rollout's (runtime/rollout_cache.py).
+    ``rollout_cache="first_order"`` (or ``jaggc.FirstOrder(max_optimizer_steps=8)``): also after
+    optimizer steps since the recording, an interior step's output is the recorded one plus its
+    window's knots' change (runtime/first_order.py; docs/stepwise.md). ``guard=jaggc.Guard(every=8, ...)``: one trajectory in
     ``every`` measures its JAGG windows' error against the exact gradient, without changing ``.grad``
     (steps/probe.py), with the whole-loss guard's statistics and policy. On a module that has one installed, ``stepwise(module)``
     returns it (so the loop can reach it where it only has the module), and so does a call with the
