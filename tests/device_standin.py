@@ -225,8 +225,26 @@ class _StandInTensorCtors(TorchFunctionMode):
 
 @contextlib.contextmanager
 def on_standin_device() -> Iterator[None]:
-    with _StandInTensorCtors(), _StandInFactories():
-        yield
+    # the function mode is not active where autograd runs a backward's hooks: the constructors are also
+    # replaced by name for the context (a call that reaches torch.tensor through the module attribute)
+    originals = {ctor.__name__: ctor for ctor in _StandInTensorCtors.CTORS}
+
+    def wrapped(original):
+        def ctor(*args, **kwargs):
+            device = kwargs.get("device")
+            if device is not None and torch.device(device).type == "meta":
+                return StandIn(original(*args, **{**kwargs, "device": torch.device("cpu")}))
+            return original(*args, **kwargs)
+        return ctor
+
+    try:
+        for name, original in originals.items():
+            setattr(torch, name, wrapped(original))
+        with _StandInTensorCtors(), _StandInFactories():
+            yield
+    finally:
+        for name, original in originals.items():
+            setattr(torch, name, original)
 
 
 def standin(t: torch.Tensor) -> torch.Tensor:
