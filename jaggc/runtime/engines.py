@@ -321,6 +321,25 @@ def refuse_bare_zero_module(module: nn.Module, what: str) -> None:
             f"accelerator.prepare returned); it installs on engine.module, so a loop that calls either is served")
 
 
+#: ``jaggc.stepwise`` on ZeRO-3, under development: the install path serves it (the partition-watching
+#: ledger, the guard's sizes) and its tests pass (W=2 the unchanged loop, W=4 the ranks' average JAGG, the
+#: guard's figures; tests/steps/test_stepwise_deepspeed_zero3.py turns this on), but the two-rank fuzzer
+#: (tests/step_fuzz_distributed.py, seed 3141) measured silently wrong gradients in 21 of its 56 ZeRO-3
+#: cases, every one with the loop's optimizer step at every step; until those pass it is refused
+ZERO3_STEPWISE = False
+
+
+def refuse_zero3_stepwise(engine: Engine, what: str) -> None:
+    """Raise where a stepwise would run on ZeRO-3 while ``ZERO3_STEPWISE`` is off (its comment says why)."""
+    if engine.kind is EngineKind.ZERO3 and not ZERO3_STEPWISE:
+        raise JaggUnsupportedError(
+            f"{what} on a DeepSpeed ZeRO-3 engine: refused for now. jaggc's two-rank fuzzer measured wrong "
+            f"gradients on ZeRO-3 where the loop steps the engine at every step (21 of 56 cases), which no "
+            f"test of the ZeRO-3 path catches yet. Use ZeRO stage 2 (\"zero_optimization\": {{\"stage\": 2}}: "
+            f"gradients and optimizer states stay partitioned) or FSDP2 (fully_shard), on which {what} is "
+            f"supported (docs/distributed.md)")
+
+
 def refuse_zero3(module: nn.Module, what: str) -> None:
     """Raise where a whole loss (``what``: ``jagg_compile``) runs a DiT under DeepSpeed ZeRO-3, at its first
     call, before any capture touches the partitioned parameters. A stepwise serves ZeRO-3 (module
@@ -359,4 +378,5 @@ def refuse_whole_loss_guard_on_zero(module: nn.Module) -> None:
             f"supported on ZeRO-1/2/3), or run this loss without guard= on DeepSpeed")
 
 
-__all__ = ["Engine", "EngineKind", "engine_of", "install_target_of", "refuse_bare_zero_module", "refuse_unsupported_engine", "refuse_whole_loss_guard_on_zero", "refuse_zero3"]
+__all__ = ["Engine", "EngineKind", "ZERO3_STEPWISE", "engine_of", "install_target_of", "refuse_bare_zero_module",
+           "refuse_unsupported_engine", "refuse_whole_loss_guard_on_zero", "refuse_zero3", "refuse_zero3_stepwise"]

@@ -60,7 +60,7 @@ class GradKey:
         root = local._base if local._base is not None and grad is local else grad
         self.root = weakref.ref(root)
         self.ptr = local.data_ptr()
-        self.version = version_counter(local)
+        self.version = _version(grad)
 
     def same(self, grad: torch.Tensor | None) -> bool:
         if grad is None:
@@ -68,7 +68,7 @@ class GradKey:
         # GradKey(grad)'s fields, without building one (a weak reference per gradient and look)
         local = _local(grad)
         root = local._base if local._base is not None and grad is local else grad
-        return self.root() is root and self.ptr == local.data_ptr() and self.version == version_counter(local)
+        return self.root() is root and self.ptr == local.data_ptr() and self.version == _version(grad)
 
 
 class Ledger:
@@ -228,10 +228,13 @@ def _all_bits_zero_each(grads: list[torch.Tensor]) -> list[bool]:
     return out
 
 
-def _version(grad: torch.Tensor) -> int:
-    """A gradient's in-place version: its local shard's for a DTensor (FSDP2 accumulates into the
-    local tensor, which bumps no version of the DTensor around it)."""
-    return version_counter(_local(grad))
+def _version(grad: torch.Tensor):
+    """A gradient's in-place version. A DTensor's (FSDP2) is its own and its local shard's together:
+    FSDP2 accumulates into the local tensor, which bumps no version of the DTensor around it, while an
+    in-place op on the DTensor (``mul_``, ``zero_``, a clip without foreach) bumps the DTensor's and not
+    the local shard's (torch 2.13). A foreach op on DTensors bumps neither (docs/limitations.md)."""
+    local = _local(grad)
+    return version_counter(local) if local is grad else (version_counter(grad), version_counter(local))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,8 @@ from torch import nn
 from ..backward_modes import BackwardMode, backward_mode, modes_where
 from ..errors import JaggInputError, JaggUnsupportedError
 from ..options import Options
-from ..runtime.engines import Engine, engine_of, refuse_bare_zero_module, refuse_unsupported_engine
+from ..runtime.engines import (Engine, engine_of, refuse_bare_zero_module, refuse_unsupported_engine,
+                               refuse_zero3_stepwise)
 from ..runtime.guard import Guard
 from ..runtime.rollout_cache import RolloutCache
 from ..runtime.weights import DEFAULT_WEIGHTS, resolve_basis
@@ -112,6 +113,7 @@ def supported_engine(module: nn.Module) -> Engine:
     refuse_bare_zero_module(module, "jaggc.stepwise")
     engine = engine_of(module)
     refuse_unsupported_engine(engine, "jaggc.stepwise")
+    refuse_zero3_stepwise(engine, "jaggc.stepwise")
     return engine
 
 

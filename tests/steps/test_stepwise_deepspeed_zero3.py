@@ -21,6 +21,9 @@ hooks gather the parameters again. The loop, the reference and the checks are
 * ``backward="lowmem"`` in σ order: the same gradient (1e-5) (``per_window`` and the random order's
   modes not run here);
 * ``jaggc.stepwise(engine.module)`` (the bare ZeRO-3 module) is refused, naming the fix;
+* by default ``jaggc.stepwise(engine)`` on ZeRO-3 is refused (``engines.ZERO3_STEPWISE``: the two-rank
+  fuzzer's ZeRO-3 cases with an optimizer step at every step are wrong); each rank turns the path on
+  for the checks above;
 * the whole-loss path (``@jagg_compile``) on ZeRO-3 is refused at its first call, naming why (its
   capture runs the DiT on fake tensors, where ZeRO-3's gathering hook cannot swap a real parameter's data).
 """
@@ -38,6 +41,7 @@ deepspeed = pytest.importorskip("deepspeed")
 import jaggc  # noqa: E402
 from jaggc import models  # noqa: E402
 from jaggc.errors import JaggUnsupportedError  # noqa: E402
+from jaggc.runtime import engines  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 import test_stepwise_deepspeed as ds  # noqa: E402
 
@@ -112,6 +116,12 @@ def rank_body(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     base = models.sd3("tiny")
     out = {"base": {n: p.detach().clone() for n, p in base.named_parameters()}}
+    try:                            # refused by default (runtime/engines.py, ZERO3_STEPWISE)
+        jaggc.stepwise(_engine3(copy.deepcopy(base), 3, 1, 1.0), window=4)
+        out["default"] = None
+    except JaggUnsupportedError as e:
+        out["default"] = str(e)
+    engines.ZERO3_STEPWISE = True   # this forked rank's switch: the path under development, tested
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out["w2"] = (run_loop(base, "sigma", 1, 1.0, rank, None), run_loop(base, "sigma", 1, 1.0, rank, 2))
@@ -190,3 +200,8 @@ def test_whole_loss_zero3_is_refused_at_the_first_call(rank_results):
     for res in rank_results:
         refused = res["whole"].get("refused")
         assert refused is not None and "jagg_compile" in refused and "ZeRO-3" in refused and "fake" in refused, refused
+
+
+def test_zero3_is_refused_by_default_naming_why(rank_results):
+    for res in rank_results:
+        assert res["default"] is not None and "ZeRO-3" in res["default"] and "stage 2" in res["default"]
