@@ -20,58 +20,67 @@ class BeforeStep(Protocol):
     def before_optimizer_step(self, optimizer) -> None: ...
 
 
-_LIVE: "weakref.WeakValueDictionary[int, BeforeStep]" = weakref.WeakValueDictionary()
-_HOOK: list = []
-_AFTER: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
-_POST_HOOK: list = []
+class _Registry:
+    """The live objects one global optimizer hook calls, in the order registered (weakly held)."""
+
+    def __init__(self, method: str, install):
+        self.method, self.install = method, install
+        self.live: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+        self.handle = None
+
+    def add(self, obj) -> None:
+        if not any(v is obj for v in self.live.values()):
+            _ORDER[0] += 1
+            self.live[_ORDER[0]] = obj
+        if self.handle is None:
+            self.handle = self.install(self)
+
+    def remove(self, obj) -> None:
+        for key in [k for k, v in self.live.items() if v is obj]:
+            del self.live[key]
+
+    def __call__(self, optimizer, args, kwargs) -> None:
+        for key in sorted(self.live.keys()):
+            obj = self.live.get(key)
+            if obj is not None:
+                getattr(obj, self.method)(optimizer)
+
+
+def _pre_hook(registry):
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    return register_optimizer_step_pre_hook(registry)
+
+
+def _post_hook(registry):
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    return register_optimizer_step_post_hook(registry)
+
+
 _ORDER = [0]
+_BEFORE = _Registry("before_optimizer_step", _pre_hook)
+_AFTER = _Registry("after_optimizer_step", _post_hook)
 
 
 def register_before_optimizer_step(obj: BeforeStep) -> None:
     """Call ``obj.before_optimizer_step(optimizer)`` before every optimizer step while ``obj`` lives."""
-    if not any(v is obj for v in _LIVE.values()):
-        _ORDER[0] += 1
-        _LIVE[_ORDER[0]] = obj
-    if not _HOOK:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
+    _BEFORE.add(obj)
 
-        _HOOK.append(register_optimizer_step_pre_hook(_before_optimizer_step))
+
+def unregister_before_optimizer_step(obj: BeforeStep) -> None:
+    _BEFORE.remove(obj)
 
 
 def register_after_optimizer_step(obj) -> None:
     """Call ``obj.after_optimizer_step(optimizer)`` after every optimizer step while ``obj`` lives
-    (the global post-hook: ``register_optimizer_step_post_hook``)."""
-    if not any(v is obj for v in _AFTER.values()):
-        _ORDER[0] += 1
-        _AFTER[_ORDER[0]] = obj
-    if not _POST_HOOK:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        _POST_HOOK.append(register_optimizer_step_post_hook(_after_optimizer_step))
+    (torch's global post-hook, ``register_optimizer_step_post_hook``: the rollout cache counts the steps
+    off-policy serving accounts for)."""
+    _AFTER.add(obj)
 
 
 def unregister_after_optimizer_step(obj) -> None:
-    for key in [k for k, v in _AFTER.items() if v is obj]:
-        del _AFTER[key]
-
-
-def _after_optimizer_step(optimizer, args, kwargs) -> None:
-    for key in sorted(_AFTER.keys()):
-        obj = _AFTER.get(key)
-        if obj is not None:
-            obj.after_optimizer_step(optimizer)
-
-
-def unregister_before_optimizer_step(obj: BeforeStep) -> None:
-    for key in [k for k, v in _LIVE.items() if v is obj]:
-        del _LIVE[key]
-
-
-def _before_optimizer_step(optimizer, args, kwargs) -> None:
-    for key in sorted(_LIVE.keys()):
-        obj = _LIVE.get(key)
-        if obj is not None:
-            obj.before_optimizer_step(optimizer)
+    _AFTER.remove(obj)
 
 
 def steps_parameters_of(optimizer, module) -> bool:

@@ -25,6 +25,7 @@ from jaggc import models
 from jaggc.fidelity.calibrate import calibrate
 from jaggc.verify.fields import CurvedField
 from jaggc_studies import example_losses as el
+from test_fidelity import D, make_batch, toy_loss      # the fidelity tests' loss and batches
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -53,27 +54,8 @@ def test_conditioning_is_made_on_the_models_device(builder):
 
 
 # --- the fidelity estimators and calibrate ----------------------------------------------------
-S, B, D = 9, 3, 4
-
-
-def toy_loss(dit, batch):
-    total = 0.0
-    for k in range(batch["states"].shape[1]):
-        v = dit(batch["states"][:, k], batch["t"][:, k])
-        total = total + (batch["adv"][:, None] * torch.tanh(v - batch["target"][:, k])).sum() + 0.1 * (v ** 2).sum()
-    return total / batch["states"].shape[1]
-
-
-def _toy_batch(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    t = torch.linspace(1.0, 0.1, S, dtype=torch.float64) ** 1.5
-    return dict(states=torch.randn(B, S, D, generator=g, dtype=torch.float64), t=t.expand(B, S).contiguous(),
-                target=torch.randn(B, S, D, generator=g, dtype=torch.float64),
-                adv=torch.randn(B, generator=g, dtype=torch.float64))
-
-
 def test_calibrate_on_a_module_off_the_cpu():
-    dit, batch = CurvedField(D, seed=0), _toy_batch()
+    dit, batch = CurvedField(D, seed=0), make_batch(0)
     cands = [dict(variant="jagg", window=w, weights="t", jagg_frac=1.0) for w in (3, 4)]
     plain = calibrate(toy_loss, dit, batch, target_cosine=0.9, candidates=cands)
     with on_standin_device():
