@@ -112,7 +112,11 @@ class Safety:
 
     def _zero_grad(self, run: "TrajectoryRun", open_windows: list["WindowRun"], when: str) -> list[int]:
         """A zero_grad ``when``: the loop would have dropped what the steps whose backward ran
-        contributed; their windows run exactly from now on. Returns the dropped steps."""
+        contributed; their windows run exactly from now on. Returns the dropped steps. On the deferred
+        schedule (ranks in their own orders: steps/ranks.py) refused: running a window exactly there
+        re-runs DiT calls (collective forwards) that other ranks, at other steps, do not make."""
+        if run.deferred:
+            self.refuse_deferred(run, f"zero_grad() ran {when}")
         dropped = []
         for win in open_windows:
             for visit in list(win.pending()):
@@ -126,6 +130,17 @@ class Safety:
         self.warn(f"zero_grad() ran between the steps of a JAGG window ({when}): the gradient of steps "
                    f"{sorted(dropped)} was dropped, as the loop drops it, and the window runs exactly. {FIX_STEP}")
         return dropped
+
+    def refuse_deferred(self, run: "TrajectoryRun", what: str) -> None:
+        """Raise for ``what`` on the deferred schedule (ranks visiting their steps in their own orders,
+        steps/ranks.py), where a window run exactly re-runs calls (collective) its peers do not make: the
+        two-rank fuzzer measured hangs and wrong gradients there (docs/reliability.md, "On two ranks")."""
+        raise self.refuse(run, (
+            f"{what}, while the ranks visit their steps in their own orders (the deferred schedule: every "
+            f"window's backward runs at the trajectory's last step, the same on every rank). Running the open "
+            f"windows exactly now would re-run DiT calls (collective under DDP/FSDP) that the other ranks do not "
+            f"make. Keep zero_grad() and the loop's end after the trajectory's last step, or declare the steps in "
+            f"the same (σ) order on every rank"))
 
     def visited_twice(self, run: "TrajectoryRun", win: "WindowRun", step: int, where: str) -> None:
         if not win.exact:
@@ -234,6 +249,8 @@ class Safety:
         if run.deferred and run.ready():
             run.complete_all()              # the deferred schedule's end: as planned, no warning
             return
+        if run.deferred:
+            self.refuse_deferred(run, f"the trajectory ended {reason} before every declared step had its gradient")
         no_grad = [v for w in open_windows for v in w.pending() if v.grads is None]
         # the step an exception left its loop in never reached its backward(), as in the loop itself
         unexplained = [v for v in no_grad if not (raised and run.visited and v.step == run.visited[-1])]

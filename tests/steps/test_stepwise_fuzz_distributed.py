@@ -45,41 +45,28 @@ OPEN = {
          "placement": "body", "guard": False, "index": 0},
         lambda c: c.engine == "fsdp2" and any(d.kind in ("clip", "scale_grad", "zero_grad_zero", "zero_grad_none",
                                                          "opt_zero_grad") for d in c.program.disruptions)),
-    # ranks out of σ order (the deferred schedule), a zero_grad while steps are held back: one rank re-runs
-    # a held step's call (a DDP/FSDP forward, collective) in the deferred backward, the other does not: a
-    # hang (DDP: the rank waits until its peer leaves; FSDP1/FSDP2: gloo's timeout or an abort)
-    "zero-grad-deferred-hang": (
-        {"program": {"dit": "frozen", "steps": 6, "trajectories": 1, "order": "sigma", "window": 5, "weights": "t",
+}
+FIXED: dict = {       # name: case JSON, for bugs fixed since (each a regression test)
+    # refused since (steps/safety.py refuse_deferred: a zero_grad or an early end on the deferred schedule)
+    "zero-grad-deferred-hang": {"program": {"dit": "frozen", "steps": 6, "trajectories": 1, "order": "sigma", "window": 5, "weights": "t",
                      "backward": "lowmem", "term": "linear", "cfg": False, "kl": False, "cfg_slice": False,
                      "rollout_cache": False, "accumulate": 2, "clip_at_sync": True, "scaler": False, "declare": "steps",
                      "disruptions": [{"kind": "opt_zero_grad", "placement": "first"}], "seed": 5343},
          "engine": "ddp", "orders": ["sigma", "reversed"], "same_data": False, "placement": "body", "guard": False,
          "index": 0},
-        lambda c: c.orders != ("sigma", "sigma") and c.engine in ("ddp", "fsdp1", "fsdp1_orig", "fsdp2", "acc_ddp")
-        and any("zero_grad" in d.kind for d in c.program.disruptions)),
-    # DDP, each rank its own subset, an exception between the last step's forward and backward: the ranks'
-    # collectives part (one rank aborts in gloo)
-    "exception-last-step-ddp": (
-        {"program": {"dit": "curved", "steps": 8, "trajectories": 3, "order": "subset", "window": 4, "weights": "t",
+    # refused since (steps/safety.py refuse_deferred: a zero_grad or an early end on the deferred schedule)
+    "exception-last-step-ddp": {"program": {"dit": "curved", "steps": 8, "trajectories": 3, "order": "subset", "window": 4, "weights": "t",
                      "backward": "per_window", "term": "ppo", "cfg": False, "kl": True, "cfg_slice": False,
                      "rollout_cache": False, "accumulate": 1, "clip_at_sync": False, "scaler": False, "declare": "steps",
                      "disruptions": [{"kind": "exception", "placement": "last"}], "seed": 8592}, "engine": "ddp",
          "orders": ["subset", "subset"], "same_data": False, "placement": "after", "guard": False, "index": 0},
-        lambda c: c.engine in ("ddp", "fsdp1", "fsdp1_orig", "fsdp2") and c.orders != ("sigma", "sigma")
-        and any(d.kind in ("exception", "fewer", "break") for d in c.program.disruptions)),
-    # the same class without a hang: DDP, each rank its own random order, a break: no refusal, the gradient
-    # neither the unchanged loop's nor the ranks' average JAGG (the reference lands every window exactly)
-    "break-deferred-ddp": (
-        {"program": {"dit": "frozen", "steps": 7, "trajectories": 3, "order": "random", "window": 6,
+    # refused since (steps/safety.py refuse_deferred: a zero_grad or an early end on the deferred schedule)
+    "break-deferred-ddp": {"program": {"dit": "frozen", "steps": 7, "trajectories": 3, "order": "random", "window": 6,
                      "weights": "default", "backward": "joint", "term": "ppo", "cfg": False, "kl": False,
                      "cfg_slice": False, "rollout_cache": True, "accumulate": 2, "clip_at_sync": False, "scaler": False,
                      "declare": "steps", "disruptions": [{"kind": "break", "placement": "random"}], "seed": 2527},
          "engine": "ddp", "orders": ["random", "random"], "same_data": False, "placement": "after", "guard": False,
          "index": 0},
-        lambda c: c.engine in ("ddp", "fsdp1", "fsdp1_orig", "fsdp2") and c.orders != ("sigma", "sigma")
-        and any(d.kind in ("exception", "fewer", "break") for d in c.program.disruptions)),
-}
-FIXED: dict = {       # name: case JSON, for bugs fixed since (each a regression test)
     # ZeRO-3 accepted at install, the gradient wrong (optimizer step at every step): refused at install again
     # (runtime/engines.py ZERO3_STEPWISE) until its path passes these cases
     "zero3-refused": {"program": {"dit": "frozen", "steps": 6, "trajectories": 2, "order": "sigma", "window": 3, "weights": "index",
