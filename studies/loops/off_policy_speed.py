@@ -61,8 +61,8 @@ class Loop:
         self.name, self.variant = name, variant
         flux = Where(size)
         if name == "flow_grpo":
-            # two minibatches, an optimizer step after each (Flow-GRPO: 2 steps per epoch)
-            self.run = fg.setup(num_steps=9, batch=2, trajectories=2, where=Where("3m" if size != "tiny" else "tiny"),
+            # two minibatches, an optimizer step after each (Flow-GRPO: 2 steps per epoch); SD3 with its LoRA
+            self.run = fg.setup(num_steps=9, batch=2, trajectories=2, where=flux,
                                 config=fg.TrainConfig(gradient_accumulation_steps=1),
                                 stepwise=_stepwise(variant, cfg=True))
         elif name == "dance_grpo":
