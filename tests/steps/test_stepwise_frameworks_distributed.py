@@ -15,7 +15,8 @@ then a bf16-storage run under accelerate's live CPU bf16 autocast. Checked:
     backward, a different order of ~ 2 x 4 summands per element (a few ulps, 6e-8 each), and the
     ranks reduce that sum once, as the unchanged loop does (DDP: one all-reduce at sync; FSDP2: a
     reduce-scatter per backward in the unchanged loop, one in jaggc's). The logged values are
-    computed from the forwards, which jaggc does not change: equal bit for bit;
+    computed from the forwards, which jaggc does not change: equal bit for bit, but the clip's
+    ``grad_norm``, a norm of that gradient (1e-6 relative: measured 1 ulp off on one CPU);
   * W=4: the gathered gradient equals the ranks' average of each rank's JAGG computed apart from
     jaggc (``reference_jagg``) to 1e-5 (the reduction across ranks and the summation order: ~1e-7);
   * on DDP, the full fine-tune too (the KL reference by a ``.data`` swap of every trained parameter);
@@ -141,7 +142,11 @@ def rank_body(engine: str):
         reference = _reference(rank)
         bf16 = _loop(engine, rank, dict(window=4), latent_dtype=torch.bfloat16, mixed_precision="bf16",
                      num_sde_steps=6)
-        logged_equal = all(torch.equal(x[k], y[k]) for x, y in zip(unchanged["logged"], two["logged"]) for k in x)
+        # every value the loop logs from its steps is the unchanged loop's bit for bit; the clip's grad_norm is
+        # of the gradient, which the deferred schedule sums in another order (w2_grad's fp32 roundoff, <= 1e-6)
+        logged_equal = all(torch.equal(x[k], y[k]) if k != "grad_norm" else
+                           bool((x[k].double() - y[k].double()).abs() <= 1e-6 * y[k].double().abs())
+                           for x, y in zip(unchanged["logged"], two["logged"]) for k in x)
         full = {}
         if engine == "ddp":
             # the full fine-tune: the reference's .data swapped into every trained parameter and back
