@@ -292,8 +292,9 @@ def main_demo(options: DemoOptions, json_path: str | None = None) -> dict:
         written = write_pictures(result, pictures, options.out)
         result["pictures"] = written
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=2)
+        from jaggc_studies.digits.demo_plots import write_results_json
+
+        write_results_json(result, json_path)
         written.append(json_path)
     if written:
         print("\nwrote " + "\n      ".join(written))

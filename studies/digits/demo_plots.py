@@ -6,6 +6,7 @@ without matplotlib the demo says so and writes none.
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -31,7 +32,9 @@ def running_mean(values: list[float], width: int = SMOOTH) -> list[float]:
     return [sum(values[max(0, i - width + 1):i + 1]) / (i + 1 - max(0, i - width + 1)) for i in range(len(values))]
 
 
-def write_pictures(result: dict, pictures: dict, out_dir: str) -> list[str]:
+def pyplot(out_dir: str):
+    """matplotlib.pyplot on the Agg backend with ``out_dir`` created, or None (said) without
+    matplotlib: the one entry of the demo's and the studies' pictures."""
     try:
         import matplotlib
 
@@ -39,8 +42,37 @@ def write_pictures(result: dict, pictures: dict, out_dir: str) -> list[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         print("no pictures: matplotlib is not installed (pip install 'jaggc[examples]')")
-        return []
+        return None
     os.makedirs(out_dir, exist_ok=True)
+    return plt
+
+
+def _rounded(obj, digits: int):
+    if isinstance(obj, float):
+        return obj if obj != obj or obj in (float("inf"), float("-inf")) else round(obj, digits)
+    if isinstance(obj, dict):
+        return {k: _rounded(v, digits) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_rounded(v, digits) for v in obj]
+    return obj
+
+
+def write_results_json(result: dict, path: str, digits: int | None = None) -> None:
+    """The demo's and the studies' JSON tail: floats rounded to ``digits`` decimals (None: kept), the
+    summary keys one per line and every list of numbers on one line (the per-iteration curves stay small)."""
+    import re
+
+    text = json.dumps(result if digits is None else _rounded(result, digits), indent=1)
+    # a list holding no list or object: on one line
+    text = re.sub(r"\[[^\[\]{}]*\]", lambda m: json.dumps(json.loads(m.group(0)), separators=(",", ":")), text)
+    with open(path, "w") as f:
+        f.write(text + "\n")
+
+
+def write_pictures(result: dict, pictures: dict, out_dir: str) -> list[str]:
+    plt = pyplot(out_dir)
+    if plt is None:
+        return []
     return [_samples_figure(plt, result, pictures, os.path.join(out_dir, "samples.png")),
             _curves_figure(plt, result, os.path.join(out_dir, "reward_curves.png"))]
 

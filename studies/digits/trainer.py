@@ -49,9 +49,10 @@ from jaggc_studies.digits.model import class_conditioning
 from jaggc_studies.digits.sampling import sample_ode
 
 STRATEGIES = ("exact", "dance", "mix", "jagg")
-TRAINABLE = ("attention", "all", "lora")
+TRAINABLE = ("attention", "all", "lora", "blocks")
 LORA_RANK = 8
 # Flow-GRPO's LoRA target modules on SD3 (scripts/train_sd3.py), here trained at full rank
+_BLOCKS = re.compile(r"\.(single_)?transformer_blocks\.")     # trainable="blocks"
 _ATTENTION_PROJECTIONS = re.compile(
     r"\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)\.")
 
@@ -208,6 +209,9 @@ def trainable_parameters(dit: torch.nn.Module, trainable: str) -> list[torch.nn.
     fine-tuning with Adam degrades the base within a few iterations. ``"all"``: every parameter.
     ``"lora"``: a rank-``LORA_RANK`` peft LoRA on the same projections (Flow-GRPO's recipe: Gaussian
     A, zero B, so the model is unchanged at first), injected into ``dit`` if it has none yet.
+    ``"blocks"``: every parameter of the transformer blocks (attention, MLPs, their norms: full
+    fine-tuning of the DiT's blocks), the input/conditioning embeddings and the output layer frozen
+    (the patch embedding is the sharp direction above).
     """
     if trainable not in TRAINABLE:
         raise JaggInputError(f"trainable={trainable!r}: use one of {TRAINABLE}")
@@ -217,6 +221,8 @@ def trainable_parameters(dit: torch.nn.Module, trainable: str) -> list[torch.nn.
     for name, p in dit.named_parameters():
         if trainable == "lora":
             train = "lora_" in name
+        elif trainable == "blocks":
+            train = _BLOCKS.search("." + name) is not None
         else:
             train = trainable == "all" or _ATTENTION_PROJECTIONS.search("." + name) is not None
         p.requires_grad_(train)

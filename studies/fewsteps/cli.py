@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from jaggc_studies.fewsteps.bases import BASES
-from jaggc_studies.fewsteps.schedules import DEFAULT_SCHEDULES
+from jaggc_studies.fewsteps.schedules import DEFAULT_SCHEDULES, WIDE_SCHEDULES
 
 QUICK = dict(budget=0.3, iterations=2, seeds=2, num_steps=6, group_size=4, eval_per_class=2, random_init=True,
              schedules=("exact", "fast1", "fast2+jagg2", "mix3+jagg3", "dance+jagg3"))
@@ -14,10 +14,18 @@ QUICK = dict(budget=0.3, iterations=2, seeds=2, num_steps=6, group_size=4, eval_
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", default="digits", choices=list(BASES),
                    help="digits: the demo's DiT and bold-digits reward; shapes: the fidelity studies' Flux DiT with a "
-                        "bold-shapes reward")
-    p.add_argument("--schedules", nargs="+", default=list(DEFAULT_SCHEDULES), metavar="NAME",
+                        "bold-shapes reward; digits-wide: the digits DiT widened 8x (its passes are the cost; derived at "
+                        "first use, ~1 min, and cached)")
+    p.add_argument("--trainable", default="attention", choices=["attention", "blocks"],
+                   help="the trained set: attention (Flow-GRPO's LoRA targets, full rank) or blocks (every parameter of the "
+                        "transformer blocks: full fine-tuning)")
+    p.add_argument("--cfg", type=float, default=2.0,
+                   help="modelled GPU cost: CFG's factor on the per-step GRPO schedules' passes (1: no CFG)")
+    p.add_argument("--schedules", nargs="+", default=None, metavar="NAME",
                    help="schedules, space- or comma-separated: exact, dance, fastK (Flow-GRPO-Fast, K SDE steps), mixW "
-                        "(MixGRPO's sliding window), each optionally +jaggW (trained through jaggc.stepwise(window=W))")
+                        "(MixGRPO's sliding window), each optionally +jaggW (trained through jaggc.stepwise(window=W)); nftK / awmK "
+                        "(DiffusionNFT / AWM, K timesteps per sample). Default: " + " ".join(DEFAULT_SCHEDULES) +
+                        "; on digits-wide " + " ".join(WIDE_SCHEDULES))
     p.add_argument("--budget", type=float, default=10.0, help="training CPU seconds per schedule (rollout included)")
     p.add_argument("--iterations", type=int, default=25,
                    help="and at least this many iterations per schedule (the equal-iteration view)")
@@ -41,8 +49,11 @@ def main(args) -> int:
     from jaggc_studies.fewsteps.study import FewStepsOptions, main_fewsteps
 
     torch.set_num_threads(args.threads)
-    schedules = tuple(n for text in args.schedules for n in text.split(",") if n)
-    given = dict(base=args.base, budget=args.budget, iterations=args.iterations, seeds=args.seeds, seed=args.seed,
+    if args.schedules is None:
+        schedules = WIDE_SCHEDULES if args.base == "digits-wide" else DEFAULT_SCHEDULES
+    else:
+        schedules = tuple(n for text in args.schedules for n in text.split(",") if n)
+    given = dict(base=args.base, trainable=args.trainable, cfg=args.cfg, budget=args.budget, iterations=args.iterations, seeds=args.seeds, seed=args.seed,
                  num_steps=args.num_steps, group_size=args.group_size, eval_per_class=args.eval_per_class,
                  schedules=schedules, progress=not args.no_progress)
     if args.quick:

@@ -19,6 +19,11 @@ Shapes read from the peers (not their code):
   iteration here (DanceGRPO draws one per sample; the stored-batch loss trains one set of steps).
 - ``exact``: Flow-GRPO's all-SDE trajectory, every step but the sigma -> 0 one trained.
 A schedule with ``jagg`` set trains the same steps through ``jaggc.stepwise(window=jagg)``.
+
+The two decoupled trainers (``nft`` k, ``awm`` k: DiffusionNFT and Advantage Weighted Matching, as
+Flow-Factory's ``nft`` / ``awm`` trainers define them, ``jaggc_studies.fewsteps.decoupled``) sample by
+the ODE (no SDE step, no log-probability) and train ``k`` forward-process timesteps per sample, drawn
+from the sampler's grid; they have no per-step GRPO loop, so JAGG does not apply to them.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from jaggc.errors import JaggInputError
 
 MIX_SHIFT_INTERVAL = 8      # iterations per MixGRPO window move (its 25 of 300, scaled to ~40 iterations)
 DANCE_FRACTION = 0.6        # DanceGRPO's timestep_fraction
-KINDS = ("exact", "fast", "mix", "dance")
+KINDS = ("exact", "fast", "mix", "dance", "nft", "awm")
+DECOUPLED = ("nft", "awm")
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,11 @@ class Schedule:
     kind: str
     k: int = 0
     jagg: int | None = None
+
+    @property
+    def decoupled(self) -> bool:
+        """DiffusionNFT / AWM: ODE rollout, forward-process timesteps, no log-probabilities."""
+        return self.kind in DECOUPLED
 
     @property
     def name(self) -> str:
@@ -57,6 +68,11 @@ class Schedule:
                                  f"range [0, T // 2) of T={num_steps} steps)")
         if self.kind == "mix" and not 1 <= self.k <= trained:
             raise JaggInputError(f"{self.name}: window {self.k} must be in 1..{trained}")
+        if self.kind in DECOUPLED and not 1 <= self.k <= trained:
+            raise JaggInputError(f"{self.name}: {self.k} timesteps per sample must be in 1..{trained}")
+        if self.kind in DECOUPLED and self.jagg is not None:
+            raise JaggInputError(f"{self.name}: {self.kind} trains forward-process timesteps, not a trajectory's "
+                                 "steps: JAGG does not apply to it")
         if self.jagg is not None and self.jagg < 2:
             raise JaggInputError(f"{self.name}: a JAGG window needs >= 2 steps")
         return self
@@ -65,11 +81,16 @@ class Schedule:
         """The steps the rollout of ``iteration`` samples by the SDE (sorted)."""
         if self.kind in ("exact", "dance"):
             return tuple(range(num_steps))
+        if self.kind in DECOUPLED:
+            return ()
         return tuple(sorted(self._window(num_steps, iteration, seed)))
 
     def train_steps(self, num_steps: int, iteration: int, seed: int) -> tuple[int, ...]:
-        """The steps ``iteration`` trains, in the order the peer's loop visits them."""
+        """The steps ``iteration`` trains, in the order the peer's loop visits them (decoupled: the
+        ``k`` timestep slots; each sample draws its own grid step per slot, ``decoupled.py``)."""
         trained = num_steps - 1
+        if self.kind in DECOUPLED:
+            return tuple(range(self.k))
         if self.kind == "exact":
             return tuple(range(trained))
         if self.kind == "dance":
@@ -104,16 +125,18 @@ def parse_schedule(name: str) -> Schedule:
         if not jagg.startswith("jagg") or not jagg[4:].isdigit():
             raise JaggInputError(f"schedule {name!r}: the composition is written +jaggW, e.g. fast4+jagg4")
         window = int(jagg[4:])
-    for kind in ("fast", "mix"):
+    for kind in ("fast", "mix", "nft", "awm"):
         if base.startswith(kind) and base[len(kind):].isdigit():
             return Schedule(kind, int(base[len(kind):]), window)
     if base in ("exact", "dance"):
         return Schedule(base, 0, window)
-    raise JaggInputError(f"schedule {name!r}: use exact, dance, fastK or mixW, optionally +jaggW")
+    raise JaggInputError(f"schedule {name!r}: use exact, dance, fastK or mixW, optionally +jaggW; or nftK / awmK")
 
 
 DEFAULT_SCHEDULES = ("exact", "exact+jagg4", "fast1", "fast2", "fast4", "fast4+jagg4", "mix4", "mix4+jagg4",
                      "dance", "dance+jagg4")
 
-__all__ = ["DANCE_FRACTION", "DEFAULT_SCHEDULES", "KINDS", "MIX_SHIFT_INTERVAL", "Schedule", "early_range",
+WIDE_SCHEDULES = ("exact", "fast1", "fast2", "fast4", "fast4+jagg4", "mix4", "mix4+jagg4", "dance", "nft2", "awm2")
+
+__all__ = ["DANCE_FRACTION", "DECOUPLED", "WIDE_SCHEDULES", "DEFAULT_SCHEDULES", "KINDS", "MIX_SHIFT_INTERVAL", "Schedule", "early_range",
            "parse_schedule"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import re
 import statistics
 import time
 import warnings
@@ -26,12 +27,13 @@ import torch
 from jaggc.errors import JaggInputError
 from jaggc_studies.digits.trainer import TrainerConfig, evaluate_rewards, take_samples
 from jaggc_studies.fewsteps.bases import BASES, load_base
-from jaggc_studies.fewsteps.schedules import DEFAULT_SCHEDULES, Schedule, parse_schedule
+from jaggc_studies.fewsteps.schedules import DEFAULT_SCHEDULES, WIDE_SCHEDULES, Schedule, parse_schedule
 from jaggc_studies.fewsteps.trainer import FewStepTrainer, schedule_gradient
 
 HELD_OUT_SEED = 999_983
 GOAL_FRACTION = 0.8         # the issue's goal: a composition reaches the best peer's reward in <= 0.8x its time
 SNAPSHOTS = ("goal", "budget", "iterations")
+SMOOTH = 5                  # running mean of the rollout reward in the cost-to-reach curves
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,9 @@ class FewStepsOptions:
     eval_per_class: int = 12
     random_init: bool = False     # smoke runs: an untrained DiT
     progress: bool = True
+    trainable: str = "attention"  # the trained set: "attention" (Flow-GRPO's LoRA targets) or "blocks" (full)
+    cfg: float = 2.0              # modelled GPU cost: CFG's factor on the per-step GRPO peers' passes
+    cost_shape: bool = True       # measure the base's cost shape first (cost_shape.py)
 
     def validate(self) -> "FewStepsOptions":
         if self.base not in BASES:
@@ -56,6 +61,10 @@ class FewStepsOptions:
         for name in ("iterations", "seeds", "eval_per_class"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise JaggInputError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: must be an int >= 1")
+        if self.trainable not in ("attention", "blocks", "all"):
+            raise JaggInputError(f"--trainable {self.trainable!r}: use attention or blocks")
+        if not self.cfg >= 1:
+            raise JaggInputError(f"--cfg {self.cfg!r}: the CFG factor on the GRPO peers' passes, >= 1")
         if not self.budget > 0:
             raise JaggInputError(f"--budget {self.budget!r}: CPU seconds, > 0")
         names = [parse_schedule(n).validate(self.num_steps).name for n in self.schedules]
@@ -65,7 +74,7 @@ class FewStepsOptions:
 
     def config(self, seed: int) -> TrainerConfig:
         return TrainerConfig(num_steps=self.num_steps, classes_per_iter=self.classes_per_iter,
-                             group_size=self.group_size, lr=self.lr, seed=seed)
+                             group_size=self.group_size, lr=self.lr, seed=seed, trainable=self.trainable)
 
 
 def gradient_cosine(base, kwargs: dict, options: FewStepsOptions, schedule: Schedule, seed: int) -> float:
@@ -126,8 +135,7 @@ def run_seed(base, kwargs: dict, eval_fns: dict, options: FewStepsOptions, seed:
             cpu_per_iteration=statistics.fmean(h["cpu_s"] for h in history),
             rollout_reward=[h["reward_mean"] for h in history],
             cpu_curve=list(itertools.accumulate(h["cpu_s"] for h in history)),
-            train_steps=[list(h["train_steps"]) for h in history],
-            cache_hits=sum(h["cache_hits"] for h in history))
+            rows=[[h["rows"]["rollout"], h["rows"]["forward"], h["rows"]["backward"]] for h in history])
         for key in SNAPSHOTS:
             if key not in snaps[name]:
                 # the first iteration alone overran 0.8x (or 1x) the budget: no model to evaluate there
@@ -144,6 +152,81 @@ def run_seed(base, kwargs: dict, eval_fns: dict, options: FewStepsOptions, seed:
     return results
 
 
+def modelled_bwd_fwd(dit, trainable: str) -> float:
+    """The GPU model's backward/forward cost ratio of a trainable set: a backward computes every
+    matmul's input gradient (one forward's FLOPs) plus the trained weights' gradients (their share of
+    the forward's FLOPs, taken as their share of the blocks' parameters): 2 for full fine-tuning of the
+    blocks, ~1 + (the trained share) for attention-only or LoRA."""
+    from jaggc_studies.digits.trainer import trainable_parameters
+
+    probe = copy.deepcopy(dit)
+    trained = {id(p) for p in trainable_parameters(probe, trainable)}
+    blocks = re.compile(r"\.(single_)?transformer_blocks\.")
+    block = [p for n, p in probe.named_parameters() if blocks.search("." + n)]
+    share = sum(p.numel() for p in block if id(p) in trained) / sum(p.numel() for p in block)
+    return 1.0 + min(1.0, share)
+
+
+def modelled_cost(rows: list, schedule: dict, bwd_fwd: float, cfg: float) -> list[float]:
+    """Per iteration, the modelled GPU cost in sample-forwards: (rollout forwards + training forwards
+    + bwd_fwd x backward rows), x ``cfg`` for the per-step GRPO schedules (Flow-GRPO, -Fast, MixGRPO and
+    DanceGRPO sample and train with CFG on SD3/FLUX; DiffusionNFT and AWM are CFG-free)."""
+    factor = 1.0 if schedule["kind"] in ("nft", "awm") else cfg
+    return [factor * (r + f + bwd_fwd * b) for r, f, b in rows]
+
+
+def cost_to_reach(costs: list[float], rewards: list[float], target: float) -> float:
+    """The cumulative cost at which the running mean of the rollout reward first reaches ``target``
+    (inf if never)."""
+    from jaggc_studies.digits.demo_plots import running_mean
+
+    spent = 0.0
+    for cost, value in zip(costs, running_mean(rewards, SMOOTH)):
+        spent += cost
+        if value >= target:
+            return spent
+    return float("inf")
+
+
+def reach_check(strategies: dict, options: dict, model_ratio: float) -> dict:
+    """Curve-based goal on both axes: the best per-step GRPO peer's final running-mean rollout reward
+    (at the last iteration of its budget, mean over seeds) as the target; per schedule the CPU time and
+    the modelled GPU cost to first reach it, mean over seeds (a seed that never reaches it counts at
+    its whole run, flagged), as ratios to that peer's."""
+    from jaggc_studies.digits.demo_plots import running_mean
+
+    def final(entry):
+        vals = []
+        for run in entry["per_seed"]:
+            n = run["budget"]["iteration"] if "budget" in run else len(run["rollout_reward"])
+            vals.append(running_mean(run["rollout_reward"], SMOOTH)[n - 1])
+        return statistics.fmean(vals)
+
+    peers = {n: e for n, e in strategies.items() if not e["schedule"]["jagg"] and e["schedule"]["kind"] not in ("nft", "awm")}
+    if not peers:
+        return {}
+    best = max(peers, key=lambda n: final(peers[n]))
+    target = final(peers[best])
+    out = dict(best_peer=best, target=target, schedules={})
+    for name, entry in strategies.items():
+        cpu, gpu, missed = [], [], 0
+        for run in entry["per_seed"]:
+            cpu_steps = [b - a for a, b in zip([0.0] + run["cpu_curve"][:-1], run["cpu_curve"])]
+            c = cost_to_reach(cpu_steps, run["rollout_reward"], target)
+            g = cost_to_reach(run["gpu_cost"], run["rollout_reward"], target)
+            if c == float("inf"):
+                missed += 1
+                c, g = run["cpu_curve"][-1], sum(run["gpu_cost"])
+            cpu.append(c)
+            gpu.append(g)
+        out["schedules"][name] = dict(cpu_s=statistics.fmean(cpu), gpu_cost=statistics.fmean(gpu), missed=missed)
+    ref = out["schedules"][best]
+    for entry in out["schedules"].values():
+        entry["cpu_ratio"] = entry["cpu_s"] / ref["cpu_s"]
+        entry["gpu_ratio"] = entry["gpu_cost"] / ref["gpu_cost"]
+    return out
+
+
 def _snapshot_limit(key: str, options: FewStepsOptions) -> float:
     return {"goal": GOAL_FRACTION * options.budget, "budget": options.budget}.get(key, float("nan"))
 
@@ -157,6 +240,7 @@ def combine(per_seed: list[dict]) -> dict:
         scalars = {"backward_work": [r["backward_work"] for r in runs],
                    "trained_steps": [r["trained_steps"] for r in runs],
                    "cpu_per_iteration": [r["cpu_per_iteration"] for r in runs],
+                   "gpu_per_iteration": [statistics.fmean(r["gpu_cost"]) for r in runs],
                    "iterations_run": [r["iterations_run"] for r in runs]}
         for key in SNAPSHOTS:
             for metric in ("reward", "reward_ode", "cpu_s", "iteration"):
@@ -180,9 +264,10 @@ def pareto_front(strategies: dict, snapshot: str = "iterations") -> list[str]:
 
 def goal_check(strategies: dict) -> dict:
     """The issue's goal: the best JAGG composition's reward at 0.8x the budget against the best
-    few-step peer's (fast, mix, dance without JAGG) reward at the full budget (means over seeds)."""
+    per-step GRPO peer's (exact, fast, mix, dance without JAGG; not the decoupled nft / awm) reward at
+    the full budget (means over seeds)."""
     peers = {n: e for n, e in strategies.items()
-             if not e["schedule"]["jagg"] and e["schedule"]["kind"] != "exact" and "budget.reward" in e}
+             if not e["schedule"]["jagg"] and e["schedule"]["kind"] not in ("nft", "awm") and "budget.reward" in e}
     composed = {n: e for n, e in strategies.items() if e["schedule"]["jagg"] and "goal.reward" in e}
     if not peers or not composed:
         return {}
@@ -203,14 +288,38 @@ def run_study(options: FewStepsOptions) -> dict:
     t0 = time.perf_counter()
     cosines = {s.name: gradient_cosine(base, kwargs, options, s, options.seed)
                for s in map(parse_schedule, options.schedules) if s.jagg}
+    shape = {}
+    if options.cost_shape:
+        from jaggc_studies.fewsteps.cost_shape import measure_cost_shape
+
+        shape = measure_cost_shape(base, kwargs, trainable=options.trainable, schedule="exact",
+                                   iterations=2 if not options.random_init else 1, num_steps=options.num_steps,
+                                   classes_per_iter=options.classes_per_iter, group_size=options.group_size)
+    gpu_ratio = modelled_bwd_fwd(base, options.trainable)
     per_seed = [run_seed(base, kwargs, eval_fns, options, options.seed + k) for k in range(options.seeds)]
+    for runs in per_seed:
+        for entry in runs.values():
+            entry["gpu_cost"] = modelled_cost(entry.pop("rows"), entry["schedule"], gpu_ratio, options.cfg)
     strategies = combine(per_seed)
     for name, cosine in cosines.items():
         strategies[name]["grad_cosine"] = cosine
     return dict(options=json.loads(json.dumps(asdict(options), default=list)), base_eval=start,
                 seeds=[options.seed + k for k in range(options.seeds)], threads=torch.get_num_threads(),
-                total_s=time.perf_counter() - t0, strategies=strategies,
-                pareto_iterations=pareto_front(strategies, "iterations"), goal=goal_check(strategies))
+                total_s=time.perf_counter() - t0, cost_shape=shape, gpu_bwd_fwd=gpu_ratio, strategies=strategies,
+                pareto_iterations=pareto_front(strategies, "iterations"),
+                pareto_gpu=pareto_front(_with_gpu_cost(strategies), "iterations"), goal=goal_check(strategies),
+                reach=reach_check(strategies, asdict(options), gpu_ratio))
+
+
+def _with_gpu_cost(strategies: dict) -> dict:
+    """The strategies with ``iterations.cpu_s`` replaced by the modelled GPU cost to that iteration."""
+    out = {}
+    for name, e in strategies.items():
+        if "iterations.iteration" not in e:
+            continue
+        cost = e["gpu_per_iteration"]["mean"] * e["iterations.iteration"]["mean"]
+        out[name] = dict(e, **{"iterations.cpu_s": dict(mean=cost, min=cost, max=cost)})
+    return out
 
 
 def _fmt(stat: dict, digits: int = 3) -> str:
@@ -220,25 +329,41 @@ def _fmt(stat: dict, digits: int = 3) -> str:
 def format_table(result: dict) -> str:
     opts = result["options"]
     budget, iters = opts["budget"], opts["iterations"]
-    rows = [f"| schedule | trained steps | backward passes / iter | CPU s / iter | reward at {budget:g} CPU s (ODE) "
-            f"| reward at {GOAL_FRACTION * budget:g} CPU s | reward at iteration {iters} (CPU s) | grad cosine to own exact (held-out batch) |",
-            "|---|---|---|---|---|---|---|---|"]
+    reach = result.get("reach", {}).get("schedules", {})
+    rows = [f"| schedule | trained steps | backward passes / iter | CPU s / iter | modelled GPU cost / iter (k) "
+            f"| reward at {budget:g} CPU s (ODE) | reward at {GOAL_FRACTION * budget:g} CPU s "
+            f"| reward at iteration {iters} (CPU s) | CPU / GPU cost to the best peer's reward (x its) "
+            f"| grad cosine to own exact (held-out batch) |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for name, e in result["strategies"].items():
         cos = f"{e['grad_cosine']:.3f}" if "grad_cosine" in e else "—"
         goal = _fmt(e["goal.reward"]) if "goal.reward" in e else "—"
         at_budget = (f"{_fmt(e['budget.reward'])} ({e['budget.reward_ode']['mean']:.3f})" if "budget.reward" in e
                      else "—")     # a seed's first iteration overran the budget (warned)
+        r = reach.get(name)
+        to_reach = (f"{r['cpu_ratio']:.2f} / {r['gpu_ratio']:.2f}" + (f" ({r['missed']} seed(s) never)" if r["missed"] else "")
+                    if r else "—")
         rows.append(f"| {name} | {e['trained_steps']['mean']:.1f} | {e['backward_work']['mean']:.1f} | "
-                    f"{e['cpu_per_iteration']['mean']:.3f} | {at_budget} | "
-                    f"{goal} | {_fmt(e['iterations.reward'])} ({e['iterations.cpu_s']['mean']:.1f}) | {cos} |")
+                    f"{e['cpu_per_iteration']['mean']:.3f} | {e['gpu_per_iteration']['mean'] / 1e3:.2f} | {at_budget} | "
+                    f"{goal} | {_fmt(e['iterations.reward'])} ({e['iterations.cpu_s']['mean']:.1f}) | {to_reach} | {cos} |")
     base = result["base_eval"]
     lines = rows + ["", f"base: reward {base['reward']:.3f} (ODE {base['reward_ode']:.3f}); rewards: mean "
                         f"[min–max] over seeds {result['seeds']} of the SDE evaluation samples; —: no snapshot there (a seed's "
-                        "first iteration overran it)",
-                    "Pareto front (CPU s to iteration {}, reward there): {}".format(iters, ", ".join(result["pareto_iterations"]))]
+                        "first iteration overran it)"]
+    shape = result.get("cost_shape")
+    if shape:
+        lines.append(f"cost shape ({opts['trainable']}, {shape['trained_params']} of {shape['params']} parameters trained; "
+                     f"exact schedule): the DiT's passes {100 * shape['dit_share']:.1f}% of an iteration's CPU time, "
+                     f"backward/forward {shape['bwd_fwd']:.2f} on this CPU; the GPU model's {result['gpu_bwd_fwd']:.2f}, "
+                     f"CFG x{opts['cfg']:g} on the per-step GRPO schedules")
+    lines.append("Pareto front (CPU s to iteration {}, reward there): {}".format(iters, ", ".join(result["pareto_iterations"])))
+    lines.append("Pareto front (modelled GPU cost to iteration {}): {}".format(iters, ", ".join(result.get("pareto_gpu", []))))
+    if result.get("reach"):
+        lines.append(f"cost to reach: the best per-step GRPO peer {result['reach']['best_peer']}'s final running-mean "
+                     f"rollout reward {result['reach']['target']:.3f} (mean over seeds)")
     goal = result["goal"]
     if goal:
-        lines.append(f"goal (a composition at {GOAL_FRACTION:g}x the budget >= the best few-step peer at the budget): "
+        lines.append(f"goal (a composition at {GOAL_FRACTION:g}x the budget >= the best per-step GRPO peer at the budget): "
                      f"best peer {goal['best_peer']} {goal['best_peer_reward_at_budget']:.3f}; best composition "
                      f"{goal['best_composition']} {goal['composition_reward_at_goal']:.3f} at {GOAL_FRACTION:g}x: "
                      f"{'MET' if goal['met'] else 'NOT MET'}")
@@ -247,7 +372,7 @@ def format_table(result: dict) -> str:
 
 def main_fewsteps(options: FewStepsOptions, json_path: str | None = None, out: str | None = None) -> dict:
     result = run_study(options)
-    print(f"\nfew-step schedules on the {options.base} base: {options.budget:g} CPU s and >= {options.iterations} "
+    print(f"\nfew-step schedules on the {options.base} base ({options.trainable}): {options.budget:g} CPU s and >= {options.iterations} "
           f"iterations per schedule, {options.seeds} seed(s), T={options.num_steps}, "
           f"{options.classes_per_iter}x{options.group_size} samples per rollout, lr {options.lr:g}; "
           f"{result['threads']} thread(s), {result['total_s']:.0f} s\n")
@@ -259,8 +384,9 @@ def main_fewsteps(options: FewStepsOptions, json_path: str | None = None, out: s
         written = write_pictures(result, out)
         result["pictures"] = written
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=2)
+        from jaggc_studies.digits.demo_plots import write_results_json
+
+        write_results_json(result, json_path, digits=4)
         written.append(json_path)
     if written:
         print("\nwrote " + "\n      ".join(written))

@@ -11,13 +11,51 @@ gradient goes through JAGG windows and the first minibatch's interior forwards c
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass
 
 import torch
 
+from jaggc.runtime import count_dit_passes
+
 from jaggc_studies.digits.trainer import GRPOTrainer
 from jaggc_studies.example_losses import sde_step_with_logprob
+from jaggc_studies.fewsteps.decoupled import decoupled_backward
 from jaggc_studies.fewsteps.schedules import Schedule
+
+
+class PassTimer:
+    """Process CPU time inside the DiT's forward calls (rollout's included) and inside the trainer's
+    ``backward()`` calls (the DiT's backward and the few ops of the loss after it), per iteration.
+    Installed by ``FewStepTrainer(timed=True)``; ``jaggc_studies.fewsteps.cost_shape`` reads it."""
+
+    def __init__(self, dit):
+        self.forward_s = self.grad_forward_s = self.backward_s = 0.0
+        self._start = None
+        self._handles = [dit.register_forward_pre_hook(self._pre), dit.register_forward_hook(self._post)]
+
+    def _pre(self, module, args):
+        self._start = time.process_time()
+
+    def _post(self, module, args, output):
+        spent = time.process_time() - self._start
+        self.forward_s += spent
+        if torch.is_grad_enabled():
+            self.grad_forward_s += spent
+
+    def backward(self, loss: torch.Tensor) -> None:
+        start = time.process_time()
+        loss.backward()
+        self.backward_s += time.process_time() - start
+
+    def take(self) -> dict:
+        out = dict(forward_s=self.forward_s, grad_forward_s=self.grad_forward_s, backward_s=self.backward_s)
+        self.forward_s = self.grad_forward_s = self.backward_s = 0.0
+        return out
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
 
 
 def step_loss(dit, batch: dict, j: int):
@@ -35,17 +73,18 @@ def step_loss(dit, batch: dict, j: int):
     return torch.mean(torch.maximum(-advantages * ratio, -advantages * clipped)), log_prob.detach()
 
 
-def per_step_backward(dit, batch: dict, stepwise=None) -> tuple[float, torch.Tensor]:
+def per_step_backward(dit, batch: dict, stepwise=None, backward=None) -> tuple[float, torch.Tensor]:
     """The peers' loop over ``batch["train_steps"]`` in their order: one ``backward()`` per step of
     ``loss_j / steps`` (so ``.grad`` is the gradient of the mean over steps, as ``grpo_loss``'s).
     ``stepwise``: a ``jaggc.stepwise`` the loop is declared to. Returns the loss and the new
-    log-probs (B, steps) in ``train_steps`` order."""
+    log-probs (B, steps) in ``train_steps`` order. ``backward(loss)``: how to run each backward
+    (a ``PassTimer``'s; default ``loss.backward()``)."""
     steps = list(batch["train_steps"])
     loop = steps if stepwise is None else stepwise.steps(steps, batch["timesteps"][:, steps])
     total, new_log_probs = 0.0, []
     for j in loop:
         loss, log_prob = step_loss(dit, batch, j)
-        (loss / len(steps)).backward()
+        (backward or torch.Tensor.backward)(loss / len(steps))
         total += float(loss.detach()) / len(steps)
         new_log_probs.append(log_prob)
     return total, torch.stack(new_log_probs, 1)
@@ -58,10 +97,12 @@ class FewStepTrainer(GRPOTrainer):
     "exact" (the base trainer's whole-loss strategies are not used here)."""
 
     schedule: Schedule = Schedule("exact")
+    timed: bool = False          # time the DiT's passes (PassTimer): the cost-shape measurement
 
     def __post_init__(self):
         super().__post_init__()
         self.schedule.validate(self.config.num_steps)
+        self.timer = PassTimer(self.dit) if self.timed else None
         self.stepwise = None
         if self.schedule.jagg:
             import jaggc
@@ -77,12 +118,31 @@ class FewStepTrainer(GRPOTrainer):
     def step(self) -> dict:
         """One iteration (``GRPOTrainer.step``) plus ``backward_work``: the DiT backward work in
         per-step backward passes of one minibatch: one per exact step, two per JAGG window (its one
-        joint pass runs on the two knots' rows). Without JAGG it is ``backward_passes``."""
+        joint pass runs on the two knots' rows). Without JAGG it is ``backward_passes``.
+        ``rows``: the DiT passes the iteration ran, in sample rows (``rollout`` forwards, training
+        ``forward`` s with or without grad, ``backward`` s; JAGG's from ``jaggc.stepwise``'s counts,
+        cached forwards not run): the modelled GPU cost's input. ``timed``: ``passes`` (PassTimer)."""
         before = self._stepwise_counts()
-        log = super().step()
+        with count_dit_passes(self.dit) as counts:
+            log = super().step()
         after = self._stepwise_counts()
-        log["backward_work"] = (log["backward_passes"] if after is None else
-                                (after.exact_steps - before.exact_steps) + 2 * (after.jagg_windows - before.jagg_windows))
+        cfg = self.config
+        batch = cfg.classes_per_iter * cfg.group_size
+        rollout_rows = cfg.num_steps * batch
+        mb = batch // cfg.minibatches
+        if after is None:
+            log["backward_work"] = log["backward_passes"]
+            forward_rows = sum(counts.grad_forward_batches) + sum(counts.nograd_forward_batches) - rollout_rows
+            backward_rows = sum(counts.backward_batches)
+        else:
+            delta = {k: getattr(after, k) - getattr(before, k)
+                     for k in ("exact_steps", "jagg_windows", "grad_forwards", "nograd_forwards", "reruns")}
+            log["backward_work"] = delta["exact_steps"] + 2 * delta["jagg_windows"]
+            forward_rows = mb * (delta["grad_forwards"] + delta["nograd_forwards"] + delta["reruns"])
+            backward_rows = mb * log["backward_work"]
+        log["rows"] = dict(rollout=rollout_rows, forward=forward_rows, backward=backward_rows)
+        if self.timer is not None:
+            log["passes"] = self.timer.take()
         return log
 
     def _stepwise_counts(self):
@@ -92,7 +152,16 @@ class FewStepTrainer(GRPOTrainer):
 
     def _optimize(self, minibatch: dict) -> dict:
         self.optimizer.zero_grad(set_to_none=True)
-        loss, new_log_probs = per_step_backward(self.dit, minibatch, self.stepwise)
+        backward = self.timer.backward if self.timer is not None else None
+        if self.schedule.decoupled:
+            self._minibatch = getattr(self, "_minibatch", 0) + 1
+            generator = torch.Generator().manual_seed(
+                ((self.config.seed * 1_000_003 + self.iteration) * 16 + 6) * 64 + self._minibatch % 64)
+            stats = decoupled_backward(self.dit, minibatch, self.schedule.kind, self.schedule.k, generator, backward)
+            torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm)
+            self.optimizer.step()
+            return stats
+        loss, new_log_probs = per_step_backward(self.dit, minibatch, self.stepwise, backward)
         torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm)
         self.optimizer.step()
         old = minibatch["log_probs"][:, list(minibatch["train_steps"])]
@@ -102,7 +171,10 @@ class FewStepTrainer(GRPOTrainer):
                     approx_kl=float(0.5 * ((new_log_probs - old) ** 2).mean()))
 
     def close(self) -> None:
-        """Uninstall the ``jaggc.stepwise`` (the module's own forward back)."""
+        """Uninstall the ``jaggc.stepwise`` (the module's own forward back) and the pass timer."""
+        if self.timer is not None:
+            self.timer.close()
+            self.timer = None
         if self.stepwise is not None:
             self.stepwise.close()
             self.stepwise = None
@@ -117,4 +189,4 @@ def schedule_gradient(dit, batch: dict, params: list, stepwise=None) -> torch.Te
     return flat
 
 
-__all__ = ["FewStepTrainer", "per_step_backward", "schedule_gradient", "step_loss"]
+__all__ = ["FewStepTrainer", "PassTimer", "per_step_backward", "schedule_gradient", "step_loss"]

@@ -13,6 +13,10 @@ it (more parameter tensors, same width), timed three ways, interleaved, process 
 taps, the safety checks); divided by the parameter tensors it says how it grows with them.
 
     python -m jaggc_studies.loops.bookkeeping --layers 4,8,16 --rounds 7 [--profile]
+    python -m jaggc_studies.loops.bookkeeping --layers 4 --wide 8 --batch 16   # the digits-wide base's DiT
+
+``--wide K``: the feed-forwards widened K times (``jaggc_studies.fewsteps.wide``, the few-step study's
+``digits-wide`` base at K = 8); ``--batch``: the rows per pass (16: that study's minibatch).
 """
 
 from __future__ import annotations
@@ -35,8 +39,12 @@ WINDOW = 4
 BATCH = 64
 
 
-def problem(layers: int, seed: int = 0):
+def problem(layers: int, seed: int = 0, wide: int = 1):
     dit = build_dit(seed=seed, config=dict(DIGITS_CONFIG, num_layers=layers))
+    if wide > 1:
+        from jaggc_studies.fewsteps.wide import widen_feedforward
+
+        widen_feedforward(dit, wide)
     g = torch.Generator().manual_seed(seed + 1)
     labels = torch.arange(BATCH) % 10
     cond = class_conditioning(labels)
@@ -68,9 +76,9 @@ def passes(dit, cond, zs, gs, sigmas) -> None:
     dit.zero_grad()
 
 
-def measure(layers: int, rounds: int) -> dict:
-    dit, cond, zs, gs, sigmas = problem(layers)
-    twin, *_ = problem(layers)
+def measure(layers: int, rounds: int, wide: int = 1) -> dict:
+    dit, cond, zs, gs, sigmas = problem(layers, wide=wide)
+    twin, *_ = problem(layers, wide=wide)
     jaggc.stepwise(twin, window=WINDOW, weights="t")
     runs = {"exact": lambda: trajectory(dit, cond, zs, gs, sigmas, stepwise=False),
             "jaggc": lambda: trajectory(twin, cond, zs, gs, sigmas, stepwise=True),
@@ -90,7 +98,7 @@ def measure(layers: int, rounds: int) -> dict:
     median = {k: statistics.median(v) for k, v in times.items()}
     extra = [j - p for j, p in zip(times["jaggc"], times["predicted"])]
     tensors = sum(1 for p in dit.parameters() if p.requires_grad)
-    return dict(layers=layers, params=sum(p.numel() for p in dit.parameters()), tensors=tensors,
+    return dict(layers=layers, wide=wide, batch=BATCH, params=sum(p.numel() for p in dit.parameters()), tensors=tensors,
                 ms={k: 1e3 * v for k, v in median.items()}, bookkeeping_ms=1e3 * statistics.median(extra),
                 bookkeeping_range_ms=[1e3 * min(extra), 1e3 * max(extra)],
                 per_tensor_us=1e6 * statistics.median(extra) / tensors)
@@ -113,17 +121,21 @@ def profile(layers: int, trajectories: int = 40) -> str:
 
 
 def main(argv=None) -> None:
+    global BATCH
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", default="4,8,16", help="the digits DiT's depth (4: the shipped model)")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--profile", action="store_true", help="cProfile jaggc's trajectories at the first depth")
+    p.add_argument("--wide", type=int, default=1, help="widen the feed-forwards K times (digits-wide: 8)")
+    p.add_argument("--batch", type=int, default=BATCH, help="rows per pass")
     args = p.parse_args(argv)
+    BATCH = args.batch
     torch.set_num_threads(1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         depths = [int(x) for x in args.layers.split(",")]
         for layers in depths:
-            print(json.dumps(measure(layers, args.rounds)), flush=True)
+            print(json.dumps(measure(layers, args.rounds, args.wide)), flush=True)
         if args.profile:
             print(profile(depths[0]))
 
