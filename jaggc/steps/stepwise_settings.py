@@ -67,7 +67,7 @@ DEFAULT_CACHE_BYTES = 2 * 2**30
 #: off-policy serving's default bound on the optimizer steps since the recording: after 8 AdamW steps
 #: (lr 3e-4, digits base, W=4) the upstream gradients at served outputs still have cosine 0.998 to those
 #: at the true outputs, an error an order of magnitude below JAGG's own (cosine 0.88-0.96 to exact):
-#: ../shared/docs/background/off-policy-serving.md, and docs/stepwise.md's "Off-policy serving"
+#: docs/stepwise.md's "Off-policy serving" (measured on the digits base, Flow-GRPO's PPO loss)
 DEFAULT_MAX_OPTIMIZER_STEPS = 8
 
 

@@ -38,6 +38,9 @@ HOST_SIDE = {
     ("jaggc/runtime/deferred.py", "run"): "a 0-element graph anchor: no data, never an operand of a device op",
     ("jaggc/steps/tap.py", "tap_output"): "a 0-element graph anchor: no data, never an operand of a device op",
     ("jaggc/runtime/guard_probe.py", "sharded_flat"): "the empty flat vector of a module without slots (0 elements)",
+    ("jaggc/runtime/rollout_cache.py", "_fingerprints"): "host inputs' row hashes (blake2b), moved to the device only "
+                                                         "for a call that mixes host and device inputs",
+    ("jaggc/runtime/rollout_cache.py", "_weights"): "hash weights drawn once from a CPU generator, moved to the device",
     ("jaggc/models.py", "sd3_conditioning"): "drawn on the CPU generator, then moved to the model's device",
     ("jaggc/models.py", "flux_conditioning"): "drawn on the CPU generator, then moved to the model's device",
 }

@@ -28,7 +28,7 @@ from jaggc import grpo
 from jaggc.runtime.aggregate import KnotAggregate
 from jaggc.verify import grpo_losses as gl
 from jaggc.verify import loss_properties as lp
-from jaggc.verify import cfg_properties
+from jaggc.verify import cfg_properties, serving_properties
 from jaggc.verify.cli import main_verify, registry
 from jaggc.verify.fields import AffineJacobianField, CurvedField
 from jaggc.verify.harness import TOL, rel_err
@@ -158,9 +158,10 @@ def test_off_chord_states_break_exactness_only_when_moved():
 def test_cli_registers_the_loss_suite():
     losses = list(lp.PROPERTIES) + list(cfg_properties.PROPERTIES)
     assert list(registry("losses")) == losses
-    assert list(registry("runtime")) == list(RUNTIME_PROPERTIES)
-    assert list(registry("all")) == list(RUNTIME_PROPERTIES) + losses
-    assert not set(losses) & set(RUNTIME_PROPERTIES)
+    runtime = list(RUNTIME_PROPERTIES) + list(serving_properties.PROPERTIES)
+    assert list(registry("runtime")) == runtime
+    assert list(registry("all")) == runtime + losses
+    assert not set(losses) & set(runtime)
 
 
 def test_cli_losses_suite_json(tmp_path, capsys, monkeypatch):
