@@ -422,7 +422,7 @@ class TrajectoryRun:
         now, then = [], []
         for s in (steps[p] for p in positions):
             linked = self._knot_rows(win, visit, call, table, rows, s)
-            knot_now = None if linked is None else self._knot_now(win, s, table, linked[1], forward, linked[0])
+            knot_now = None if linked is None else self._knot_now(win, s, linked[1], forward, linked[0])
             if knot_now is None:
                 counts.first_order_missed += 1
                 return None
@@ -458,7 +458,7 @@ class TrajectoryRun:
         win.linked[knot] = (knot_call, knot_rows)
         return win.linked[knot]
 
-    def _knot_now(self, win: WindowRun, step: int, table, knot_rows: list[int], forward: Callable,
+    def _knot_now(self, win: WindowRun, step: int, knot_rows: list[int], forward: Callable,
                   call: DitCall | None = None) -> Any | None:
         """The visible output now of knot ``step`` on the recorded rows ``knot_rows``: its visit's, if the
         loop made it on those rows, else a forward made now of ``call`` (the recording's inputs of those
