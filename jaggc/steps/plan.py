@@ -76,7 +76,7 @@ class PlannedWindow:
         return "knot" if self.steps.index(step) in self.knots else "interior"
 
 
-def declared_times(timesteps) -> torch.Tensor:
+def declared_times(timesteps, *, on_host: bool = True) -> torch.Tensor:
     """The declaration as a float64 (steps, batch) tensor; batch 1 when the steps are shared by
     the batch. Accepted: a sequence of numbers or a 1-d tensor (one timestep per step), or a 2-d
     tensor (batch, steps): the trainers' ``sample["timesteps"][:, trained]``."""
@@ -90,7 +90,8 @@ def declared_times(timesteps) -> torch.Tensor:
             raise JaggInputError(
                 f"trajectory(timesteps=...) has shape {tuple(t.shape)}; pass one timestep per trained step, "
                 f"shape (steps,) or (batch, steps) as the trainers store them (sample['timesteps'][:, steps])")
-        return t.to(device="cpu", dtype=torch.float64)
+        # MPS has no float64: its declaration is read at once
+        return t.to(device="cpu" if on_host or t.device.type == "mps" else t.device, dtype=torch.float64)
     if isinstance(timesteps, (list, tuple)) and all(isinstance(x, numbers.Number) for x in timesteps):
         return torch.tensor([[float(x)] for x in timesteps], dtype=torch.float64)
     raise JaggInputError(
@@ -99,35 +100,78 @@ def declared_times(timesteps) -> torch.Tensor:
 
 
 class TrajectoryPlan:
-    """The windows of one declared trajectory and the rule that maps a DiT call to its step."""
+    """The windows of one declared trajectory and the rule that maps a DiT call to its step.
 
-    def __init__(self, timesteps, *, window: int, basis: Basis, time_arg: str | int | None = None, guard=None):
-        self.times = declared_times(timesteps)                   # (N, Bd), declaration order
+    A declaration on an accelerator is read on the host once, to plan the windows. With ``lazy`` the
+    read waits until the plan is first needed; the run (run.py) folds it into the first call's
+    rollout-cache lookup, whose read it then shares (``needs_read``, ``declared``, ``settle_times``):
+    the cache's one read per call is then the trajectory's only one. Until then the declared values
+    are unchecked; every attribute below reads them first."""
+
+    def __init__(self, timesteps, *, window: int, basis: Basis, time_arg: str | int | None = None, guard=None,
+                 lazy: bool = False):
+        declared = declared_times(timesteps, on_host=False)      # (N, Bd) float64, where it lies
         self.source = _DeclaredMemory.of(timesteps)              # where the declaration lies (match_view)
         self._device_times: dict = {}                            # device -> (N, Bd) float64 copy (expect)
+        if declared.device.type not in ("cpu", "mps"):
+            self._device_times[declared.device] = declared
         self.time_arg = time_arg
-        num_steps = self.times.shape[0]
-        if num_steps == 0:
+        self.shape = tuple(declared.shape)
+        if self.shape[0] == 0:
             raise JaggInputError("trajectory(timesteps=...) declares no step; declare the steps the loop trains")
+        self._window, self._basis, self._guard = window, basis, guard
+        self._declared = declared
+        self._planned = False
+        self._after_planned = None
+        if not lazy or declared.device.type == "cpu":
+            self.settle_times(declared.to("cpu"))
+
+    @property
+    def after_planned(self):
+        return self._after_planned
+
+    @after_planned.setter
+    def after_planned(self, hook) -> None:
+        """``hook()`` runs once the windows are planned (now, if they are)."""
+        self._after_planned = hook
+        if self._planned:
+            hook()
+
+    # --- the declaration's one host read ---------------------------------------------------------
+    @property
+    def needs_read(self) -> bool:
+        return not self._planned
+
+    @property
+    def declared(self) -> torch.Tensor:
+        """The declaration as it lies (float64, (steps, batch)), for a read that carries it."""
+        return self._declared
+
+    def settle_times(self, host_times: torch.Tensor) -> None:
+        """Plan the windows from the declaration's values read on the host (module docstring)."""
+        self.times = host_times.to(dtype=torch.float64)
+        num_steps = self.shape[0]
         if not bool(torch.isfinite(self.times).all()):
             raise JaggInputError("trajectory(timesteps=...) holds NaN or Inf; declare each trained step's timestep")
         # σ order: high noise first, as the sampler visits them; every sample must agree on it
-        self.order = sorted(range(num_steps), key=lambda k: -float(self.times[k].max()))
-        ordered = self.times[self.order]
-        self.in_sigma_order = self.order == list(range(num_steps))     # declared as the sampler visits them
+        order = sorted(range(num_steps), key=lambda k: -float(self.times[k].max()))
+        ordered = self.times[order]
         if num_steps > 1:
             steps_down = ordered[1:] < ordered[:-1]
             if not bool(steps_down.all()):
                 i = int(torch.nonzero(~steps_down.all(1))[0])
-                a, b = self.order[i], self.order[i + 1]
+                a, b = order[i], order[i + 1]
                 raise JaggInputError(
                     f"declared steps {a} and {b} have the same timestep, or samples disagree on their order "
                     f"({ordered[i].tolist()} vs {ordered[i + 1].tolist()}); declare each trained step once, with "
                     f"per-sample timesteps that follow one schedule")
-        self.windows: list[PlannedWindow] = []
-        self.window_of: dict[int, PlannedWindow] = {}
-        for w, positions in enumerate(partition(num_steps, window)):
-            steps = tuple(self.order[p] for p in positions)
+        self._order = order
+        self._in_sigma_order = order == list(range(num_steps))    # declared as the sampler visits them
+        self._windows: list[PlannedWindow] = []
+        self._window_of: dict[int, PlannedWindow] = {}
+        basis, guard = self._basis, self._guard
+        for w, positions in enumerate(partition(num_steps, self._window)):
+            steps = tuple(order[p] for p in positions)
             win_times = self.times[list(steps)]
             if len(steps) <= 2:
                 planned = PlannedWindow(w, steps, tuple(range(len(steps))), True, f"{len(steps)} step(s): all knots")
@@ -141,9 +185,49 @@ class TrajectoryPlan:
                                         else "guard: its σ range drifted (on_drift='adapt')")
             else:
                 planned = PlannedWindow(w, steps, basis.knot_positions(len(steps)), False)
-            self.windows.append(planned)
-            for k in steps:
-                self.window_of[k] = planned
+            self._windows.append(planned)
+            self._window_of.update((k, planned) for k in steps)
+        self._planned = True
+        if self._after_planned is not None:
+            self._after_planned()
+
+    def _read_declaration(self) -> None:
+        if not self._planned:
+            self.settle_times(self._declared.to("cpu"))
+
+    # --- what the declaration plans ---------------------------------------------------------------
+    def __getattr__(self, name: str):
+        # times, order, in_sigma_order, windows, window_of: read on first use where the read waited
+        if name in ("times", "_order", "_in_sigma_order", "_windows", "_window_of") and not self.__dict__.get("_planned", True):
+            self._read_declaration()
+            return getattr(self, name)
+        raise AttributeError(name)
+
+    @property
+    def order(self) -> list[int]:
+        return self._order
+
+    @property
+    def in_sigma_order(self) -> bool:
+        return self._in_sigma_order
+
+    @in_sigma_order.setter
+    def in_sigma_order(self, value: bool) -> None:
+        self._read_declaration()
+        self._in_sigma_order = value
+
+    @property
+    def windows(self) -> list[PlannedWindow]:
+        return self._windows
+
+    @property
+    def window_of(self) -> dict[int, PlannedWindow]:
+        return self._window_of
+
+    @property
+    def batch(self) -> int:
+        """The declared batch (1 when the steps are shared by the batch)."""
+        return self.shape[1]
 
     def replace_window(self, planned: PlannedWindow) -> None:
         self.windows[planned.index] = planned
@@ -151,7 +235,7 @@ class TrajectoryPlan:
             self.window_of[k] = planned
 
     def __len__(self) -> int:
-        return self.times.shape[0]
+        return self.shape[0]
 
     def match(self, call: DitCall) -> int | None:
         """The declared step ``call`` makes, or None if its timestep is none of the declared ones.
@@ -187,7 +271,7 @@ class TrajectoryPlan:
         a batch that is no multiple of the declared one; a device without float64)."""
         arg = resolve_time_arg(call, self.time_arg)
         observed = per_sample_time(call, arg).detach()
-        bd = self.times.shape[1]
+        bd = self.shape[1]
         if observed.dtype in CAST_DTYPES or observed.ndim != 1 or observed.shape[0] % bd \
                 or observed.device.type == "mps":
             return None

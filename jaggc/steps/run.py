@@ -86,7 +86,8 @@ class TrajectoryRun:
     def __init__(self, owner: StepwiseOwner, plan: TrajectoryPlan):
         self.owner = owner
         self.plan = plan
-        self.windows = [WindowRun(w) for w in plan.windows]
+        self._windows: list[WindowRun] | None = None  # made when the plan is read (plan.py: lazy)
+        self._first_lookup = None                    # the first call's cache lookup, read with the declaration
         self.visited: list[int] = []                 # declared steps in visit order
         self.in_order = True                         # visits so far follow σ order, one step after another
         # DDP/FSDP with steps out of σ order on some rank: every backward in the last step's (ranks.py)
@@ -123,11 +124,40 @@ class TrajectoryRun:
                          and not previous.dropped and len(previous.visited) == len(previous.plan)
                          and not owner.distributed and not self.deferred)
 
+    @property
+    def windows(self) -> list[WindowRun]:
+        if self._windows is None:
+            self._windows = [WindowRun(w) for w in self.plan.windows]
+        return self._windows
+
     def window(self, step: int) -> WindowRun:
         return self.windows[self.plan.window_of[step].index]
 
+    def _read_declaration_with_lookup(self, call: DitCall) -> None:
+        """The trajectory's first call, its declaration not read yet (plan.py: lazy, with the rollout
+        cache): the call's cache lookup and the declared timesteps in one host read (float64 bits carried
+        as int64), the lookup kept for ``_cached``. A declaration refused then drops the run."""
+        plan, cache = self.plan, self.owner.cache
+        pending = cache.prepare(call) if cache is not None else None
+        self._first_lookup = (call, pending, None)   # a miss the host knows: counted once
+        declared = plan.declared.contiguous()
+        if pending is not None and pending.rows.device == declared.device:
+            values = self._read(torch.cat([declared.flatten().view(torch.int64), pending.rows.to(torch.int64)]))
+            n = declared.numel()
+            self._first_lookup = (call, pending, values[n:])
+            host = torch.tensor(values[:n], dtype=torch.int64).view(torch.float64).reshape(declared.shape)
+        else:
+            host = declared.to("cpu")
+        try:
+            plan.settle_times(host)
+        except JaggInputError:
+            self.owner.drop(self)                    # refused at its first call: nothing of it is kept
+            raise
+
     # --- a DiT call of the loop --------------------------------------------------------------
     def call(self, call: DitCall, forward: Callable, where: str) -> Any:
+        if self.plan.needs_read:
+            self._read_declaration_with_lookup(call)
         step = self._step_of(call)
         if step is None:
             raise JaggInputError(
@@ -374,9 +404,16 @@ class TrajectoryRun:
         cache = self.owner.cache
         if cache is None:
             return None
-        pending = cache.prepare(call)
-        # its one host read carries the run's pending flags (module docstring)
-        out = None if pending is None else cache.finish(pending, self._read(pending.rows))
+        first, self._first_lookup = self._first_lookup, None
+        if first is not None and first[0] is call and first[1] is None:
+            out = None                               # the host knew it misses (_read_declaration_with_lookup)
+        elif first is not None and first[0] is call:
+            rows = first[2] if first[2] is not None else self._read(first[1].rows)
+            out = cache.finish(first[1], rows)       # read with the declaration
+        else:
+            pending = cache.prepare(call)
+            # its one host read carries the run's pending flags (module docstring)
+            out = None if pending is None else cache.finish(pending, self._read(pending.rows))
         if self.owner.distributed and not agree_on_hit(out is not None, group=self.owner.engine.process_group()):
             out = None
         if out is not None:

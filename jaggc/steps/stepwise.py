@@ -169,10 +169,14 @@ class Stepwise:
         shape (steps,) or the trainers' (batch, steps), in the units the DiT is called with or in
         the other of 0..1000 and 0..1). A trajectory still open is ended first."""
         self._end("when the next trajectory was declared")
+        # with the rollout cache in one process, the declaration's read waits for the first call's
+        # lookup, whose one read carries it (plan.py, run.py)
         plan = TrajectoryPlan(timesteps, window=self.window, basis=self.basis, time_arg=self.options.time_arg,
-                              guard=self.guard)
+                              guard=self.guard, lazy=self.cache is not None and not self.distributed
+                              and self.guard is None)
+        plan.after_planned = lambda: self._warn_all_exact(plan)
         if self.slicer is not None:
-            self.slicer.begin(plan.times.shape[1])
+            self.slicer.begin(plan.batch)
         if self.distributed:
             agree_on_plan(plan, group=self.engine.process_group())
             if self.slicer is not None:
@@ -198,11 +202,13 @@ class Stepwise:
         # its parameters as they are now (an adapter added since)
         self.ledger = Ledger(self.engine.watched_parameters(self.module),
                              watch_grads=self.engine.grad_in_dot_grad)
+        return Trajectory(self, run)
+
+    def _warn_all_exact(self, plan: TrajectoryPlan) -> None:
         if not any(not w.exact for w in plan.windows):
             self._warn_once("all-exact", (
                 f"no window of the declared trajectory runs JAGG (" + "; ".join(sorted({w.reason for w in plan.windows}))
                 + f"): every step runs exactly, at the unchanged loop's cost"))
-        return Trajectory(self, run)
 
     def steps(self, iterable: Iterable, timesteps) -> Iterator:
         """Declare a trajectory and iterate ``iterable`` (the loop's own steps, yielded unchanged);
@@ -279,7 +285,7 @@ class Stepwise:
             self._run = None
         if self.slicer is not None:
             self.slicer.discard()
-        for win in run.windows:
+        for win in run._windows or ():          # none made: refused when its declaration was read
             for v in win.visits.values():
                 v.held = v.grads = v.probe_graph = None
         if run.probe is not None:
