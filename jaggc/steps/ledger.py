@@ -78,6 +78,10 @@ class Ledger:
         # backward (runtime/engines.py): there ``.grad`` says nothing and is not watched
         self.trainable = [(n, p) for n, p in self.named if p.requires_grad] if watch_grads else []
         self.marks = GradMarks(self.trainable, _canaries(module, self.trainable))
+        # FSDP2's gradients (DTensors) are also compared by value at their canaries: a foreach op
+        # (clip_grad_norm_'s multiply, an optimizer's foreach zero_grad) writes their local shards and
+        # bumps no version of either (torch 2.13). A copy per canary shard, small (module docstring)
+        self.values: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.params = self._param_state()
         self.grads = self._grad_state()
 
@@ -85,7 +89,21 @@ class Ledger:
         return [(version_counter(p), _local(p).data_ptr()) for _, p in self.named]
 
     def _grad_state(self) -> list[GradKey | None]:
+        self.values = {}
+        for i in self.marks.canaries:
+            g = self.trainable[i][1].grad
+            if g is not None and _local(g) is not g:
+                self.values[i] = (g, _local(g).detach().clone())
         return [None if p.grad is None else GradKey(p.grad) for _, p in self.trainable]
+
+    def _written_in_place(self) -> str | None:
+        """The first canary whose sharded gradient (a DTensor) holds other values than at the snapshot
+        though no version moved: one host read for them all."""
+        kept = [(i, g, copy) for i, (g, copy) in self.values.items() if self.trainable[i][1].grad is g]
+        if not kept:
+            return None
+        flags = torch.stack([_local(g).ne(copy).any().to(copy.device) for _, g, copy in kept]).tolist()
+        return next((self.trainable[i][0] for (i, _, _), f in zip(kept, flags) if f), None)
 
     def snapshot(self) -> None:
         """Accept the parameters and gradients as they are now."""
@@ -107,7 +125,10 @@ class Ledger:
         changed = [name for (name, p), before in zip(self.trainable, self.grads)
                    if not (p.grad is None and before is None) and not (before is not None and before.same(p.grad))]
         if not changed:
-            return None
+            written = self._written_in_place()
+            if written is None:
+                return None
+            changed = [written]
         emptied = all(_all_bits_zero_each([p.grad for _, p in self.trainable if p.grad is not None]))
         return GradChange("reset" if emptied else "written", changed[0])
 

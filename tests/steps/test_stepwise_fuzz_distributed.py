@@ -32,21 +32,18 @@ SAMPLE_CASES = 70
 SAMPLE_SECONDS = 45
 
 # open bugs (docs/reliability.md, "On two ranks"): a case, and what marks the cases of the same bug
-OPEN = {
-    # FSDP2: an in-place write of a sharded .grad (clip_grad_norm_, a hand-written mul_, zero_grad(set_to_none=
-    # False)) while a step is held back is not seen (the ledger reads the local shard's version, which
-    # DTensor's in-place ops do not bump): no refusal, the gradient neither the fallback's nor the loop's
-    "fsdp2-grad-write": (
-        {"program": {"dit": "curved", "steps": 7, "trajectories": 2, "order": "random", "window": 5,
+OPEN: dict = {}        # name: (case JSON, what marks the cases of the same bug); none open now
+
+FIXED: dict = {       # name: case JSON, for bugs fixed since (each a regression test)
+    # FSDP2: clip_grad_norm_'s foreach multiply of the sharded .grad while a step was held back bumped no
+    # version (torch 2.13): not refused, the gradient wrong. Refused since (steps/ledger.py: FSDP2's canary
+    # gradients compared by value too)
+    "fsdp2-grad-write": {"program": {"dit": "curved", "steps": 7, "trajectories": 2, "order": "random", "window": 5,
                      "weights": "default", "backward": "joint", "term": "ppo", "cfg": True, "kl": False,
                      "cfg_slice": True, "rollout_cache": False, "accumulate": 2, "clip_at_sync": False,
                      "scaler": False, "declare": "steps", "disruptions": [{"kind": "clip", "placement": "after_exact"}],
                      "seed": 2836}, "engine": "fsdp2", "orders": ["random", "reversed"], "same_data": True,
          "placement": "body", "guard": False, "index": 0},
-        lambda c: c.engine == "fsdp2" and any(d.kind in ("clip", "scale_grad", "zero_grad_zero", "zero_grad_none",
-                                                         "opt_zero_grad") for d in c.program.disruptions)),
-}
-FIXED: dict = {       # name: case JSON, for bugs fixed since (each a regression test)
     # refused since (steps/safety.py refuse_deferred: a zero_grad or an early end on the deferred schedule)
     "zero-grad-deferred-hang": {"program": {"dit": "frozen", "steps": 6, "trajectories": 1, "order": "sigma", "window": 5, "weights": "t",
                      "backward": "lowmem", "term": "linear", "cfg": False, "kl": False, "cfg_slice": False,
@@ -100,7 +97,7 @@ def test_distributed_fuzz_sample(tmp_path):
     assert not new, "\n\n".join(f"{f['kind']}: {f['text'][:1200]}\n  replay: {json.dumps(f['case'])}" for f in new[:5])
 
 
-@pytest.mark.parametrize("name", sorted(OPEN))
+@pytest.mark.parametrize("name", sorted(OPEN) or [pytest.param(None, marks=pytest.mark.skip(reason="none open"))])
 def test_open_bug_replays(name, tmp_path):
     if name in ("zero-grad-deferred-hang", "exception-last-step-ddp") and not os.environ.get("JAGGC_STEP_FUZZ_DIST_SLOW"):
         pytest.skip("a hang: waits for the peer (PEER_WAIT_S); set JAGGC_STEP_FUZZ_DIST_SLOW=1")
