@@ -64,11 +64,14 @@ def same_settings(existing, module: nn.Module, given: dict) -> None:
 
 #: the rollout cache's bound with ``rollout_cache=True``
 DEFAULT_CACHE_BYTES = 2 * 2**30
-#: off-policy serving's default bound on the optimizer steps since the recording: after 8 AdamW steps
-#: (lr 3e-4, digits base, W=4) the upstream gradients at served outputs still have cosine 0.998 to those
-#: at the true outputs, an error an order of magnitude below JAGG's own (cosine 0.88-0.96 to exact):
-#: docs/stepwise.md's "Off-policy serving" (measured on the digits base, Flow-GRPO's PPO loss)
+#: off-policy serving's defaults, from ``python -m jaggc_studies.digits.first_order_fidelity`` (digits
+#: base, attention trained, Flow-GRPO's PPO loss, clip 1e-2, AdamW lr 3e-4, W=4, 3 seeds): in windows
+#: that stay above σ = 0.5 the upstream gradients at served outputs have cosine >= 0.9999 to those at the
+#: true outputs after 8 optimizer steps; a window reaching σ 0.50-0.26 served gave 0.88-0.9999 after one
+#: step and 0.41-0.50 after 8 (the PPO clip decides otherwise for many samples there). So: at most 8
+#: steps, and no window below σ = 0.5 (the σ-aware placement's threshold: those run exactly by default)
 DEFAULT_MAX_OPTIMIZER_STEPS = 8
+DEFAULT_MIN_SIGMA = 0.5
 
 
 @dataclass(frozen=True)
@@ -76,10 +79,12 @@ class FirstOrder:
     """``stepwise(rollout_cache=FirstOrder(...))``: the rollout cache, and after optimizer steps since the
     recording an interior step's output served as the recorded one plus its window's knots' change
     (runtime/first_order.py) while at most ``max_optimizer_steps`` steps, and nothing else, changed the
-    parameters; ``rollout_cache="first_order"`` is ``FirstOrder()``."""
+    parameters, in windows whose lowest noise level is at least ``min_sigma`` (0: every window);
+    ``rollout_cache="first_order"`` is ``FirstOrder()``."""
 
     max_optimizer_steps: int = DEFAULT_MAX_OPTIMIZER_STEPS
     max_bytes: int = DEFAULT_CACHE_BYTES
+    min_sigma: float = DEFAULT_MIN_SIGMA
 
 
 def build_rollout_cache(module: nn.Module, setting, options: Options) -> RolloutCache | None:
@@ -94,9 +99,12 @@ def build_rollout_cache(module: nn.Module, setting, options: Options) -> Rollout
     if first_order is not None:
         if not (isinstance(first_order.max_optimizer_steps, int) and first_order.max_optimizer_steps >= 1):
             raise JaggInputError(f"FirstOrder(max_optimizer_steps={first_order.max_optimizer_steps!r}): a positive int")
+        if not (isinstance(first_order.min_sigma, (int, float)) and 0 <= first_order.min_sigma <= 1):
+            raise JaggInputError(f"FirstOrder(min_sigma={first_order.min_sigma!r}): a noise level in [0, 1]")
         return RolloutCache(module, time_arg=options.time_arg, unbatched=tuple(options.unbatched),
                             max_bytes=first_order.max_bytes, first_order=True,
-                            max_optimizer_steps=first_order.max_optimizer_steps)
+                            max_optimizer_steps=first_order.max_optimizer_steps,
+                            min_sigma=float(first_order.min_sigma))
     if setting is True:
         max_bytes = DEFAULT_CACHE_BYTES
     elif isinstance(setting, int) and not isinstance(setting, bool) and setting > 0:
