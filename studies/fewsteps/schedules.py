@@ -48,6 +48,7 @@ class Schedule:
     kind: str
     k: int = 0
     jagg: int | None = None
+    first_order: bool = False    # +jaggWfo: rollout_cache="first_order" (the later minibatches served off-policy)
 
     @property
     def decoupled(self) -> bool:
@@ -57,7 +58,7 @@ class Schedule:
     @property
     def name(self) -> str:
         base = {"exact": "exact", "dance": "dance"}.get(self.kind, f"{self.kind}{self.k}")
-        return base + (f"+jagg{self.jagg}" if self.jagg else "")
+        return base + (f"+jagg{self.jagg}" + ("fo" if self.first_order else "") if self.jagg else "")
 
     def validate(self, num_steps: int) -> "Schedule":
         trained = num_steps - 1
@@ -118,19 +119,22 @@ def _generator(seed: int, iteration: int, purpose: int) -> torch.Generator:
 
 
 def parse_schedule(name: str) -> Schedule:
-    """``exact``, ``dance``, ``fastK``, ``mixW``, each optionally ``+jaggW`` (e.g. ``fast4+jagg4``)."""
+    """``exact``, ``dance``, ``fastK``, ``mixW``, each optionally ``+jaggW`` (e.g. ``fast4+jagg4``) or
+    ``+jaggWfo`` (with off-policy serving: ``rollout_cache="first_order"``)."""
     base, _, jagg = name.partition("+")
-    window = None
+    window, first_order = None, jagg.endswith("fo")
     if jagg:
-        if not jagg.startswith("jagg") or not jagg[4:].isdigit():
-            raise JaggInputError(f"schedule {name!r}: the composition is written +jaggW, e.g. fast4+jagg4")
-        window = int(jagg[4:])
+        digits = jagg[4:-2] if first_order else jagg[4:]
+        if not jagg.startswith("jagg") or not digits.isdigit():
+            raise JaggInputError(f"schedule {name!r}: the composition is written +jaggW or +jaggWfo, e.g. fast4+jagg4")
+        window = int(digits)
     for kind in ("fast", "mix", "nft", "awm"):
         if base.startswith(kind) and base[len(kind):].isdigit():
-            return Schedule(kind, int(base[len(kind):]), window)
+            return Schedule(kind, int(base[len(kind):]), window, first_order)
     if base in ("exact", "dance"):
-        return Schedule(base, 0, window)
-    raise JaggInputError(f"schedule {name!r}: use exact, dance, fastK or mixW, optionally +jaggW; or nftK / awmK")
+        return Schedule(base, 0, window, first_order)
+    raise JaggInputError(f"schedule {name!r}: use exact, dance, fastK or mixW, optionally +jaggW or +jaggWfo; "
+                         f"or nftK / awmK")
 
 
 DEFAULT_SCHEDULES = ("exact", "exact+jagg4", "fast1", "fast2", "fast4", "fast4+jagg4", "mix4", "mix4+jagg4",

@@ -107,7 +107,8 @@ class FewStepTrainer(GRPOTrainer):
         if self.schedule.jagg:
             import jaggc
 
-            self.stepwise = jaggc.stepwise(self.dit, window=self.schedule.jagg, rollout_cache=True)
+            self.stepwise = jaggc.stepwise(self.dit, window=self.schedule.jagg,
+                                           rollout_cache="first_order" if self.schedule.first_order else True)
 
     def sde_steps(self, iteration: int):
         return self.schedule.sde_steps(self.config.num_steps, iteration, self.config.seed)

@@ -75,7 +75,9 @@ def test_dance_samples_every_step_by_the_sde_and_trains_a_random_60_percent_in_r
 def test_schedule_names_parse_and_bad_ones_are_refused():
     assert parse_schedule("fast4+jagg4") == Schedule("fast", 4, 4)
     assert parse_schedule("mix4").name == "mix4" and parse_schedule("dance+jagg4").name == "dance+jagg4"
-    for bad in ("fast", "slow2", "fast2+jag4", "exact+jagg"):
+    assert parse_schedule("mix4+jagg4fo") == Schedule("mix", 4, 4, first_order=True)
+    assert parse_schedule("mix4+jagg4fo").name == "mix4+jagg4fo"
+    for bad in ("fast", "slow2", "fast2+jag4", "exact+jagg", "exact+jaggfo", "mix4+jagg4of"):
         with pytest.raises(JaggInputError):
             parse_schedule(bad)
     with pytest.raises(JaggInputError, match="early range"):
@@ -166,6 +168,20 @@ def test_fast4_with_jagg4_runs_one_jagg_window_served_by_the_rollout_cache():
     assert "(0 hits" not in report and "hits" in report                   # the on-policy interior came from the rollout
     trainer.close()
     assert "forward" not in trainer.dit.__dict__                     # the module's own forward is back
+
+
+def test_the_first_order_composition_serves_the_later_minibatch():
+    """fast4+jagg4fo, 2 minibatches: the first on-policy from the rollout, the second (after the optimizer
+    step) served first-order: its window's 2 interior steps run no forward."""
+    counts = {}
+    for name in ("fast4+jagg4", "fast4+jagg4fo"):
+        trainer = _trainer(name, num_steps=10, minibatches=2)
+        trainer.step()
+        counts[name] = trainer.stepwise.report.counts
+        trainer.close()
+    plain, served = counts["fast4+jagg4"], counts["fast4+jagg4fo"]
+    assert plain.first_order_served == 0 and plain.nograd_forwards == 2
+    assert served.first_order_served == 2 and served.nograd_forwards == 0
 
 
 # ---------------------------------------------------------------------------------------------
