@@ -23,6 +23,7 @@ from torch import nn
 
 from .._compat import compiled_inner_module, module_hook_keys
 from .autocast import AutocastState, autocast_applied, current_autocast
+from .module_tree import module_tree
 
 
 def module_chain(module: nn.Module) -> list[nn.Module]:
@@ -100,8 +101,9 @@ class StateReader:
     on a Flux DiT)."""
 
     def __init__(self, module: nn.Module):
-        self.modules = list(module.modules())
-        self.params = list(module.parameters())
+        tree = module_tree(module)
+        self.modules = tree.modules
+        self.params = tree.parameters
         self.tuners = [(i, m) for i, m in enumerate(self.modules) if is_tuner_layer(m)]
 
     def read(self) -> ModuleState:

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from .._compat import version_counter
+from ..runtime.module_tree import module_tree
 
 
 @dataclass(frozen=True)
@@ -73,11 +74,14 @@ class GradKey:
 
 class Ledger:
     def __init__(self, module: nn.Module, *, watch_grads: bool = True):
-        self.named = list(module.named_parameters())
+        # the module's tree as last listed while unchanged (module_tree.py); ZeRO-3's partitions walked
+        tree = module_tree(module) if isinstance(module, nn.Module) else None
+        self.named = list(tree.named_parameters if tree is not None else module.named_parameters())
         # DeepSpeed ZeRO-2 keeps the gradient in its own partitions and empties ``.grad`` after every
         # backward (runtime/engines.py): there ``.grad`` says nothing and is not watched
         self.trainable = [(n, p) for n, p in self.named if p.requires_grad] if watch_grads else []
-        self.marks = GradMarks(self.trainable, _canaries(module, self.trainable))
+        self.marks = GradMarks(self.trainable, _canaries(tree.modules if tree is not None else list(module.modules()),
+                                                         self.trainable))
         # FSDP2's gradients (DTensors) are also compared by value at their canaries: a foreach op
         # (clip_grad_norm_'s multiply, an optimizer's foreach zero_grad) writes their local shards and
         # bumps no version of either (torch 2.13). A copy per canary shard, small (module docstring)
@@ -199,13 +203,13 @@ class GradMarks:
         return False
 
 
-def _canaries(module: nn.Module, trainable: list[tuple[str, torch.Tensor]]) -> list[int]:
+def _canaries(modules: list[nn.Module], trainable: list[tuple[str, torch.Tensor]]) -> list[int]:
     """Per module that owns trainable parameters, the index (in ``trainable``) of its smallest."""
     if not trainable:
         return []
     index = {id(p): i for i, (_, p) in enumerate(trainable)}
     out = set()
-    for m in module.modules():
+    for m in modules:
         own = [p for p in m._parameters.values() if p is not None and id(p) in index]
         if own:
             out.add(index[id(min(own, key=lambda p: p.numel()))])

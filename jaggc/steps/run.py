@@ -54,6 +54,7 @@ from ..runtime.checks import check_placement, nonfinite_input, step_value_flags
 from ..runtime.collectives import agree
 from ..runtime.module_state import CallState, StateReader
 from ..runtime.rollout_passes import shifted_call
+from ..runtime.module_tree import module_tree
 from ..runtime.weights import noise_levels
 from .plan import PlannedWindow, TrajectoryPlan
 from .ranks import agree_on_hit
@@ -97,7 +98,8 @@ class TrajectoryRun:
         self.dropouts = live_dropouts(self.states.modules)
         # the accelerator devices of the module's parameters and buffers, whose generators a call may
         # draw from besides its inputs' (each call's RNG states: rng_states)
-        self.devices = accelerator_devices(owner.module)
+        tree = module_tree(owner.module)              # listed once while unchanged (module_tree.py)
+        self.devices = accelerator_devices(None, tree.parameters, tree.buffers)
         self.draws = False                           # a call of this trajectory drew random numbers (no CFG slice)
         self.checked_placement = False               # device/dtype of the calls' inputs: checked once
         self.probe = None                            # the guard's probe of this trajectory (steps/probe.py)
@@ -105,8 +107,7 @@ class TrajectoryRun:
         self.dropped = False                         # refused: the owner forgot it (Stepwise.drop)
         self.no_grad_pass = False                    # declared without grad: its calls record (stepwise.py)
         # the tap's parameter inputs (tap.py), where no DDP/FSDP hooks their gradient accumulators
-        self.tap_params = ([] if owner.distributed or owner.engine.hooks_accumulators
-                           else [p for p in owner.module.parameters() if p.requires_grad])
+        self.tap_params = [] if owner.distributed or owner.engine.hooks_accumulators else tree.trainable()
         self._after_task = None                      # the backward pass an after_backward is queued in
         self._exact_task = None                      # the backward pass an exact step's DiT backward ran in
         self._completion_queued = False              # the deferred schedule's end is queued (on_grads)
