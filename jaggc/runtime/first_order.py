@@ -14,14 +14,18 @@ exactly (``jaggc verify``'s ``first_order_serving``), and off that class an appr
 on the training signal is measured (docs/stepwise.md, "Off-policy serving").
 
 ``serve_first_order`` is the formula, per sample (Φ's last axis), on the recorded and current knot
-outputs as flat tensors of the window's output leaf.
+outputs as flat tensors of the window's output leaf; ``serve_output`` applies it to every batched
+floating leaf of an output; ``serve_window`` serves a whole-loss window's interior steps (the window
+runtime holds every call of the window, so its knots run first and nothing is forwarded early).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
+
+from .._compat import tree_flatten, tree_unflatten
 
 
 def serve_first_order(recorded: torch.Tensor, knots_then: Sequence[torch.Tensor], knots_now: Sequence[torch.Tensor],
@@ -40,4 +44,34 @@ def serve_first_order(recorded: torch.Tensor, knots_then: Sequence[torch.Tensor]
     return out.to(recorded.dtype)
 
 
-__all__ = ["serve_first_order"]
+def serve_output(recorded: Any, then: list, now: list, weights: torch.Tensor, batch: int) -> Any:
+    """``serve_first_order`` on each batched floating leaf of an output (the others as recorded)."""
+    leaves, spec = tree_flatten(recorded)
+    then_leaves = [tree_flatten(t)[0] for t in then]
+    now_leaves = [tree_flatten(n)[0] for n in now]
+    out = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.ndim >= 1 and leaf.shape[0] == batch:
+            leaf = serve_first_order(leaf, [t[i] for t in then_leaves], [n[i] for n in now_leaves], weights)
+        out.append(leaf)
+    return tree_unflatten(out, spec)
+
+
+def serve_window(cache, calls: Sequence, knots: Sequence[int], interior: Sequence[int], phi: torch.Tensor,
+                 knots_now: Sequence[Any], batch: int) -> dict[int, Any] | None:
+    """A whole-loss window's interior outputs served first-order, keyed by window position: the recorded
+    rows of every knot and interior call (one host read for all of them) and the knots' current outputs
+    ``knots_now`` (one per knot, detached); None where any row was not recorded (the forwards run)."""
+    positions = list(knots) + list(interior)
+    pending = [cache.stale_prepare(calls[p]) for p in positions]
+    if any(x is None for x in pending):
+        return None
+    rows = torch.cat([x.rows.to(pending[0].rows.device) for x in pending]).tolist()
+    if any(r < 0 for r in rows):
+        return None
+    recorded = {p: x.table.output(rows[i * batch:(i + 1) * batch]) for i, (p, x) in enumerate(zip(positions, pending))}
+    then = [recorded[k] for k in knots]
+    return {p: serve_output(recorded[p], then, list(knots_now), phi[p], batch) for p in interior}
+
+
+__all__ = ["serve_first_order", "serve_output", "serve_window"]

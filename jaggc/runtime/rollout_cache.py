@@ -57,6 +57,7 @@ it holds.
 from __future__ import annotations
 
 import bisect
+import weakref
 import contextlib
 import functools
 import hashlib
@@ -89,6 +90,7 @@ class RolloutCacheStats:
     recorded_rows: int = 0  # rows recorded since the cache was last cleared
     skipped_rows: int = 0   # rows not recorded: max_bytes reached
     bytes_per_row: int = 0  # bytes of one recorded row (the last recorded)
+    first_order_served: int = 0  # whole-loss interior steps served off-policy (first_order.py)
 
 
 @dataclass
@@ -119,6 +121,12 @@ class RolloutCache:
     _explained: tuple | None = field(default=None, init=False, repr=False)
     _steps: int = field(default=0, init=False, repr=False)
     _tainted: bool = field(default=False, init=False, repr=False)
+
+    def __post_init__(self):
+        if self.first_order:
+            # the optimizer steps since the recording, counted by the global optimizer hooks
+            # (optimizer_hook.py) for every optimizer that steps this module's parameters
+            self._watch = _OptimizerWatch(self)
 
     def __len__(self) -> int:
         return sum(t.rows for t in self._rows.values())
@@ -373,6 +381,33 @@ class PendingLookup:
 
     table: "_Table"
     rows: torch.Tensor
+
+
+class _OptimizerWatch:
+    """Forwards the global optimizer hooks to a first-order cache (held by it; it holds the cache weakly)."""
+
+    def __init__(self, cache: "RolloutCache"):
+        from .optimizer_hook import register_after_optimizer_step, register_before_optimizer_step
+
+        self.cache = weakref.ref(cache)
+        register_before_optimizer_step(self)
+        register_after_optimizer_step(self)
+
+    def _mine(self, optimizer) -> "RolloutCache | None":
+        from .optimizer_hook import steps_parameters_of
+
+        cache = self.cache()
+        return cache if cache is not None and steps_parameters_of(optimizer, cache.dit) else None
+
+    def before_optimizer_step(self, optimizer) -> None:
+        cache = self._mine(optimizer)
+        if cache is not None:
+            cache.before_optimizer_step()
+
+    def after_optimizer_step(self, optimizer) -> None:
+        cache = self._mine(optimizer)
+        if cache is not None:
+            cache.after_optimizer_step()
 
 
 class _Table:

@@ -11,6 +11,7 @@ checkpointing, peft adapters and autocast see an ordinary forward/backward.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -26,10 +27,12 @@ from .calls import (DitCall, batch_size, check_compatible, check_token_times, pe
 from .autocast import current_autocast
 from .checks import check_calls, check_times
 from .deferred import BackwardGroup, DeferredWindow
+from .engines import engine_of
+from .first_order import serve_window
 from .forwards import forward_batched, nograd_outputs
 from .guard import active_probe
 from .guard_probe import WindowProbe, grad_forwards
-from .weights import Basis, resolve_basis
+from .weights import Basis, noise_levels, resolve_basis
 
 if TYPE_CHECKING:
     from .guard import Guard
@@ -133,7 +136,7 @@ def prepare_window(dit: nn.Module, calls: Sequence[DitCall], steps: Sequence[int
     knots, phi = sample_knots(options, times)
     interior = [p for p in range(len(calls)) if p not in knots]
     call_probe = active_probe(options) if interior else None
-    probe = None
+    probe, knot_out, interior_out = None, None, None
     if call_probe is not None:
         # a probed call: the interior forwards run with grad (same forwards, same values), so the
         # probe's exact gradient is one backward of the window (guard_probe.py)
@@ -144,19 +147,52 @@ def prepare_window(dit: nn.Module, calls: Sequence[DitCall], steps: Sequence[int
                                   unbatched=options.unbatched)
         with_grad = {interior[i]: o for i, o in with_grad.items()}
         interior_out = {p: _detached(o) for p, o in with_grad.items()}
-    else:
+    if call_probe is None and interior and _serves_first_order(dit, options, times):
+        # off-policy serving (first_order.py): the knots first, then the interior steps from their
+        # recorded outputs plus the knots' change since
+        knot_out = _knot_outputs(dit, calls, steps, knots, time_arg, options)
+        interior_out = serve_window(options.rollout_cache, calls, knots, interior, phi,
+                                    split_output(_detached(knot_out), len(knots), batch), batch)
+        if interior_out is not None:
+            options.rollout_cache.stats.first_order_served += len(interior)
+    if interior_out is None:
         interior_out = _interior_outputs(dit, [calls[p] for p in interior], [steps[p] for p in interior],
                                          time_arg, options, batch)
         interior_out = {interior[i]: o for i, o in interior_out.items()}
-    if options.batch_knots:
-        knot_out = forward_batched(dit, [calls[p] for p in knots], [steps[p] for p in knots], time_arg,
-                                   options.unbatched)
-    else:
-        knot_out = _concatenated_outputs(dit, [calls[p] for p in knots])
+    if knot_out is None:
+        knot_out = _knot_outputs(dit, calls, steps, knots, time_arg, options)
     if probe is not None:
         probe.set_graph(knot_out, with_grad)
     return PreparedWindow(calls=calls, steps=steps, time_arg=time_arg, batch=batch, times=times, knots=knots,
                           phi=phi, knot_out=knot_out, interior_out=interior_out, probe=probe)
+
+
+def _knot_outputs(dit, calls, steps, knots, time_arg, options: WindowOptions) -> Any:
+    """The knots' forward with grad: one batched call, or the calls one by one concatenated."""
+    if options.batch_knots:
+        return forward_batched(dit, [calls[p] for p in knots], [steps[p] for p in knots], time_arg, options.unbatched)
+    return _concatenated_outputs(dit, [calls[p] for p in knots])
+
+
+def _serves_first_order(dit: nn.Module, options: WindowOptions, times: torch.Tensor) -> bool:
+    """Whether a window's interior steps may be served first-order: a first-order rollout cache whose
+    rows are the recording's before optimizer steps it accounts for, the window above the cache's
+    ``min_sigma``, one process (announced where not)."""
+    cache = options.rollout_cache
+    if cache is None or not cache.first_order or not cache.serves_stale():
+        return False
+    if engine_of(dit).collective_backward:
+        warnings.warn("RolloutCache(first_order=True) serves nothing under DDP/FSDP/DeepSpeed yet: off-policy "
+                      "interior steps run their forwards", UserWarning, stacklevel=2)
+        return False
+    lowest = float(noise_levels(times).min())
+    if lowest < cache.min_sigma:
+        warnings.warn(f"RolloutCache(first_order=True): a window reaches σ = {lowest:.3g} < min_sigma = "
+                      f"{cache.min_sigma:g}, so its off-policy interior steps run their forwards (served there the "
+                      f"training signal was measured off: docs/stepwise.md, 'Off-policy serving')", UserWarning,
+                      stacklevel=2)
+        return False
+    return True
 
 
 def sample_knots(options: WindowOptions, times: torch.Tensor) -> tuple[tuple[int, ...], torch.Tensor]:

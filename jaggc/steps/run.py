@@ -918,16 +918,7 @@ class Prefetched:
 
 
 def _served(recorded: Any, then: list, now: list, weights: torch.Tensor, batch: int) -> Any:
-    """``serve_first_order`` on each batched floating leaf of the output (the others as recorded)."""
-    from ..runtime.first_order import serve_first_order
+    from ..runtime.first_order import serve_output
 
-    leaves, spec = tree_flatten(recorded)
-    then_leaves = [tree_flatten(t)[0] for t in then]
-    now_leaves = [tree_flatten(n)[0] for n in now]
-    out = []
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.ndim >= 1 and leaf.shape[0] == batch:
-            leaf = serve_first_order(leaf, [t[i] for t in then_leaves], [n[i] for n in now_leaves], weights)
-        out.append(leaf)
-    return tree_unflatten(out, spec)
+    return serve_output(recorded, then, now, weights, batch)
 

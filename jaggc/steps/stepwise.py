@@ -46,8 +46,7 @@ from ..runtime.calls import DitCall
 from ..runtime.engines import EngineKind
 from ..runtime.guard import Guard
 from ..runtime.guard_ranks import agree_on_probe
-from ..runtime.optimizer_hook import (register_after_optimizer_step, register_before_optimizer_step,
-                                      unregister_after_optimizer_step, unregister_before_optimizer_step)
+from ..runtime.optimizer_hook import register_before_optimizer_step, unregister_before_optimizer_step
 from ..runtime.weights import DEFAULT_WEIGHTS
 from .ledger import Ledger
 from .plan import TrajectoryPlan
@@ -117,8 +116,6 @@ class Stepwise:
         # the call path (stepwise_install.py) and, with a rollout cache, the rollout's recording
         self._recording = install_forward(self, self.module)
         register_before_optimizer_step(self)
-        if self.cache is not None and self.cache.first_order:
-            register_after_optimizer_step(self)
         # ZeRO's zero_grad leaves no trace on .grad for the ledger: the call itself is watched
         self._unwatch_zero_grad = self.engine.watch_zero_grad(self.before_engine_zero_grad)
 
@@ -160,7 +157,6 @@ class Stepwise:
                 self._recording.remove()
                 self._recording = None
             unregister_before_optimizer_step(self)
-            unregister_after_optimizer_step(self)
             self._unwatch_zero_grad()
 
     # --- trajectories ------------------------------------------------------------------------------
@@ -239,20 +235,12 @@ class Stepwise:
         if not self.engine.steps(optimizer, self.module):
             return
         self.raise_deferred()
-        if self.cache is not None:
-            self.cache.before_optimizer_step()
         if self._run is not None:
             self._run.settle()
             self.safety.optimizer_step(self._run)
             if self._run.probe is not None and self._run.over():
                 # the guard's FSDP probe re-runs its windows' calls: before the parameters move
                 self._run.probe.finish()
-
-    def after_optimizer_step(self, optimizer) -> None:
-        """After an optimizer step of this module's parameters: the rollout cache counts it (off-policy
-        serving: runtime/rollout_cache.py)."""
-        if self.cache is not None and self.engine.steps(optimizer, self.module):
-            self.cache.after_optimizer_step()
 
     def before_engine_zero_grad(self, call: str) -> None:
         """Before a ``zero_grad`` of the engine's own gradient store (``call``; runtime/engines.py,
