@@ -81,7 +81,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     for t in tensors:
         if t is None:
             continue
-        local = t.to_local() if hasattr(t, "to_local") else t
+        local = unwrapped(t.to_local()) if hasattr(t, "to_local") else t
         storage = local.untyped_storage()
         seen[(local.device, storage.data_ptr())] = storage.nbytes()
     return sum(seen.values())

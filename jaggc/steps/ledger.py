@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from .._compat import version_counter
+from .._compat.tripwire import TripFlag, lay, lift, unwrapped
 from ..runtime.module_tree import module_tree
 
 
@@ -113,9 +114,11 @@ class Ledger:
         """Accept the parameters and gradients as they are now."""
         self.params = self._param_state()
         self.grads = self._grad_state()
+        self.marks.flag.tripped = False
 
     def snapshot_grads(self) -> None:
         self.grads = self._grad_state()
+        self.marks.flag.tripped = False
 
     def changed_parameter(self) -> str | None:
         """The name of the first parameter written since the snapshot, or None."""
@@ -128,6 +131,9 @@ class Ledger:
         only, another tensor put in a ``.grad``) is a write."""
         changed = [name for (name, p), before in zip(self.trainable, self.grads)
                    if not (p.grad is None and before is None) and not (before is not None and before.same(p.grad))]
+        if not changed and self.marks.flag.tripped:
+            # a canary's sharded gradient was read or written by an op that bumps no version (a clip)
+            changed = [f"{self.trainable[self.marks.canaries[0]][0]} ({self.marks.flag.what})"]
         if not changed:
             written = self._written_in_place()
             if written is None:
@@ -157,6 +163,10 @@ class GradMarks:
     def __init__(self, trainable: list[tuple[str, torch.Tensor]], canaries: list[int] | None = None):
         self.trainable = trainable
         self.canaries = list(range(len(trainable))) if canaries is None else canaries
+        # FSDP2: the canaries' DTensor gradients carry a tripwire while marked (_compat/tripwire.py): a
+        # clip or a foreach write of them bumps no version and may change no value
+        self.flag = TripFlag()
+        self.laid: list[torch.Tensor] = []
         self.made: dict[int, tuple[torch.Tensor, int]] = {}      # a None made a mark: (mark, its version)
         # a gradient multiplied in place by its sign (-1 where it was all +0.0: negated; else 1): (it,
         # its version, the sign, on its device: decided there, with no host read)
@@ -180,10 +190,18 @@ class GradMarks:
             sign = 1 - 2 * zero.to(local.dtype)
             local.mul_(sign)
             self.negated[i] = (g, _version(g), sign)
+        for i in self.canaries:
+            g = self.trainable[i][1].grad
+            if g is not None and lay(g, self.flag):
+                self.laid.append(g)
 
     @torch.no_grad()
     def unmark(self) -> None:
         """Take back the marks nothing wrote into since they were made."""
+        for g in self.laid:
+            lift(g)
+        self.laid.clear()
+        self.flag.tripped = False
         for i, (mark, version) in self.made.items():
             p = self.trainable[i][1]
             if p.grad is mark and _version(mark) == version:
@@ -268,7 +286,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     if type(t) in _PLAIN:        # the common case, without a failing attribute look-up per tensor
         return t
     to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
+    # under no_grad DTensor.to_local hands out the local tensor itself: the shard a tripwire holds
+    return unwrapped(to_local()) if callable(to_local) else t
 
 
 _PLAIN = (torch.Tensor, nn.Parameter)

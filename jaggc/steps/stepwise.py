@@ -87,14 +87,6 @@ class Stepwise:
         self._warned: set[str] = set()
         self._deferred: JaggError | None = None     # a refusal made where Python could not raise it
         self._install()
-        if self.engine.kind is EngineKind.FSDP2:
-            # the ledger sees a write of FSDP2's sharded .grad only by its values (ledger.py): said once
-            self.note_once("fsdp2-clip", (
-                "under FSDP2, torch's clip_grad_norm_ of the sharded .grad bumps no version, so a clip inside a "
-                "trajectory while a step's gradient is held back is seen only where it changes a value (not where "
-                "the gradients are still zero or under the bound: then the loop clips another gradient than the "
-                "unchanged loop's). Clip after the trajectory's last backward (the trainers' accumulation "
-                "boundary), as the trainers do (docs/limitations.md)"))
 
     # --- the engine (runtime/engines.py) -----------------------------------------------------------
     @property
