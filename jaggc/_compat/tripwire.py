@@ -94,4 +94,12 @@ def unwrapped(t: torch.Tensor) -> torch.Tensor:
     return t._shard if isinstance(t, Tripwire) else t
 
 
-__all__ = ["TripFlag", "Tripwire", "is_dtensor", "lay", "lift", "unwrapped"]
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard itself (the tripwire's shard where one is laid), else ``t``. Not
+    ``to_local()``: with grad enabled it hands out a new alias, whose version counter, made below
+    autograd where a tripwire sits, is not the shard's."""
+    local = getattr(t, "_local_tensor", None)
+    return unwrapped(local) if isinstance(local, torch.Tensor) else t
+
+
+__all__ = ["TripFlag", "Tripwire", "is_dtensor", "lay", "lift", "local_shard", "unwrapped"]

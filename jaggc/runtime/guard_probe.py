@@ -45,7 +45,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from .._compat.tripwire import unwrapped
+from .._compat.tripwire import local_shard
 from .._compat import (backward_accumulates_everywhere, rng_drawn, rng_states,
                        rng_states_restored, run_after_backward, tree_flatten, tree_unflatten)
 from ..errors import JaggUnsupportedError
@@ -88,8 +88,7 @@ def _flat(grads, params, dtype, buffers: FlatBuffers | None = None, *,
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (FSDP2), else the tensor."""
-    to_local = getattr(t, "to_local", None)
-    return unwrapped(to_local()) if callable(to_local) else t     # a tripwire's shard (_compat/tripwire.py)
+    return local_shard(t)                    # the shard itself (_compat/tripwire.py)
 
 
 def slots_dtype(slots) -> torch.dtype:

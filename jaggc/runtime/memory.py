@@ -15,6 +15,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from .._compat.tripwire import local_shard
+
 
 @dataclass
 class SavedTensorStats:
@@ -81,7 +83,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     for t in tensors:
         if t is None:
             continue
-        local = unwrapped(t.to_local()) if hasattr(t, "to_local") else t
+        local = local_shard(t)
         storage = local.untyped_storage()
         seen[(local.device, storage.data_ptr())] = storage.nbytes()
     return sum(seen.values())

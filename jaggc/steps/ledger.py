@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from .._compat import version_counter
-from .._compat.tripwire import TripFlag, lay, lift, unwrapped
+from .._compat.tripwire import TripFlag, lay, lift, local_shard
 from ..runtime.module_tree import module_tree
 
 
@@ -275,7 +275,8 @@ def _version(grad: torch.Tensor):
     """A gradient's in-place version. A DTensor's (FSDP2) is its own and its local shard's together:
     FSDP2 accumulates into the local tensor, which bumps no version of the DTensor around it, while an
     in-place op on the DTensor (``mul_``, ``zero_``, a clip without foreach) bumps the DTensor's and not
-    the local shard's (torch 2.13). A foreach op on DTensors bumps neither (docs/limitations.md)."""
+    the local shard's (torch 2.13). A foreach op on DTensors (``clip_grad_norm_``) bumps neither: the
+    canaries' tripwire sees it (``GradMarks``, _compat/tripwire.py)."""
     local = _local(grad)
     return version_counter(local) if local is grad else (version_counter(grad), version_counter(local))
 
@@ -285,9 +286,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     rank checks its own shard, with no collective."""
     if type(t) in _PLAIN:        # the common case, without a failing attribute look-up per tensor
         return t
-    to_local = getattr(t, "to_local", None)
-    # under no_grad DTensor.to_local hands out the local tensor itself: the shard a tripwire holds
-    return unwrapped(to_local()) if callable(to_local) else t
+    return local_shard(t)
 
 
 _PLAIN = (torch.Tensor, nn.Parameter)
