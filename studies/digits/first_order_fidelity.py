@@ -43,13 +43,15 @@ def _log_ratio(v, batch, j):
     return log_prob - batch["log_probs"][:, j]
 
 
-def _step_loss(v, batch, j):
+def step_loss(v, batch, j):
+    """Flow-GRPO's PPO term of step ``j`` at the output ``v`` (trainer.grpo_loss's, one step)."""
     ratio = torch.exp(_log_ratio(v, batch, j))
     adv = batch["advantages"]
     return torch.mean(torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - CLIP, 1 + CLIP)))
 
 
-def _call(dit, batch, j):
+def step_call(dit, batch, j):
+    """The loop's DiT call of step ``j`` on the stored state."""
     return dit(hidden_states=batch["latents"][:, j], timestep=batch["timesteps"][:, j],
                encoder_hidden_states=batch["prompt_embeds"], pooled_projections=batch["pooled_prompt_embeds"],
                return_dict=False)[0]
@@ -57,7 +59,7 @@ def _call(dit, batch, j):
 
 def _upstream(v, batch, j):
     v = v.detach().double().requires_grad_(True)
-    (g,) = torch.autograd.grad(_step_loss(v, batch, j), v)
+    (g,) = torch.autograd.grad(step_loss(v, batch, j), v)
     return g.flatten()
 
 
@@ -66,13 +68,15 @@ def _cos(a, b) -> float:
     return float(a @ b) / den if den > 0 else float("nan")
 
 
-def measure(steps: int, weights: str | None, seed: int) -> dict:
-    torch.manual_seed(seed)
+def off_policy_run(rollout_cache, *, steps: int, labels: torch.Tensor, generator_seed: int, **settings):
+    """A rollout recorded by ``jaggc.stepwise(dit, window=W, rollout_cache=..., **settings)`` on the digits
+    base, ``steps`` trajectories each followed by an AdamW step, then one more trajectory. Returns the
+    rollout's outputs per step, the batch, the stepwise (open), the outputs the loop saw in the last
+    trajectory, the steps of its JAGG windows' interiors and how many of them were served."""
     dit = load_base()
     params = tr.trainable_parameters(dit, "attention")
     config = tr.TrainerConfig(num_steps=T, group_size=8, classes_per_iter=2, clip_range=CLIP)
-    kw = {} if weights is None else {"weights": weights}
-    jagg = jaggc.stepwise(dit, window=W, rollout_cache=jaggc.FirstOrder(max_optimizer_steps=max(steps, 1)), **kw)
+    jagg = jaggc.stepwise(dit, window=W, rollout_cache=rollout_cache, **settings)
     recorded = {}
 
     def hook(module, args, kwargs, output):
@@ -80,12 +84,11 @@ def measure(steps: int, weights: str | None, seed: int) -> dict:
             recorded[len(recorded)] = output[0].detach().clone()
 
     handle = dit.register_forward_hook(hook, with_kwargs=True)
-    g = torch.Generator().manual_seed(100 + seed)
-    labels = torch.tensor([seed % 10] * 8 + [(seed + 5) % 10] * 8)
+    g = torch.Generator().manual_seed(generator_seed)
     with torch.no_grad():
         batch = tr.rollout(dit, labels, config, g)
     handle.remove()
-    adv = torch.randn(16, generator=g)
+    adv = torch.randn(labels.shape[0], generator=g)
     batch["advantages"] = (adv - adv.mean()) / adv.std()
     batch["clip_range"] = CLIP
     opt = torch.optim.AdamW(params, lr=LR)
@@ -93,9 +96,9 @@ def measure(steps: int, weights: str | None, seed: int) -> dict:
 
     def trajectory(seen):
         for j in jagg.steps(trained, batch["timesteps"][:, :T - 1]):
-            v = _call(dit, batch, j)
+            v = step_call(dit, batch, j)
             seen[j] = v.detach().clone()
-            (_step_loss(v, batch, j) / len(trained)).backward()
+            (step_loss(v, batch, j) / len(trained)).backward()
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -106,13 +109,23 @@ def measure(steps: int, weights: str | None, seed: int) -> dict:
         before = jagg.counts.first_order_served
         served = {}
         trajectory(served)
-        n_served = jagg.counts.first_order_served - before
-    served_steps = sorted(k for w in jagg.report.windows if w["mode"] == "jagg" for k in w["steps"]
-                          if k not in w["knots"])
+    served_now = jagg.counts.first_order_served - before
+    interior = sorted(k for w in jagg.report.windows if w["mode"] == "jagg" for k in w["steps"] if k not in w["knots"])
+    return recorded, batch, jagg, served, interior, served_now
+
+
+def measure(steps: int, weights: str | None, seed: int) -> dict:
+    torch.manual_seed(seed)
+    kw = {} if weights is None else {"weights": weights}
+    cache = jaggc.FirstOrder(max_optimizer_steps=max(steps, 1))
+    labels = torch.tensor([seed % 10] * 8 + [(seed + 5) % 10] * 8)
+    recorded, batch, jagg, served, served_steps, n_served = off_policy_run(cache, steps=steps, labels=labels,
+                                                                           generator_seed=100 + seed, **kw)
+    dit = jagg.module
     jagg.close()
     now = copy.deepcopy(dit)
     with torch.no_grad():
-        true = {j: _call(now, batch, j) for j in served_steps}
+        true = {j: step_call(now, batch, j) for j in served_steps}
     rows = []
     for k in served_steps:
         sigma = float(batch["sigmas"][0, k])

@@ -20,78 +20,27 @@ lr 3e-4, then the same samples again: off-policy, the interior steps served firs
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
 
 import jaggc
 from helpers import rel_err
-from jaggc_studies.digits import trainer as tr
-from jaggc_studies.digits.model import load_base
-from jaggc_studies.example_losses import sde_step_with_logprob
+from jaggc_studies.digits.first_order_fidelity import step_call, step_loss, off_policy_run
 
 pytestmark = [pytest.mark.usefixtures("one_thread")]
 
 W, T = 4, 9
 
 
-def _step_loss(noise_pred, batch, j):
-    """Flow-GRPO's PPO term of step ``j`` (trainer.grpo_loss's, one step)."""
-    latents = batch["latents"][:, j]
-    _, log_prob, _, _ = sde_step_with_logprob(noise_pred, latents, batch["sigmas"][:, j], batch["sigmas_next"][:, j],
-                                              batch["next_latents"][:, j], batch["sigma_max"],
-                                              noise_level=batch["noise_level"])
-    ratio = torch.exp(log_prob - batch["log_probs"][:, j])
-    adv = batch["advantages"]
-    return torch.mean(torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - batch["clip_range"],
-                                                                      1 + batch["clip_range"])))
-
-
-def _call(dit, batch, j):
-    return dit(hidden_states=batch["latents"][:, j], timestep=batch["timesteps"][:, j],
-               encoder_hidden_states=batch["prompt_embeds"], pooled_projections=batch["pooled_prompt_embeds"],
-               return_dict=False)[0]
-
-
 def _off_policy(rollout_cache, **settings):
     """The rollout's outputs, the batch, the stepwise, the outputs the loop saw in the trajectory one
-    optimizer step after the rollout, and the stepped model (module docstring)."""
+    optimizer step after the rollout, and the stepped model (module docstring;
+    ``jaggc_studies.digits.first_order_fidelity.off_policy_run``)."""
     torch.manual_seed(0)
-    dit = load_base()
-    params = tr.trainable_parameters(dit, "attention")
-    config = tr.TrainerConfig(num_steps=T, group_size=8, classes_per_iter=2, clip_range=1e-2)
-    jagg = jaggc.stepwise(dit, window=W, rollout_cache=rollout_cache, **settings)
-    recorded = {}                 # step -> the rollout's output
-
-    def hook(module, args, kwargs, output):
-        if not torch.is_grad_enabled():
-            recorded[len(recorded)] = output[0].detach().clone()
-
-    handle = dit.register_forward_hook(hook, with_kwargs=True)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        batch = tr.rollout(dit, torch.tensor([3] * 8 + [7] * 8), config, g)
-    handle.remove()
-    adv = torch.randn(16, generator=g)
-    batch["advantages"] = (adv - adv.mean()) / adv.std()
-    trained = range(T - 1)
-    opt = torch.optim.AdamW(params, lr=3e-4)
-
-    def trajectory(seen):
-        for j in jagg.steps(trained, batch["timesteps"][:, :T - 1]):
-            v = _call(dit, batch, j)
-            seen[j] = v.detach().clone()
-            (_step_loss(v, batch, j) / len(trained)).backward()
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trajectory({})                                    # on-policy: from the rollout
-        opt.step()
-        opt.zero_grad()
-        served = {}
-        trajectory(served)                                # one optimizer step later: first-order
-    return recorded, batch, jagg, served, copy.deepcopy(dit)
+    recorded, batch, jagg, served, _, _ = off_policy_run(rollout_cache, steps=1, generator_seed=5,
+                                                         labels=torch.tensor([3] * 8 + [7] * 8), **settings)
+    return recorded, batch, jagg, served, copy.deepcopy(jagg.module)
 
 
 def test_served_outputs_on_the_digits_base_after_one_optimizer_step():
@@ -103,7 +52,7 @@ def test_served_outputs_on_the_digits_base_after_one_optimizer_step():
     assert counts.first_order_served == 2, counts
     jagg.close()
     with torch.no_grad():                                 # the stepped model, jaggc-free
-        true = {j: _call(now, batch, j) for j in trained}
+        true = {j: step_call(now, batch, j) for j in trained}
     ts = batch["timesteps"][0].double()
     for a, b in ((0, 3),):                                # the JAGG window's knots (W=4, σ order)
         for k in (a + 1, a + 2):
@@ -118,7 +67,7 @@ def test_served_outputs_on_the_digits_base_after_one_optimizer_step():
 
     def upstream(v, j):
         v = v.detach().requires_grad_(True)
-        (grad,) = torch.autograd.grad(_step_loss(v, batch, j), v)
+        (grad,) = torch.autograd.grad(step_loss(v, batch, j), v)
         return grad.flatten()
 
     interior = [1, 2]
