@@ -43,8 +43,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .._compat import (accelerator_devices, backward_accumulates_everywhere, backward_task_id, rng_drawn, rng_states,
-                       run_after_backward, tree_flatten, tree_map, tree_unflatten, version_counter)
+from .._compat import (accelerator_devices, backward_accumulates_everywhere, backward_task_id, in_backward, rng_drawn,
+                       rng_states, run_after_backward, tree_flatten, tree_map, tree_unflatten, version_counter)
 from ..backward_modes import BackwardMode
 from ..errors import JaggInputError
 from ..runtime.aggregate import knot_composites
@@ -806,6 +806,12 @@ class TrajectoryRun:
             self._read()
         if self.owner.engine.backward_needs_latest_forward():
             if self.deferred or not any(v is self.latest and v.held is not None for v, _ in entries):
+                entries[-1][0].held = None
+            if self.owner.engine.sharded and not in_backward():
+                # outside the loop's backward (an exact fallback at the trajectory's end: safety.py demote)
+                # FSDP's pre-backward hooks of a held graph's forward fired already, in the loop's backward of
+                # its step, and the parameters are resharded: the last step re-runs, so that FSDP gathers
+                # them again (the two-rank fuzzer's fsdp2-early-end-freed-storage)
                 entries[-1][0].held = None
         recovered = self._recovered(entries, before_jagg=any(w.jagg for w in windows))
         unbatched = self.owner.options.unbatched

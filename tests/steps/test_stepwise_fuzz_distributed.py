@@ -43,21 +43,18 @@ OPEN = {
          'disruptions': [{'kind': 'exception', 'placement': 'last'}], 'seed': 7659}, 'engine': 'fsdp1_orig',
          'orders': ['sigma', 'sigma'], 'same_data': False, 'placement': 'after', 'guard': False, 'index': 2383},
         lambda c: c.engine in ("fsdp1", "fsdp1_orig") and any(d.kind == "exception" for d in c.program.disruptions)),
-    # FSDP2, a trajectory that ends with fewer steps than declared, accumulating over 2 trajectories: the open
-    # window's exact fallback backward fails inside FSDP2 ("setStorage ... out of bounds for storage of size
-    # 0": a held graph whose unsharded parameters FSDP2 freed). A torch error reaching the user; it fails the
-    # same on the previous main (7b16e11). Seed 4409, 1 of 503 FSDP2 cases
-    "fsdp2-early-end-freed-storage": (
+}
+
+FIXED: dict = {       # name: case JSON, for bugs fixed since (each a regression test)
+    # FSDP2, a trajectory ending with fewer steps than declared (accumulating over 2): the exact fallback's
+    # backward outside the loop's ran through a held graph whose parameters FSDP2 had resharded (a torch error,
+    # also on 7b16e11; seed 4409). Fixed since: outside a backward the last step re-runs (run.py run_backward)
+    "fsdp2-early-end-freed-storage":
         {'program': {'dit': 'curved', 'steps': 4, 'trajectories': 3, 'order': 'sigma', 'window': 4, 'weights': 't',
          'backward': 'joint', 'term': 'linear', 'cfg': False, 'kl': False, 'cfg_slice': False, 'rollout_cache':
          False, 'accumulate': 2, 'clip_at_sync': True, 'scaler': False, 'declare': 'trajectory', 'disruptions':
          [{'kind': 'fewer', 'placement': 'random'}], 'seed': 9305}, 'engine': 'fsdp2', 'orders': ['sigma', 'sigma'],
          'same_data': False, 'placement': 'body', 'guard': False, 'index': 2498},
-        lambda c: c.engine == "fsdp2" and any(d.kind in ("fewer", "break", "exception") for d in c.program.disruptions)
-        and c.program.accumulate > 1),
-}
-
-FIXED: dict = {       # name: case JSON, for bugs fixed since (each a regression test)
     # FSDP2: torch's clip_grad_norm_ of the sharded (DTensor) .grad bumps no version, and of zero gradients (or
     # under its bound) changes no value: unseen while a step was held back (seed 7919: 13 of 388 FSDP2 cases).
     # Refused since (steps/ledger.py: the canaries' shards carry a tripwire, _compat/tripwire.py)
