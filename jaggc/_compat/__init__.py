@@ -5,7 +5,8 @@ means a PyTorch upgrade that moves one of them costs one file: ``pytree`` (torch
 nested arguments), ``dynamo`` (the DiT opaque while Dynamo traces, its errors and backends),
 ``tracing`` (torch.fx and fake tensors while jaggc traces), ``modules`` (nn.Module internals),
 ``tensors`` (version counters, a storage's reference count, an op's written arguments, dispatch modes), ``autograd`` (work after
-a backward, RNG states), ``fsdp_slots`` (where FSDP keeps its gradients) and ``deepspeed`` (ZeRO's
+a backward, RNG states), ``fsdp_slots`` (where FSDP keeps its gradients), ``tripwire`` (FSDP2's
+sharded gradients watched through a tensor subclass on their local shard) and ``deepspeed`` (ZeRO's
 buckets and inner optimizer). Callers import the
 names from ``jaggc._compat`` itself. Each name says what jaggc needs and
 its comment says why no public API does it. tests/repository/test_layering.py fails on any private torch name
@@ -44,6 +45,7 @@ from .autograd import (
     RngStates, accelerator_devices, backward_accumulates_everywhere, backward_task_id, in_backward, queue_backward_callback,
     rng_drawn, rng_states, rng_states_restored, run_after_backward)
 from .fsdp_slots import GradSlot, fsdp_gradient_slots, fsdp_version, reshard_fully_sharded
+from .tripwire import TripFlag, lay_tripwire, lift_tripwire, local_shard
 from .deepspeed import DEEPSPEED_TESTED, deepspeed_internals_missing, deepspeed_version, accumulation_taps, intercept_zero_grad, is_deepspeed_engine, zero12_managed, Zero3Partitions, zero3_numel, zero3_partitioned, zero_data_parallel_group, zero_ready_buckets, zero_torch_optimizer
 
 __all__ = [
@@ -58,5 +60,6 @@ __all__ = [
     "module_hook_keys", "new_fake_mode", "nonstrict_trace", "queue_backward_callback",
     "recompile_limit_types", "recompile_reason", "storage_refs", "reshard_fully_sharded", "RngStates", "accelerator_devices", "rng_drawn", "rng_states", "rng_states_restored", "run_after_backward",
     "traced_input_value", "tree_flatten", "tree_flatten_with_path", "tree_map", "tree_unflatten",
+    "TripFlag", "lay_tripwire", "lift_tripwire", "local_shard",
     "unwrap_backend_error", "version_counter", "written_arguments", "zero12_managed", "Zero3Partitions", "zero3_numel", "zero3_partitioned", "zero_ready_buckets", "zero_torch_optimizer",
 ]

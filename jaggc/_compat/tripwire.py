@@ -4,11 +4,11 @@ torch's ``clip_grad_norm_`` (and the optimizers' foreach ``zero_grad``) on DTens
 local shards through DTensor's ``__torch_dispatch__``, below autograd's in-place bookkeeping: neither the
 DTensor's version nor its shard's moves (torch 2.13), and where the gradient is still zero, or the clip's
 factor is 1, no value does either. So while a step's gradient is held back the ledger (steps/ledger.py)
-puts a *tripwire* in its canaries' DTensor gradients: their local shard wrapped in ``Tripwire``, a tensor
+puts a *tripwire* in its canaries' DTensor gradients: their local shard wrapped in a tensor
 subclass that runs every op on the shard it holds and notes any op other than the accumulation FSDP2
 itself makes (``add_``: its reduce-scatter adds into an existing gradient). A norm read, a multiply, a
 zero all trip it; the ledger reads the flag on the host, with no device read. The wrappers are taken out
-(the shards put back) when nothing is held back any more.
+(the shards put back) when nothing is held back any more (``lay_tripwire``, ``lift_tripwire``).
 
 Private PyTorch names used here: ``torch.Tensor._make_wrapper_subclass`` and DTensor's ``_local_tensor``.
 """
@@ -35,7 +35,7 @@ class TripFlag:
         self.tripped, self.what = False, ""
 
 
-class Tripwire(torch.Tensor):
+class _Tripwire(torch.Tensor):
     """A local shard that notes the ops made on it (module docstring)."""
 
     @staticmethod
@@ -49,7 +49,7 @@ class Tripwire(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     def __repr__(self):
-        return f"Tripwire({self._shard!r})"
+        return f"_Tripwire({self._shard!r})"
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -60,7 +60,7 @@ class Tripwire(torch.Tensor):
             wires.append(t)
             return t._shard
 
-        args, kwargs = tree_map_only(Tripwire, unwrap, (args, kwargs))
+        args, kwargs = tree_map_only(_Tripwire, unwrap, (args, kwargs))
         if func not in _ACCUMULATE and not _is_view(func):
             for w in wires:
                 if not w.flag.tripped:
@@ -71,27 +71,27 @@ class Tripwire(torch.Tensor):
         return out
 
 
-def is_dtensor(t) -> bool:
+def _is_dtensor(t) -> bool:
     return hasattr(t, "_local_tensor") and hasattr(t, "to_local")
 
 
-def lay(grad: torch.Tensor, flag: TripFlag) -> bool:
+def lay_tripwire(grad: torch.Tensor, flag: TripFlag) -> bool:
     """Wrap ``grad``'s (a DTensor's) local shard; False where it is no DTensor or wrapped already."""
-    if not is_dtensor(grad) or isinstance(grad._local_tensor, Tripwire):
+    if not _is_dtensor(grad) or isinstance(grad._local_tensor, _Tripwire):
         return False
-    grad._local_tensor = Tripwire(grad._local_tensor, flag)
+    grad._local_tensor = _Tripwire(grad._local_tensor, flag)
     return True
 
 
-def lift(grad: torch.Tensor) -> None:
+def lift_tripwire(grad: torch.Tensor) -> None:
     """Put ``grad``'s local shard back (a no-op where none is wrapped)."""
-    if is_dtensor(grad) and isinstance(grad._local_tensor, Tripwire):
+    if _is_dtensor(grad) and isinstance(grad._local_tensor, _Tripwire):
         grad._local_tensor = grad._local_tensor._shard
 
 
-def unwrapped(t: torch.Tensor) -> torch.Tensor:
+def _unwrapped(t: torch.Tensor) -> torch.Tensor:
     """The shard a tripwire holds, else ``t``."""
-    return t._shard if isinstance(t, Tripwire) else t
+    return t._shard if isinstance(t, _Tripwire) else t
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
@@ -99,7 +99,7 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
     ``to_local()``: with grad enabled it hands out a new alias, whose version counter, made below
     autograd where a tripwire sits, is not the shard's."""
     local = getattr(t, "_local_tensor", None)
-    return unwrapped(local) if isinstance(local, torch.Tensor) else t
+    return _unwrapped(local) if isinstance(local, torch.Tensor) else t
 
 
-__all__ = ["TripFlag", "Tripwire", "is_dtensor", "lay", "lift", "local_shard", "unwrapped"]
+__all__ = ["TripFlag", "lay_tripwire", "lift_tripwire", "local_shard"]

@@ -45,8 +45,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from .._compat.tripwire import local_shard
-from .._compat import (backward_accumulates_everywhere, rng_drawn, rng_states,
+from .._compat import (local_shard, backward_accumulates_everywhere, rng_drawn, rng_states,
                        rng_states_restored, run_after_backward, tree_flatten, tree_unflatten)
 from ..errors import JaggUnsupportedError
 from .aggregate import knot_composites

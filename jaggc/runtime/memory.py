@@ -15,7 +15,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from .._compat.tripwire import local_shard
+from .._compat import local_shard
 
 
 @dataclass

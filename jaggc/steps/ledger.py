@@ -38,8 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .._compat import version_counter
-from .._compat.tripwire import TripFlag, lay, lift, local_shard
+from .._compat import TripFlag, lay_tripwire, lift_tripwire, local_shard, version_counter
 from ..runtime.module_tree import module_tree
 
 
@@ -192,14 +191,14 @@ class GradMarks:
             self.negated[i] = (g, _version(g), sign)
         for i in self.canaries:
             g = self.trainable[i][1].grad
-            if g is not None and lay(g, self.flag):
+            if g is not None and lay_tripwire(g, self.flag):
                 self.laid.append(g)
 
     @torch.no_grad()
     def unmark(self) -> None:
         """Take back the marks nothing wrote into since they were made."""
         for g in self.laid:
-            lift(g)
+            lift_tripwire(g)
         self.laid.clear()
         self.flag.tripped = False
         for i, (mark, version) in self.made.items():

@@ -27,6 +27,7 @@ COLLECTIVES = {"all_reduce", "broadcast", "all_gather", "all_gather_into_tensor"
 #: (file relative to the root, function) -> why its device-less factory is on the host by design
 HOST_SIDE = {
     ("jaggc/steps/plan.py", "declared_times"): "the declared timesteps: host values the plan is made of",
+    ("jaggc/steps/run.py", "_read_declaration_with_lookup"): "the declaration's values as read on the host (its bits)",
     ("jaggc/report_view.py", "*"): "a report's tables, drawn on the host",
     ("jaggc/report_build.py", "*"): "a report's tables, drawn on the host",
     ("jaggc/grpo.py", "flow_grpo_advantages"): "indexes of a prompt's samples, from a host list",
