@@ -54,6 +54,7 @@ from ..runtime.checks import check_placement, nonfinite_input, step_value_flags
 from ..runtime.collectives import agree
 from ..runtime.module_state import CallState, StateReader
 from ..runtime.rollout_passes import shifted_call
+from ..runtime.first_order import serve_output
 from ..runtime.module_tree import module_tree
 from ..runtime.weights import noise_levels
 from .plan import PlannedWindow, TrajectoryPlan
@@ -478,7 +479,7 @@ class TrajectoryRun:
             then.append(table.output(linked[1]))
         weights = phi[steps.index(visit.step)].repeat(1, len(rows) // phi.shape[-1])    # (K, call batch)
         counts.first_order_served += 1
-        return _served(table.output(rows), then, now, weights, len(rows))
+        return serve_output(table.output(rows), then, now, weights, len(rows))
 
     def _knot_rows(self, win: WindowRun, visit: StepVisit, call: DitCall, table, rows: list[int], knot: int):
         """(the knot's call on the recorded rows, or None where the knot's visit has one; the recorded
@@ -921,10 +922,4 @@ class Prefetched:
     def __init__(self, visit: StepVisit, rows: list[int], out: Any):
         self.visit, self.rows, self.out = visit, rows, out
         self.now = visit.now
-
-
-def _served(recorded: Any, then: list, now: list, weights: torch.Tensor, batch: int) -> Any:
-    from ..runtime.first_order import serve_output
-
-    return serve_output(recorded, then, now, weights, batch)
 
