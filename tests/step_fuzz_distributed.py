@@ -883,9 +883,13 @@ def judge(c: DistCase, ranks: list) -> str:
     plain_v = _vec(plains[0], layout)
     tol = bound(c, sim_plain, plain_v)
     # the emulation's check: the emulated unchanged loop is the engine's unchanged loop
+    emulated = True
     for r, (a, b) in enumerate(zip(plains, sim_plain)):
         if len(a["step_grads"]) != len(b["step_grads"]) or fz.rel(_vec(a, layout), _vec(b, layout)) > tol \
                 or fz.rel(_params(a, layout), _params(b, layout)) > tol:
+            if _fsdp1_aborted_forward(c):
+                emulated = False       # FSDP1's own loop departs from the emulation (_fsdp1_aborted_forward)
+                continue
             raise CaseFailure("fuzzer", f"rank {r}: the emulation differs from the engine's unchanged loop "
                                         f"({len(a['step_grads'])} vs {len(b['step_grads'])} steps, grad rel. "
                                         f"{fz.rel(_vec(a, layout), _vec(b, layout)) if len(a['step_grads']) == len(b['step_grads']) else -1:.3g}, "
@@ -942,6 +946,8 @@ def judge(c: DistCase, ranks: list) -> str:
             raise CaseFailure("silently-wrong", f"the ranks' parameters differ\n  case: {text}")
     if all_exact:
         want, what = plains[0], "the unchanged loop"
+    elif not emulated:
+        return "unjudged (FSDP1 after an aborted forward: the reference JAGG stands on the emulation)"
     elif not ref_expected:
         want, what = ref[0], "the ranks' average reference JAGG"
     else:
@@ -962,6 +968,17 @@ def judge(c: DistCase, ranks: list) -> str:
                                             f"(bound {tol:.3g}; vs the unchanged loop {fz.rel(got_v, plain_v):.3g})"
                                             f"\n  case: {text}")
     return "right (exact fallback)" if ref_expected else "right"
+
+
+def _fsdp1_aborted_forward(c: DistCase) -> bool:
+    """FSDP1 (FULL_SHARD) does not reshard its ROOT's parameters after a forward, only in the backward:
+    after a step whose forward ran and whose body raised before its backward, the root's parameters stay
+    unsharded (torch's fsdp/_runtime_utils.py ``_post_forward_reshard``: ``not state._is_root``) when the
+    optimizer next steps, and the engine's own unchanged loop trains from then on on other parameters
+    than the emulation (grad rel. 1e-3 to 4e-3 at seeds 7919, 4409, 6271). There the engine's loop is the
+    truth: W <= 2 is judged against it (jaggc equal to it to 0.0 on the seeds' cases), W > 2 (the
+    reference JAGG is emulated) is counted unjudged."""
+    return c.engine in ("fsdp1", "fsdp1_orig") and any(d.kind == "exception" for d in c.program.disruptions)
 
 
 def _peer_gone(error: str) -> bool:
