@@ -215,6 +215,26 @@ def fsdp_version(module) -> int | None:
     return found
 
 
+def fsdp2_sharded_parameters(module) -> dict[int, torch.Tensor]:
+    """id -> the sharded parameter (a DTensor) of every ``fully_shard``-ed parameter in ``module``,
+    keyed by the ids of both its forms: FSDP2 registers the gathered parameter on the module while a
+    forward holds it unsharded (the root's stays so after a forward) and the sharded one otherwise, so
+    only the sharded one is the same tensor from the rollout through the optimizer's steps
+    (``FSDPParam.sharded_param`` / ``_unsharded_param``: not public)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    found: dict[int, torch.Tensor] = {}
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            for group in m._get_fsdp_state()._fsdp_param_groups:
+                for p in group.fsdp_params:
+                    found[id(p.sharded_param)] = p.sharded_param
+                    unsharded = getattr(p, "_unsharded_param", None)
+                    if unsharded is not None:
+                        found[id(unsharded)] = p.sharded_param
+    return found
+
+
 def reshard_fully_sharded(module) -> None:
     """Reshard every ``fully_shard``-ed (FSDP2) module in ``module``: its sharded parameters back in
     place of gathered ones (public ``FSDPModule.reshard``; local, no collective)."""

@@ -205,11 +205,11 @@ class TrajectoryRun:
             out = self._cached(call)
             if out is None:
                 out = tree_map(_detached, visit.probe_graph)
-        if out is None and role == "interior" and self._serves_first_order(win):
+        if out is None and role == "interior" and self._first_order_candidate(win):
             out = self._serve_first_order(win, visit, call, forward)
         if out is None:
             out = self._forward_held(visit, forward) if hold else self._forward_without_grad(call, forward)
-        if role == "knot" and self._serves_first_order(win) and visit.now is None:
+        if role == "knot" and self._first_order_candidate(win) and self._serves_first_order(win) and visit.now is None:
             visit.now = tree_map(_detached, out)
         # whether the call drew random numbers, whichever API drew (a dropout module, F.dropout, attention's
         # dropout_p): then its re-run runs alone from its RNG states (rerun.py). A few microseconds a call
@@ -423,20 +423,18 @@ class TrajectoryRun:
         return out
 
     # --- off-policy serving (runtime/first_order.py) ---------------------------------------------
-    def _serves_first_order(self, win: WindowRun) -> bool:
-        """Whether ``win``'s interior steps may be served first-order now: the cache's rows are the
-        recording's before optimizer steps it accounts for, the window runs JAGG with held knot graphs, in
-        one process (the ranks' forwards would have to agree: announced once), unprobed."""
+    def _first_order_candidate(self, win: WindowRun) -> bool:
+        """Whether ``win``'s interior steps are asked whether they can be served first-order, from what
+        every rank shares (the settings, the agreed plan and probe, the window's demotions): under
+        DDP/FSDP/DeepSpeed each such call takes part in one agreement (``_serve_first_order``)."""
         cache = self.owner.cache
-        if cache is None or not cache.first_order or win.exact or win.planned.exact or self.probe is not None:
-            return False
-        if self.owner.backward is not BackwardMode.JOINT or self.deferred:
-            return False
-        if self.owner.distributed:
-            self.owner.note_once("first-order-ranks", (
-                "rollout_cache='first_order' serves nothing under DDP/FSDP/DeepSpeed yet (the ranks would have to "
-                "agree on every early knot forward): off-policy interior steps run their forwards"))
-            return False
+        return (cache is not None and cache.first_order and not win.exact and not win.planned.exact
+                and self.probe is None and self.owner.backward is BackwardMode.JOINT and not self.deferred)
+
+    def _serves_first_order(self, win: WindowRun) -> bool:
+        """Whether this rank's cache may serve ``win``'s interior steps first-order now: its rows are the
+        recording's before optimizer steps it accounts for, and the window stays above ``min_sigma``."""
+        cache = self.owner.cache
         if not cache.serves_stale():
             return False
         lowest = float(noise_levels(self.plan.times[list(win.planned.steps)]).min())
@@ -459,27 +457,42 @@ class TrajectoryRun:
     def _serve_first_order(self, win: WindowRun, visit: StepVisit, call: DitCall, forward: Callable) -> Any | None:
         """``visit``'s output as its recorded one plus the knots' change since (first_order.py), its
         knots forwarded first where the loop has not reached them; None (the forward runs) where a row
-        or a knot's row is not linked, or the window's knots are not the planned ones."""
-        cache, counts = self.owner.cache, self.owner.counts
-        found = self._stale_rows(call, cache)
+        or a knot's row is not linked, or the window's knots are not the planned ones. Under DDP/FSDP/
+        DeepSpeed a forward is collective, so every rank serves, and forwards its knots early, only if
+        every rank can (one all-reduce per interior call)."""
+        counts = self.owner.counts
+        terms = self._first_order_terms(win, visit, call) if self._serves_first_order(win) else None
+        if self.owner.distributed and not agree_on_hit(terms is not None, group=self.owner.engine.process_group()):
+            terms = None
+        if terms is None:
+            if self.owner.cache.serves_stale():
+                counts.first_order_missed += 1
+            return None
+        table, rows, knots, weights = terms
+        now = [self._knot_now(win, step, knot_rows, forward, knot_call) for step, knot_call, knot_rows in knots]
+        then = [table.output(knot_rows) for _, _, knot_rows in knots]
+        counts.first_order_served += 1
+        return serve_output(table.output(rows), then, now, weights, len(rows))
+
+    def _first_order_terms(self, win: WindowRun, visit: StepVisit, call: DitCall):
+        """(the recording's table, ``call``'s recorded rows, each knot's (step, call on the recorded rows
+        or None, recorded rows), the interpolation weights), or None where a row or a knot's row is not
+        linked, the knots are not the planned ones, or a knot's output now could not be had: no forward
+        runs here, so that the ranks agree before any does."""
+        found = self._stale_rows(call, self.owner.cache)
         steps = list(win.planned.steps)
         positions, phi = self.owner.basis.sample(self.plan.times[steps])       # (S, K, Bd), declared times
         if found is None or tuple(positions) != win.planned.knots:
-            counts.first_order_missed += 1
             return None
         table, rows = found
-        now, then = [], []
+        knots = []
         for s in (steps[p] for p in positions):
             linked = self._knot_rows(win, visit, call, table, rows, s)
-            knot_now = None if linked is None else self._knot_now(win, s, linked[1], forward, linked[0])
-            if knot_now is None:
-                counts.first_order_missed += 1
+            if linked is None or not self._knot_available(win, s, linked[1], linked[0]):
                 return None
-            now.append(knot_now)
-            then.append(table.output(linked[1]))
+            knots.append((s, linked[0], linked[1]))
         weights = phi[steps.index(visit.step)].repeat(1, len(rows) // phi.shape[-1])    # (K, call batch)
-        counts.first_order_served += 1
-        return serve_output(table.output(rows), then, now, weights, len(rows))
+        return table, rows, knots, weights
 
     def _knot_rows(self, win: WindowRun, visit: StepVisit, call: DitCall, table, rows: list[int], knot: int):
         """(the knot's call on the recorded rows, or None where the knot's visit has one; the recorded
@@ -507,22 +520,31 @@ class TrajectoryRun:
         win.linked[knot] = (knot_call, knot_rows)
         return win.linked[knot]
 
-    def _knot_now(self, win: WindowRun, step: int, knot_rows: list[int], forward: Callable,
-                  call: DitCall | None = None) -> Any | None:
-        """The visible output now of knot ``step`` on the recorded rows ``knot_rows``: its visit's, if the
-        loop made it on those rows, else a forward made now of ``call`` (the recording's inputs of those
-        rows), kept for the loop's own call of the knot (``_take_prefetched``)."""
+    def _knot_available(self, win: WindowRun, step: int, knot_rows: list[int], call: DitCall | None) -> bool:
+        """Whether ``_knot_now`` has knot ``step``'s output on ``knot_rows``: its visit's or an early
+        forward's on those rows, or ``call`` to make one (a host read where the visit's rows are unread)."""
         visited = win.visits.get(step)
         if visited is not None:
             if visited.recorded_rows is None:
                 found = self._stale_rows(visited.call, self.owner.cache)
                 visited.recorded_rows = [] if found is None else found[1]
-            return visited.now if visited.recorded_rows == knot_rows else None
+            return visited.now is not None and visited.recorded_rows == knot_rows
         ahead = win.prefetched.get(step)
         if ahead is not None:
-            return ahead.now if ahead.rows == knot_rows else None
-        if call is None:
-            return None
+            return ahead.rows == knot_rows
+        return call is not None
+
+    def _knot_now(self, win: WindowRun, step: int, knot_rows: list[int], forward: Callable,
+                  call: DitCall | None = None) -> Any:
+        """The visible output now of knot ``step`` on the recorded rows ``knot_rows`` (``_knot_available``
+        said there is one): its visit's, or an early forward's, else a forward made now of ``call`` (the
+        recording's inputs of those rows), kept for the loop's own call of the knot (``_take_prefetched``)."""
+        visited = win.visits.get(step)
+        if visited is not None:
+            return visited.now
+        ahead = win.prefetched.get(step)
+        if ahead is not None:
+            return ahead.now
         rows = self._slice(call)
         visit = StepVisit(step, call, self._state(), rng_states(call.args, call.kwargs, devices=self.devices),
                           _input_versions(call), "(a knot forwarded before its step)", rows=rows)
@@ -536,9 +558,13 @@ class TrajectoryRun:
     def _take_prefetched(self, win: WindowRun, visit: StepVisit, ahead: "Prefetched", call: DitCall):
         """The loop's own call of a knot forwarded before its step: its visit and visible output are the
         early forward's if the call's rows are the recorded ones it ran on (one host read); else the window
-        runs exactly (its interior steps re-run with grad in its backward), announced."""
+        runs exactly (its interior steps re-run with grad in its backward), announced; under DDP/FSDP/
+        DeepSpeed on every rank if on any (one all-reduce)."""
         found = self._stale_rows(call, self.owner.cache) if self.owner.cache.serves_stale() else None
-        if found is not None and found[1] == ahead.rows:
+        same = found is not None and found[1] == ahead.rows
+        if self.owner.distributed:          # every rank takes its early forward, or every rank runs exactly
+            same = agree_on_hit(same, group=self.owner.engine.process_group())
+        if same:
             early = ahead.visit
             early.where, early.inputs, early.state = visit.where, visit.inputs, visit.state
             win.visits[visit.step] = self.latest = early
