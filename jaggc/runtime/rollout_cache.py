@@ -115,6 +115,7 @@ class RolloutCache:
     first_order: bool = False
     max_optimizer_steps: int = 8
     min_sigma: float = 0.5           # first_order: a window reaching a lower σ is not served (stepwise_settings.py)
+    max_served_error: float = 0.25   # first_order: the guard's bound on served outputs (steps/served_probe.py)
     stats: RolloutCacheStats = field(default_factory=RolloutCacheStats)
     # private state, not constructor arguments: (state, host key) -> _Table of rows, the parameter
     # versions the rows were recorded at, the bytes held

@@ -49,6 +49,7 @@ from ..runtime.guard_stats import (ProbeResult, ShardedSum, exact_gradient, loca
                                     reduce_norms, total_error)
 from ..runtime.param_grads import parameter_grads
 from ..runtime.weights import noise_levels
+from .served_probe import ServedProbe
 from .slicing import take_rows
 
 
@@ -81,6 +82,7 @@ class TrajectoryProbe:
         self.kept: list[tuple] = []         # FSDP: (window, [(visit, cotangents)]) re-run when the trajectory ends
         self.finished = False
         self.fallbacks = owner.counts.fallbacks
+        self.served = ServedProbe()         # off-policy serving measured (served_probe.py)
 
     def _group(self):
         """The process group of the probe's agreements and reductions: the engine's."""
@@ -221,6 +223,9 @@ class TrajectoryProbe:
             self.owner.note_once("probe-dropped", f"the guard's probe of trajectory {self.index} was dropped: {why}")
             self._let_go()
             return
+        cache = self.owner.cache
+        if cache is not None and cache.first_order and self.owner.first_order_stopped is None:
+            self.owner.judge_serving(self.served.figures(self.run, self.index))     # every rank: one all-reduce
         reduce = ShardedSum() if self.sharded else local_sum
         if self.sharded:
             # every rank re-runs as many windows (collective backwards), each filed under its lowest σ

@@ -209,7 +209,12 @@ class TrajectoryRun:
             out = self._serve_first_order(win, visit, call, forward)
         if out is None:
             out = self._forward_held(visit, forward) if hold else self._forward_without_grad(call, forward)
-        if role == "knot" and self._first_order_candidate(win) and self._serves_first_order(win) and visit.now is None:
+        if role == "interior" and self.probe is not None and self._first_order_window(win) and self._serves_first_order(win):
+            # a probed trajectory is not served: the probe measures what serving would have given (served_probe.py)
+            terms = self._first_order_terms(win, visit, call)
+            if terms is not None:
+                self.probe.served.note(win, visit, terms, tree_map(_detached, out))
+        if role == "knot" and self._first_order_window(win) and self._serves_first_order(win) and visit.now is None:
             visit.now = tree_map(_detached, out)
         # whether the call drew random numbers, whichever API drew (a dropout module, F.dropout, attention's
         # dropout_p): then its re-run runs alone from its RNG states (rerun.py). A few microseconds a call
@@ -423,13 +428,19 @@ class TrajectoryRun:
         return out
 
     # --- off-policy serving (runtime/first_order.py) ---------------------------------------------
-    def _first_order_candidate(self, win: WindowRun) -> bool:
-        """Whether ``win``'s interior steps are asked whether they can be served first-order, from what
-        every rank shares (the settings, the agreed plan and probe, the window's demotions): under
-        DDP/FSDP/DeepSpeed each such call takes part in one agreement (``_serve_first_order``)."""
+    def _first_order_window(self, win: WindowRun) -> bool:
+        """Whether ``win`` could be served first-order, from what every rank shares (the settings, the
+        agreed plan, the window's demotions, the guard's agreed figures: served_probe.py)."""
         cache = self.owner.cache
         return (cache is not None and cache.first_order and not win.exact and not win.planned.exact
-                and self.probe is None and self.owner.backward is BackwardMode.JOINT and not self.deferred)
+                and self.owner.backward is BackwardMode.JOINT and not self.deferred
+                and self.owner.first_order_stopped is None)
+
+    def _first_order_candidate(self, win: WindowRun) -> bool:
+        """Whether ``win``'s interior steps are asked whether they can be served first-order: a window
+        that could be, outside a probed trajectory (agreed). Under DDP/FSDP/DeepSpeed each such call
+        takes part in one agreement (``_serve_first_order``)."""
+        return self.probe is None and self._first_order_window(win)
 
     def _serves_first_order(self, win: WindowRun) -> bool:
         """Whether this rank's cache may serve ``win``'s interior steps first-order now: its rows are the
@@ -519,6 +530,10 @@ class TrajectoryRun:
             return None
         win.linked[knot] = (knot_call, knot_rows)
         return win.linked[knot]
+
+    def knot_output_known(self, win: WindowRun, step: int, knot_rows: list[int]) -> bool:
+        """Whether the loop computed knot ``step``'s output now on ``knot_rows`` (served_probe.py)."""
+        return self._knot_available(win, step, knot_rows, None)
 
     def _knot_available(self, win: WindowRun, step: int, knot_rows: list[int], call: DitCall | None) -> bool:
         """Whether ``_knot_now`` has knot ``step``'s output on ``knot_rows``: its visit's or an early

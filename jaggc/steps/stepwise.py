@@ -79,6 +79,8 @@ class Stepwise:
         self.guard = guard
         self.slicer = SliceLearner() if cfg_slice else None
         self.cache = build_rollout_cache(module, rollout_cache, self.options)
+        self.served_figures: list = []               # the guard's measures of serving (served_probe.py)
+        self.first_order_stopped: str | None = None  # why the guard stopped off-policy serving
         self.ledger = Ledger(self.engine.watched_parameters(module), watch_grads=self.engine.grad_in_dot_grad)
         self.safety = Safety(self)
         self._run: TrajectoryRun | None = None
@@ -318,6 +320,25 @@ class Stepwise:
         self._warned.add(key)
         self.notes.append(message)
         warnings.warn(f"jaggc: {message}", stacklevel=4)
+
+    def judge_serving(self, figures) -> None:
+        """A probe's measure of off-policy serving (served_probe.py; the same on every rank): kept for the
+        report; above ``FirstOrder(max_served_error)`` the guard's policy acts on it."""
+        if not figures.steps:
+            return
+        self.served_figures.append(figures)
+        bound = self.cache.max_served_error
+        if figures.rel_error <= bound:
+            return
+        what = (f"the guard's probe of trajectory {figures.trajectory} measured the served outputs' relative error "
+                f"{figures.rel_error:.3g} > max_served_error = {bound:g} ({figures.change_error:.2f} of the change "
+                f"since the recording mispredicted, over {figures.steps} interior steps)")
+        if self.guard.on_drift in ("adapt", "exact"):
+            self.first_order_stopped = what
+            self._warn_once("first-order-stopped", f"{what}: off-policy serving stopped, the interior steps run "
+                                                   f"their forwards from now on (Guard(on_drift={self.guard.on_drift!r}))")
+        else:
+            self._warn_once("first-order-drift", f"{what}; serving goes on (Guard(on_drift='warn'); 'adapt' stops it)")
 
     def note_once(self, key: str, message: str) -> None:
         """A warning given once per ``key`` (a slower path taken, with its reason)."""

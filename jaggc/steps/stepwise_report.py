@@ -68,6 +68,12 @@ class StepwiseReport:
                              f"since the recording): {c.first_order_served} interior steps served first-order, "
                              f"{c.prefetched_knots} knots forwarded before their step, {c.first_order_missed} missed "
                              f"(forward run); {k['optimizer_steps']} optimizer steps since the recording")
+            if k.get("served_figures"):
+                f = k["served_figures"]
+                lines.append(f"  serving measured by the guard on {len(f)} probes: served outputs' rel. error last "
+                             f"{f[-1].rel_error:.3g}, max {max(x.rel_error for x in f):.3g} (bound {k['max_served_error']:g}); "
+                             f"share of the change mispredicted last {f[-1].change_error:.2f}"
+                             + (f"; STOPPED: {k['stopped']}" if k.get("stopped") else ""))
         if self.guard is not None:
             lines.append(f"  guard: {self.guard}; probe forwards {c.probe_forwards}, probe backwards {c.probe_backwards}")
         for w in self.windows:
@@ -89,8 +95,12 @@ def build_report(owner, run) -> StepwiseReport:
             windows.append(dict(index=w.planned.index, steps=list(w.planned.steps), mode=mode,
                                 reason=w.planned.reason, knots=[w.planned.steps[k] for k in w.planned.knots]))
     slices = None if owner.slicer is None else [r.describe() for r in owner.slicer.rules.values()]
+    cache = cache_figures(owner.cache, run)
+    if cache is not None and cache["first_order"]:
+        cache.update(served_figures=list(owner.served_figures), max_served_error=owner.cache.max_served_error,
+                     stopped=owner.first_order_stopped)
     return StepwiseReport(owner.window, owner.basis.label(), owner.backward, owner.counts, windows, list(owner.notes),
-                          cfg_slice=slices, cache=cache_figures(owner.cache, run), guard=guard_line(owner.guard))
+                          cfg_slice=slices, cache=cache, guard=guard_line(owner.guard))
 
 
 def guard_line(g) -> str | None:

@@ -72,6 +72,13 @@ DEFAULT_CACHE_BYTES = 2 * 2**30
 #: steps, and no window below σ = 0.5 (the σ-aware placement's threshold: those run exactly by default)
 DEFAULT_MAX_OPTIMIZER_STEPS = 8
 DEFAULT_MIN_SIGMA = 0.5
+#: the guard's bound on a probe's served outputs' relative error |served − true| / |true| (steps/
+#: served_probe.py) above which ``Guard(on_drift="adapt")`` stops serving. On the digits base (the study
+#: above, 3 seeds) that error is 0.016 / 0.030 / 0.047 / 0.071 (median; max 0.11) after 1 / 2 / 4 / 8 steps,
+#: the same whether the upstream gradients' cosine stays 0.9999 (windows above σ = 0.5) or falls to
+#: 0.04-0.8 (``min_sigma=0, weights="t"``): it measures the formula, not the training signal, which
+#: ``min_sigma`` protects. So the bound catches the formula failing grossly: over twice the largest seen
+DEFAULT_MAX_SERVED_ERROR = 0.25
 
 
 @dataclass(frozen=True)
@@ -80,11 +87,14 @@ class FirstOrder:
     recording an interior step's output served as the recorded one plus its window's knots' change
     (runtime/first_order.py) while at most ``max_optimizer_steps`` steps, and nothing else, changed the
     parameters, in windows whose lowest noise level is at least ``min_sigma`` (0: every window);
-    ``rollout_cache="first_order"`` is ``FirstOrder()``."""
+    ``rollout_cache="first_order"`` is ``FirstOrder()``. With a guard, each probed trajectory measures the
+    served outputs' relative error (steps/served_probe.py); above ``max_served_error`` the guard's
+    ``on_drift="adapt"`` / ``"exact"`` stops serving, ``"warn"`` warns."""
 
     max_optimizer_steps: int = DEFAULT_MAX_OPTIMIZER_STEPS
     max_bytes: int = DEFAULT_CACHE_BYTES
     min_sigma: float = DEFAULT_MIN_SIGMA
+    max_served_error: float = DEFAULT_MAX_SERVED_ERROR
 
 
 def build_rollout_cache(module: nn.Module, setting, options: Options) -> RolloutCache | None:
@@ -101,10 +111,13 @@ def build_rollout_cache(module: nn.Module, setting, options: Options) -> Rollout
             raise JaggInputError(f"FirstOrder(max_optimizer_steps={first_order.max_optimizer_steps!r}): a positive int")
         if not (isinstance(first_order.min_sigma, (int, float)) and 0 <= first_order.min_sigma <= 1):
             raise JaggInputError(f"FirstOrder(min_sigma={first_order.min_sigma!r}): a noise level in [0, 1]")
+        if not (isinstance(first_order.max_served_error, (int, float)) and first_order.max_served_error > 0):
+            raise JaggInputError(f"FirstOrder(max_served_error={first_order.max_served_error!r}): a positive relative error")
         return RolloutCache(module, time_arg=options.time_arg, unbatched=tuple(options.unbatched),
                             max_bytes=first_order.max_bytes, first_order=True,
                             max_optimizer_steps=first_order.max_optimizer_steps,
-                            min_sigma=float(first_order.min_sigma))
+                            min_sigma=float(first_order.min_sigma),
+                            max_served_error=float(first_order.max_served_error))
     if setting is True:
         max_bytes = DEFAULT_CACHE_BYTES
     elif isinstance(setting, int) and not isinstance(setting, bool) and setting > 0:

@@ -223,3 +223,76 @@ def test_verl_omni_old_log_prob_pass_records(cache):
     assert counts["cached_forwards"] == 8 and counts["nograd_forwards"] == 0 and plain["nograd_forwards"] == 4
     # served interiors are the pass's outputs; the knots re-run batched in the window's backward: fp32 roundoff
     assert rel_err(got[0], ref[0]) < 1e-5
+
+
+def _guarded_mix(max_served_error: float, on_drift: str = "adapt"):
+    """MixGRPO, 4 samples, an optimizer step after each, the guard probing every second trajectory:
+    trajectory 0 (on-policy) and 2 (two steps after the rollout) probed, 1 and 3 served where serving goes on."""
+    guard = jaggc.Guard(every=2, on_drift=on_drift)
+    run = mg.setup(samples=4, gradient_accumulation_steps=1, stepwise=dict(
+        window=4, weights="t", rollout_cache=jaggc.FirstOrder(max_served_error=max_served_error), guard=guard))
+    calls, marks = [], []        # (state, output) of every call through the module; calls before each step
+    run.optimizer.register_step_post_hook(lambda o, a, k: marks.append(len(calls)))
+
+    def hook(module, args, kwargs, output):
+        calls.append((kwargs["hidden_states"].detach().clone(), output[0].detach().clone()))
+
+    handle = run.transformer.register_forward_hook(hook, with_kwargs=True)
+    rollouts.mix_grpo_epoch(run, seed=3)
+    rollout = list(calls)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mg.train_jaggc(run)
+    handle.remove()
+    sw = jaggc.stepwise(run.transformer)
+    out = dict(run=run, counts=vars(sw.counts).copy(), figures=list(sw.served_figures), report=str(sw.report),
+               stopped=sw.first_order_stopped, rollout=rollout, calls=calls, marks=marks,
+               warnings=[str(w.message) for w in caught])
+    sw.close()
+    return out
+
+
+def test_the_guard_measures_what_serving_would_have_given():
+    """A probed off-policy trajectory runs its interior forwards and measures the served outputs against
+    them: the figure equals |served − true| / |true| computed here from the rollout's outputs and a copy
+    of the model at the trajectory's parameters; unprobed off-policy trajectories are served."""
+    r = _guarded_mix(max_served_error=0.05)
+    assert r["counts"]["first_order_served"] == 4 and r["stopped"] is None      # trajectories 1 and 3
+    (fig,) = r["figures"]
+    assert fig.trajectory == 2 and fig.steps == 2
+    run = r["run"]
+    sample, steps = run.samples_batched_list[2], run.train_timesteps
+    states = [sample["latents"][:, j] for j in steps]
+    times = [sample["timesteps"][:, j] for j in steps]
+    # the outputs the loop saw in trajectory 2 (a probed trajectory is not served: its forwards' outputs)
+    seen = r["calls"][r["marks"][1]:r["marks"][2]]
+
+    def output_of(state, calls):
+        return next(out for z, out in calls if torch.equal(z, state)).double()
+
+    recorded = [output_of(state, r["rollout"]) for state in states]
+    now = [output_of(state, seen) for state in states]
+    ta, tb = times[0].double(), times[-1].double()
+    diff = norm = change = 0.0
+    for k in (1, 2):
+        lam = (times[k].double() - ta) / (tb - ta)
+        served = recorded[k] + (1 - lam) * (now[0] - recorded[0]) + lam * (now[-1] - recorded[-1])
+        diff += float((served - now[k]).pow(2).sum())
+        norm += float(now[k].pow(2).sum())
+        change += float((now[k] - recorded[k]).pow(2).sum())
+    by_hand, change_by_hand = (diff / norm) ** 0.5, (diff / change) ** 0.5
+    # fp32 outputs: |served − true| carries the outputs' roundoff, ~1e-7 |true|, against a figure ~1e-3
+    assert 0 < fig.rel_error and abs(fig.rel_error - by_hand) <= 1e-3 * by_hand + 1e-6, (fig, by_hand)
+    assert abs(fig.change_error - change_by_hand) <= 1e-3 * change_by_hand + 1e-6, (fig, change_by_hand)
+    assert "serving measured by the guard on 1 probes" in r["report"]
+
+
+def test_the_guard_stops_serving_above_its_bound():
+    """``on_drift="adapt"``: a probe above ``max_served_error`` stops serving (announced), the later
+    off-policy trajectory runs its forwards; ``"warn"`` warns and serves on."""
+    r = _guarded_mix(max_served_error=1e-9)
+    assert r["counts"]["first_order_served"] == 2 and r["stopped"] is not None      # trajectory 1 only
+    assert "STOPPED" in r["report"] and any("off-policy serving stopped" in w for w in r["warnings"])
+    w = _guarded_mix(max_served_error=1e-9, on_drift="warn")
+    assert w["counts"]["first_order_served"] == 4 and w["stopped"] is None
+    assert any("serving goes on" in m for m in w["warnings"])

@@ -12,7 +12,9 @@ an optimizer step after every sample (the second sample's trajectory one step af
   move the upstream gradients only at second order, as in one process), and the ranks' parameters
   stay equal;
 * rank 1's recording dropped after the rollout: neither rank serves, both run the forwards (the
-  same counts on both ranks), and the gradients equal the plain cache's.
+  same counts on both ranks), and the gradients equal the plain cache's;
+* the guard probing every second trajectory: the probed off-policy one measures serving over both
+  ranks (the same figures on both), the others are served.
 
 A mismatch of the ranks' agreements would hang a rank in a collective its peer never joins: the
 harness's timeout fails the test then.
@@ -54,6 +56,20 @@ def mix_case(rank: int, world: int, wrapper: str, cache, one_rank_unrecorded: bo
     return dict(grads=seen, counts=counts, params=params)
 
 
+def guarded_case(rank: int, world: int, wrapper: str) -> dict:
+    """4 samples, the guard probing trajectories 0 and 2: 2 is measured, 1 and 3 served."""
+    run = mg.setup(samples=4, gradient_accumulation_steps=1, shard=(rank, world), wrap=_wrap(wrapper),
+                   stepwise=dict(window=4, weights="t", rollout_cache="first_order", guard=jaggc.Guard(every=2)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rollouts.mix_grpo_epoch(run, seed=7 + rank)
+        mg.train_jaggc(run)
+    sw = jaggc.stepwise(run.transformer)
+    out = dict(counts=vars(sw.counts).copy(), figures=[tuple(vars(f).values()) for f in sw.served_figures])
+    sw.close()
+    return out
+
+
 def full_grads_params(model, wrapper: str) -> dict:
     if wrapper == "fsdp2":
         return {n: p.detach().full_tensor() for n, p in model.named_parameters()}
@@ -66,6 +82,8 @@ def rank_body(rank: int, world: int) -> dict:
         for cache in ("first_order", True):
             out[(wrapper, cache)] = mix_case(rank, world, wrapper, cache)
     out["unrecorded"] = mix_case(rank, world, "ddp", "first_order", one_rank_unrecorded=True)
+    for wrapper in ("ddp", "fsdp2"):
+        out[("guarded", wrapper)] = guarded_case(rank, world, wrapper)
     return out
 
 
@@ -114,3 +132,15 @@ def test_a_rank_that_cannot_serve_makes_every_rank_forward(rank_results):
         assert c["nograd_forwards"] == 4 and c["cached_forwards"] == 0, c
     for a, b in zip(rank_results[0]["unrecorded"]["grads"], rank_results[1]["unrecorded"]["grads"]):
         assert _rel(a, b) == 0
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_the_guards_measure_of_serving_is_the_ranks(rank_results, wrapper):
+    """The probed off-policy trajectory measures serving over both ranks' interior steps (one all-reduce):
+    the same figures on both ranks; the unprobed ones are served."""
+    a, b = (res[("guarded", wrapper)] for res in rank_results)
+    assert a["figures"] == b["figures"] and len(a["figures"]) == 1, (a["figures"], b["figures"])
+    trajectory, steps, rel_error, change_error = a["figures"][0]
+    assert trajectory == 2 and steps == 4 and 0 < rel_error < 0.25 and 0 < change_error
+    for r in (a, b):
+        assert r["counts"]["first_order_served"] == 4 and r["counts"]["first_order_missed"] == 0, r["counts"]
