@@ -8,7 +8,7 @@ stepwise path (steps/ranks.py, run.py, stepwise.py, stepwise_install.py, ledger.
 safety.py) and the whole-loss runtime (deferred.py: ``sync_skipped``, the per-window refusal of a
 returned gradient; lowmem.py and guard_probe.py: ``sharded``, ``gradient_slots``, ``local_module``,
 ``process_group``; guard.py: ``collective_backward``; sharded_grads.py: ``gradient_slots``, FSDP's
-storages behind ``_compat.GradSlot``). The next engine (VeOmni, Megatron) is one more kind, one more
+storages behind ``_compat.GradSlot``; rollout_cache.py: ``lasting_parameters``, FSDP2's sharded parameters). The next engine (VeOmni, Megatron) is one more kind, one more
 row and one more branch of ``engine_of``.
 
 What is left (issue 55, item 3): three module-type checks outside this file and _compat/, in files this
@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from .._compat import (DEEPSPEED_TESTED, Zero3Partitions, deepspeed_internals_missing, deepspeed_version,
-                       fsdp_gradient_slots, fsdp_version, intercept_zero_grad, is_deepspeed_engine, zero12_managed,
+                       fsdp2_sharded_parameters, fsdp_gradient_slots, fsdp_version, intercept_zero_grad, is_deepspeed_engine, zero12_managed,
                        zero3_numel, zero3_partitioned, zero_data_parallel_group, zero_ready_buckets,
                        zero_torch_optimizer)
 from ..errors import JaggUnsupportedError
@@ -95,6 +95,7 @@ class _Row:
     partitioned_parameters: bool = False
     sharded_grad_slots: bool = False
     no_sync_between_windows: bool = False
+    swaps_parameters: bool = False
 
 
 _ZERO = _Row(hooks_accumulators=True, grad_in_dot_grad=False, reduces_in_loop_backward=True,
@@ -103,7 +104,7 @@ _ROWS: dict[EngineKind, _Row] = {
     EngineKind.NONE: _Row(),
     EngineKind.DDP: _Row(hooks_accumulators=True, no_sync_between_windows=True),
     EngineKind.FSDP1: _Row(hooks_accumulators=True, sharded_grad_slots=True),
-    EngineKind.FSDP2: _Row(hooks_accumulators=True, sharded_grad_slots=True),
+    EngineKind.FSDP2: _Row(hooks_accumulators=True, sharded_grad_slots=True, swaps_parameters=True),
     EngineKind.DEEPSPEED_STAGE0: _Row(reduces_only_in_engine_backward=True),
     EngineKind.ZERO1: _ZERO,
     EngineKind.ZERO2: _ZERO,
@@ -147,6 +148,9 @@ class Engine:
     #: the whole-loss per-window mode runs every knot forward but the last in ``no_sync()`` (DDP: one
     #: all-reduce per loss); FSDP reduce-scatters per window instead (deferred.py)
     no_sync_between_windows: bool = False
+    # the module's registered parameters are other tensors while a forward holds them gathered (FSDP2
+    # registers the unsharded ones, and keeps the root's after a forward): ``lasting_parameters``
+    swaps_parameters: bool = False
 
     @classmethod
     def of(cls, kind: EngineKind, wrapper: nn.Module | None = None, *, collective: bool = False) -> "Engine":
@@ -232,6 +236,15 @@ class Engine:
     def numel(self, p: torch.Tensor) -> int:
         """The elements of ``p``'s full gradient (ZeRO-3: the partitioned parameter's full size)."""
         return zero3_numel(p) if self.partitioned_parameters else p.numel()
+
+    def lasting_parameters(self, module: nn.Module) -> list[torch.Tensor]:
+        """``module``'s parameters as the tensors that last from a rollout through the optimizer's steps
+        (the rollout cache's test that they are unchanged): under FSDP2 each one's sharded DTensor,
+        whichever form the module holds now; elsewhere the parameters themselves."""
+        if not self.swaps_parameters:
+            return list(module.parameters())
+        sharded = fsdp2_sharded_parameters(module)
+        return [sharded.get(id(p), p) for p in module.parameters()]
 
     def watched_parameters(self, module: nn.Module):
         """What a stepwise ledger reads to see a parameter written (``named_parameters()``): the module,

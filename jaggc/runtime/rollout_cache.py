@@ -69,22 +69,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._compat import fsdp2_sharded_parameters, fsdp_version, local_shard, tree_flatten, tree_unflatten, version_counter
+from .._compat import local_shard, tree_flatten, tree_unflatten, version_counter
 from .calls import DitCall, batch_size, batched_time, get_time, resolve_time_arg, set_time
+from .engines import engine_of
 from .function_state import FunctionStateReader
 from .module_state import output_key, unwrap
 from .rollout_passes import PassIndex
 
 
-def parameter_versions(dit: nn.Module, fsdp2: bool = False) -> tuple:
+def parameter_versions(dit: nn.Module, params: list[torch.Tensor] | None = None) -> tuple:
     """Identity and in-place version of every parameter and buffer (what a recorded output was
-    computed with). ``fsdp2``: a ``fully_shard``-ed parameter counts as its sharded DTensor (the one
-    tensor that lives from the rollout through the optimizer's steps: _compat/fsdp_slots.py) and its
-    local shard's version beside its own (an optimizer's foreach step writes the shard)."""
-    if not fsdp2:
+    computed with). ``params``: the parameters as the tensors that last (``Engine.lasting_parameters``:
+    FSDP2's sharded DTensors), each with its local shard's version beside its own (an optimizer's
+    foreach step may write the shard alone)."""
+    if params is None:
         return tuple((id(t), version_counter(t)) for t in (*dit.parameters(), *dit.buffers()))
-    sharded = fsdp2_sharded_parameters(dit)
-    params = [sharded.get(id(t), t) for t in dit.parameters()]
     return tuple((id(t), version_counter(t), version_counter(local_shard(t))) for t in (*params, *dit.buffers()))
 
 
@@ -128,8 +127,8 @@ class RolloutCache:
     _explained: tuple | None = field(default=None, init=False, repr=False)
     _steps: int = field(default=0, init=False, repr=False)
     _tainted: bool = field(default=False, init=False, repr=False)
-    # whether the DiT is fully_shard-ed (FSDP2): read at the first use after each clear()
-    _fsdp2_read: bool | None = field(default=None, init=False, repr=False)
+    # the DiT's engine where it swaps the registered parameters (FSDP2), else False; None: not read yet
+    _engine_swaps: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         if self.first_order:
@@ -137,11 +136,15 @@ class RolloutCache:
             # (optimizer_hook.py) for every optimizer that steps this module's parameters
             self._watch = _OptimizerWatch(self)
 
-    @property
-    def _fsdp2(self) -> bool:
-        if self._fsdp2_read is None:
-            self._fsdp2_read = fsdp_version(self.dit) == 2
-        return self._fsdp2_read
+    def _versions_now(self) -> tuple:
+        """``parameter_versions`` of the DiT, through its engine's lasting parameters where its engine
+        swaps them (runtime/engines.py; the engine read at the first use after each ``clear()``)."""
+        if self._engine_swaps is None:
+            engine = engine_of(self.dit)
+            self._engine_swaps = engine if engine.swaps_parameters else False
+        if self._engine_swaps is False:
+            return parameter_versions(self.dit)
+        return parameter_versions(self.dit, self._engine_swaps.lasting_parameters(self.dit))
 
     def __len__(self) -> int:
         return sum(t.rows for t in self._rows.values())
@@ -176,19 +179,19 @@ class RolloutCache:
         self._reader = None
         self.stats.recorded_rows = 0
         self._explained, self._steps, self._tainted = None, 0, False
-        self._fsdp2_read = None
+        self._engine_swaps = None
 
     # --- off-policy serving: the optimizer steps since the recording ---------------------------
     def before_optimizer_step(self) -> None:
         """An optimizer step of the module's parameters is about to run: whatever changed them since the
         recording or the last step must have been an optimizer step, else the rows are tainted."""
         if self.first_order and self._versions is not None and not self._tainted:
-            if parameter_versions(self.dit, self._fsdp2) != (self._explained or self._versions):
+            if self._versions_now() != (self._explained or self._versions):
                 self._tainted = True
 
     def after_optimizer_step(self) -> None:
         if self.first_order and self._versions is not None and not self._tainted:
-            self._explained = parameter_versions(self.dit, self._fsdp2)
+            self._explained = self._versions_now()
             self._steps += 1
 
     @property
@@ -203,7 +206,7 @@ class RolloutCache:
             return False
         if self._steps == 0 or self._steps > self.max_optimizer_steps:
             return False
-        return parameter_versions(self.dit, self._fsdp2) == self._explained
+        return self._versions_now() == self._explained
 
     # --- the state a row is valid in -----------------------------------------------------------
     def _state(self):
@@ -219,7 +222,7 @@ class RolloutCache:
         """True while the parameters are exactly the recording's (else the cache is dropped)."""
         if self._versions is None or not self._rows:
             return False
-        if parameter_versions(self.dit, self._fsdp2) != self._versions:
+        if self._versions_now() != self._versions:
             if self.serves_stale():
                 return False          # kept for off-policy serving (stale_prepare), not served as on-policy
             self.stats.invalidations += 1
@@ -231,7 +234,7 @@ class RolloutCache:
         """Record the rows of one no-grad call and its output; False if nothing was recorded (the
         state makes the output no function of the inputs, or ``max_bytes`` is reached). A call
         made after the parameters changed since the last recording starts the cache anew."""
-        versions = parameter_versions(self.dit, self._fsdp2)
+        versions = self._versions_now()
         if versions != self._versions:
             self.clear()
             self._versions = versions

@@ -1,4 +1,4 @@
-"""Off-policy serving (``rollout_cache="first_order"``) under DDP and FSDP2, 2 gloo ranks.
+"""Off-policy serving (``rollout_cache="first_order"``) under DDP, FSDP1 and FSDP2, 2 gloo ranks.
 
 A forward under DDP or FSDP is collective (FSDP all-gathers in each, DDP may broadcast buffers), so
 the ranks must make the same forwards in the same order, the early knot forwards of serving included:
@@ -31,7 +31,7 @@ import jaggc
 from jaggc_studies.loops import mix_grpo as mg, rollouts
 from ranks import run_ranks
 from test_sharded import full_grads
-from test_stepwise_distributed import _wrap
+from test_stepwise_distributed import _wrap, full_params
 
 WORLD = 2
 TIMEOUT_S = 300
@@ -50,7 +50,7 @@ def mix_case(rank: int, world: int, wrapper: str, cache, one_rank_unrecorded: bo
         if one_rank_unrecorded and rank == 1:
             jaggc.stepwise(run.transformer).cache.clear()
         mg.train_jaggc(run)
-    params = {n: p.detach().clone() for n, p in full_grads_params(run.transformer, wrapper).items()}
+    params = full_params(run.transformer, wrapper)
     counts = vars(jaggc.stepwise(run.transformer).counts).copy()
     jaggc.stepwise(run.transformer).close()
     return dict(grads=seen, counts=counts, params=params)
@@ -70,15 +70,9 @@ def guarded_case(rank: int, world: int, wrapper: str) -> dict:
     return out
 
 
-def full_grads_params(model, wrapper: str) -> dict:
-    if wrapper == "fsdp2":
-        return {n: p.detach().full_tensor() for n, p in model.named_parameters()}
-    return dict(model.named_parameters())
-
-
 def rank_body(rank: int, world: int) -> dict:
     out = {}
-    for wrapper in ("ddp", "fsdp2"):
+    for wrapper in ("ddp", "fsdp1", "fsdp2"):
         for cache in ("first_order", True):
             out[(wrapper, cache)] = mix_case(rank, world, wrapper, cache)
     out["unrecorded"] = mix_case(rank, world, "ddp", "first_order", one_rank_unrecorded=True)
@@ -104,7 +98,7 @@ def _rel(a: dict, b: dict) -> float:
     return num / max(sum(float(b[n].double().norm() ** 2) for n in b) ** 0.5, 1e-30)
 
 
-@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp1", "fsdp2"])
 def test_every_rank_serves_the_off_policy_trajectory(rank_results, wrapper):
     for res in rank_results:
         served, forwarded = res[(wrapper, "first_order")], res[(wrapper, True)]
