@@ -26,6 +26,7 @@ from .calls import (DitCall, batch_size, check_compatible, check_token_times, pe
                     resolve_time_arg, split_output)
 from .autocast import current_autocast
 from .checks import check_calls, check_times
+from .collectives import agree
 from .deferred import BackwardGroup, DeferredWindow
 from .engines import engine_of
 from .first_order import serve_window
@@ -87,9 +88,27 @@ def run_exact(dit: nn.Module, calls: Sequence[DitCall], *, steps: Sequence[int] 
 
 
 def _interior_outputs(dit, calls, steps, time_arg, options, batch) -> dict[int, Any]:
-    """No-grad outputs of the interior steps, keyed by window position (rollout cache first)."""
+    """No-grad outputs of the interior steps, keyed by window position (rollout cache first). Under
+    DDP/FSDP/DeepSpeed a forward is collective (FSDP gathers in each, DDP may broadcast buffers): the
+    ranks serve the window's interior steps from their caches only if every rank has all of them (one
+    all-reduce), else every rank forwards them."""
+    cache = options.rollout_cache
+    if cache is not None and engine_of(dit).collective_backward:
+        found = [cache.lookup(c) for c in calls]
+        if _every_rank(dit, all(o is not None for o in found)):
+            return dict(enumerate(found))
+        hit = sum(o is not None for o in found)       # found here, forwarded all the same: misses
+        cache.stats.hits, cache.stats.misses = cache.stats.hits - hit, cache.stats.misses + hit
+        cache = None
     return nograd_outputs(dit, calls, steps, time_arg=time_arg, batch=batch, chunk=options.interior_chunk,
-                          unbatched=options.unbatched, cache=options.rollout_cache)
+                          unbatched=options.unbatched, cache=cache)
+
+
+def _every_rank(dit: nn.Module, ok: bool) -> bool:
+    """Whether ``ok`` holds on every rank of ``dit``'s engine (one all-reduce)."""
+    import torch.distributed as dist
+
+    return agree([int(ok)], dist.ReduceOp.MIN, group=engine_of(dit).process_group())[0] == 1
 
 
 @dataclass
@@ -147,14 +166,23 @@ def prepare_window(dit: nn.Module, calls: Sequence[DitCall], steps: Sequence[int
                                   unbatched=options.unbatched)
         with_grad = {interior[i]: o for i, o in with_grad.items()}
         interior_out = {p: _detached(o) for p, o in with_grad.items()}
-    if call_probe is None and interior and _serves_first_order(dit, options, times):
+    cache = options.rollout_cache
+    if call_probe is None and interior and cache is not None and cache.first_order:
         # off-policy serving (first_order.py): the knots first, then the interior steps from their
-        # recorded outputs plus the knots' change since
-        knot_out = _knot_outputs(dit, calls, steps, knots, time_arg, options)
-        interior_out = serve_window(options.rollout_cache, calls, knots, interior, phi,
-                                    split_output(_detached(knot_out), len(knots), batch), batch)
-        if interior_out is not None:
-            options.rollout_cache.stats.first_order_served += len(interior)
+        # recorded outputs plus the knots' change since; under DDP/FSDP/DeepSpeed only where every rank
+        # can (an agreement before the knots' forward and one after the lookups: the ranks' forwards pair)
+        collective = engine_of(dit).collective_backward
+        serves = _serves_first_order(dit, options, times)
+        if collective:
+            serves = _every_rank(dit, serves)
+        if serves:
+            knot_out = _knot_outputs(dit, calls, steps, knots, time_arg, options)
+            interior_out = serve_window(cache, calls, knots, interior, phi,
+                                        split_output(_detached(knot_out), len(knots), batch), batch)
+            if collective and not _every_rank(dit, interior_out is not None):
+                interior_out = None
+            if interior_out is not None:
+                cache.stats.first_order_served += len(interior)
     if interior_out is None:
         interior_out = _interior_outputs(dit, [calls[p] for p in interior], [steps[p] for p in interior],
                                          time_arg, options, batch)
@@ -177,13 +205,9 @@ def _knot_outputs(dit, calls, steps, knots, time_arg, options: WindowOptions) ->
 def _serves_first_order(dit: nn.Module, options: WindowOptions, times: torch.Tensor) -> bool:
     """Whether a window's interior steps may be served first-order: a first-order rollout cache whose
     rows are the recording's before optimizer steps it accounts for, the window above the cache's
-    ``min_sigma``, one process (announced where not)."""
+    ``min_sigma`` (announced where not); this rank's answer."""
     cache = options.rollout_cache
     if cache is None or not cache.first_order or not cache.serves_stale():
-        return False
-    if engine_of(dit).collective_backward:
-        warnings.warn("RolloutCache(first_order=True) serves nothing under DDP/FSDP/DeepSpeed yet: off-policy "
-                      "interior steps run their forwards", UserWarning, stacklevel=2)
         return False
     lowest = float(noise_levels(times).min())
     if lowest < cache.min_sigma:
