@@ -135,13 +135,13 @@ def _flux_call(model, run, state, t):
                      joint_attention_kwargs=None, return_dict=False)[0]
 
 
-def test_flow_grpo_with_cfg_serves_its_second_half():
-    """Flow-GRPO's loop under accelerate, CFG and the slice, two optimizer steps per epoch: the second
-    minibatch's interior steps are served first-order."""
+def _flow_grpo_two_halves(**where) -> tuple:
+    """Flow-GRPO's loop under accelerate, CFG and the slice, two optimizer steps per epoch, with
+    ``rollout_cache="first_order"`` and ``True``: ((grads at each step, counts) of each)."""
     config = fg.TrainConfig(gradient_accumulation_steps=1, max_grad_norm=1e12)
     out = {}
     for cache in ("first_order", True):
-        run = fg.setup(num_steps=6, batch=2, trajectories=2, config=config,
+        run = fg.setup(num_steps=6, batch=2, trajectories=2, config=config, **where,
                        stepwise=dict(window=4, weights="t", cfg_slice=True, rollout_cache=cache))
         model = run.accelerator.unwrap_model(run.transformer)
         seen = []
@@ -150,9 +150,15 @@ def test_flow_grpo_with_cfg_serves_its_second_half():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             fg.train_jaggc(run)
-        out[cache] = (seen, vars(jaggc.stepwise(run.transformer).counts).copy())
+        out[cache] = (seen, vars(jaggc.stepwise(run.transformer).counts).copy(), run.accelerator.mixed_precision)
         jaggc.stepwise(run.transformer).close()
-    (served, c), (forwarded, ref) = out["first_order"], out[True]
+    return out["first_order"], out[True]
+
+
+def test_flow_grpo_with_cfg_serves_its_second_half():
+    """Flow-GRPO's loop under accelerate, CFG and the slice, two optimizer steps per epoch: the second
+    minibatch's interior steps are served first-order."""
+    (served, c, _), (forwarded, ref, _) = _flow_grpo_two_halves()
     assert c["first_order_served"] == 2 and c["nograd_forwards"] == ref["nograd_forwards"] - 2
     assert torch.equal(served[0], forwarded[0]) and _cosine(served[1], forwarded[1]) > 0.9999
 
@@ -163,22 +169,8 @@ def test_flow_grpo_in_bf16_under_a_live_cpu_autocast_serves_its_second_half():
     The rollout is recorded under the same autocast, so the second minibatch is served first-order."""
     from jaggc_studies.trainers.sizes import Where
 
-    config = fg.TrainConfig(gradient_accumulation_steps=1, max_grad_norm=1e12)
-    out = {}
-    for cache in ("first_order", True):
-        run = fg.setup(num_steps=6, batch=2, trajectories=2, config=config, where=Where("tiny", dtype=torch.bfloat16),
-                       stepwise=dict(window=4, weights="t", cfg_slice=True, rollout_cache=cache))
-        assert run.accelerator.mixed_precision == "bf16"
-        model = run.accelerator.unwrap_model(run.transformer)
-        seen = []
-        run.optimizer.optimizer.register_step_pre_hook(lambda o, a, k, seen=seen, m=model: seen.append(grads(m).clone()))
-        rollouts.flow_grpo_epoch(run, seed=1)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            fg.train_jaggc(run)
-        out[cache] = (seen, vars(jaggc.stepwise(run.transformer).counts).copy())
-        jaggc.stepwise(run.transformer).close()
-    (served, c), (forwarded, ref) = out["first_order"], out[True]
+    (served, c, precision), (forwarded, ref, _) = _flow_grpo_two_halves(where=Where("tiny", dtype=torch.bfloat16))
+    assert precision == "bf16"
     assert c["first_order_served"] == 2 and c["nograd_forwards"] == ref["nograd_forwards"] - 2, (c, ref)
     assert torch.equal(served[0], forwarded[0])
     # measured 0.990 (fp32, the test above: > 0.9999): the correction is the difference of the knots' bf16
