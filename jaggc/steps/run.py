@@ -209,12 +209,12 @@ class TrajectoryRun:
             out = self._serve_first_order(win, visit, call, forward)
         if out is None:
             out = self._forward_held(visit, forward) if hold else self._forward_without_grad(call, forward)
-        if role == "interior" and self.probe is not None and self._first_order_window(win) and self._serves_first_order(win):
+        if self.probe is not None and role == "interior" and self._first_order_window(win) and self._serves_first_order(win):
             # a probed trajectory is not served: the probe measures what serving would have given (served_probe.py)
             terms = self._first_order_terms(win, visit, call)
             if terms is not None:
                 self.probe.served.note(win, visit, terms, tree_map(_detached, out))
-        if role == "knot" and self._first_order_window(win) and self._serves_first_order(win) and visit.now is None:
+        if role == "knot" and visit.now is None and self._first_order_window(win) and self._serves_first_order(win):
             visit.now = tree_map(_detached, out)
         # whether the call drew random numbers, whichever API drew (a dropout module, F.dropout, attention's
         # dropout_p): then its re-run runs alone from its RNG states (rerun.py). A few microseconds a call
@@ -472,11 +472,12 @@ class TrajectoryRun:
         DeepSpeed a forward is collective, so every rank serves, and forwards its knots early, only if
         every rank can (one all-reduce per interior call)."""
         counts = self.owner.counts
-        terms = self._first_order_terms(win, visit, call) if self._serves_first_order(win) else None
+        serves = self._serves_first_order(win)
+        terms = self._first_order_terms(win, visit, call) if serves else None
         if self.owner.distributed and not agree_on_hit(terms is not None, group=self.owner.engine.process_group()):
             terms = None
         if terms is None:
-            if self.owner.cache.serves_stale():
+            if serves:                 # this rank could serve the window: a row not linked, or a rank that cannot
                 counts.first_order_missed += 1
             return None
         table, rows, knots, weights = terms
