@@ -1,6 +1,6 @@
 """How close off-policy serving's outputs are on a trained model, by optimizer steps since the rollout.
 
-``python -m jaggc_studies.digits.first_order_fidelity [--steps 1,2,4,8] [--seeds 3]``
+``python -m jaggc_studies.digits.first_order_fidelity [--steps 1,2,4,8] [--seeds 3] [--min-sigma 0.5]``
 
 The digits base (shipped weights), its attention projections trained (Flow-GRPO's LoRA targets),
 Flow-GRPO's SDE rollout of 9 steps (8 trained, W=4: two windows), PPO clip 1e-2, AdamW lr 3e-4. After
@@ -15,7 +15,9 @@ step:
 * ``clip_true`` / ``clip_served``: the fraction of samples whose PPO ratio is clipped there.
 
 Two placements: the default σ-aware one (the window that reaches σ < 0.5 runs exactly, nothing
-served there) and ``weights="t"`` (every window JAGG, the low-σ one served too). Prints JSON lines.
+served there) and ``weights="t"`` (every window JAGG; the low-σ one served too with ``--min-sigma 0``).
+Prints JSON lines, with the served outputs' relative error (median, max) and the lowest per-step
+cosine over the seeds.
 """
 
 from __future__ import annotations
@@ -114,10 +116,10 @@ def off_policy_run(rollout_cache, *, steps: int, labels: torch.Tensor, generator
     return recorded, batch, jagg, served, interior, served_now
 
 
-def measure(steps: int, weights: str | None, seed: int) -> dict:
+def measure(steps: int, weights: str | None, seed: int, min_sigma: float = jaggc.FirstOrder.min_sigma) -> dict:
     torch.manual_seed(seed)
     kw = {} if weights is None else {"weights": weights}
-    cache = jaggc.FirstOrder(max_optimizer_steps=max(steps, 1))
+    cache = jaggc.FirstOrder(max_optimizer_steps=max(steps, 1), min_sigma=min_sigma)
     labels = torch.tensor([seed % 10] * 8 + [(seed + 5) % 10] * 8)
     recorded, batch, jagg, served, served_steps, n_served = off_policy_run(cache, steps=steps, labels=labels,
                                                                            generator_seed=100 + seed, **kw)
@@ -146,14 +148,21 @@ def main(argv=None) -> None:
     p.add_argument("--steps", default="1,2,4,8", help="optimizer steps since the rollout")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--weights", default="default,t")
+    p.add_argument("--min-sigma", type=float, default=jaggc.FirstOrder.min_sigma,
+                   help="FirstOrder(min_sigma=...): 0 serves the window reaching low σ too")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     for weights in args.weights.split(","):
         for n in (int(s) for s in args.steps.split(",")):
-            runs = [measure(n, None if weights == "default" else weights, seed) for seed in range(args.seeds)]
+            runs = [measure(n, None if weights == "default" else weights, seed, args.min_sigma)
+                    for seed in range(args.seeds)]
             summary = {key: statistics.median(r[key] for r in runs) for key in ("cos_served", "cos_stale")}
-            print(json.dumps(dict(steps=n, weights=runs[0]["weights"], median=summary,
+            rows = [row for r in runs for row in r["per_step"]]
+            print(json.dumps(dict(steps=n, weights=runs[0]["weights"], min_sigma=args.min_sigma, median=summary,
                                   min_cos_served=min(r["cos_served"] for r in runs),
+                                  min_step_cos_served=min((row["cos_served"] for row in rows), default=None),
+                                  served_rel_median=statistics.median(row["served_rel"] for row in rows) if rows else None,
+                                  served_rel_max=max((row["served_rel"] for row in rows), default=None),
                                   runs=runs)), flush=True)
 
 
