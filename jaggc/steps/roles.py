@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ContextManager, Protocol
 
+import torch
 from torch import nn
 
+from .._compat import tree_flatten, version_counter
 from ..backward_modes import BackwardMode
 from ..runtime.calls import DitCall
 from ..runtime.module_state import CallState, StateReader
@@ -39,6 +41,15 @@ class StepVisit:
     recorded_rows: list | None = None      # first-order serving: a knot's rows in the recording
     drew: bool = False                     # its forward drew random numbers (dropout of any kind: module,
                                            # F.dropout, attention's dropout_p): it re-runs alone, from ``rng``
+
+
+def detached(x):
+    return x.detach() if isinstance(x, torch.Tensor) else x
+
+
+def input_versions(call: DitCall) -> list:
+    """(tensor, version) of ``call``'s tensor inputs (``StepVisit.inputs``)."""
+    return [(x, version_counter(x)) for x in tree_flatten((call.args, call.kwargs))[0] if isinstance(x, torch.Tensor)]
 
 
 class StepwiseOwner(Protocol):
@@ -78,4 +89,4 @@ class RunOfSteps(Protocol):
     devices: tuple
 
 
-__all__ = ["RunOfSteps", "StepVisit", "StepwiseOwner"]
+__all__ = ["RunOfSteps", "StepVisit", "StepwiseOwner", "detached", "input_versions"]

@@ -44,7 +44,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .._compat import (accelerator_devices, backward_accumulates_everywhere, backward_task_id, in_backward, rng_drawn,
-                       rng_states, run_after_backward, tree_flatten, tree_map, tree_unflatten, version_counter)
+                       rng_states, run_after_backward, tree_flatten, tree_map)
 from ..backward_modes import BackwardMode
 from ..errors import JaggInputError
 from ..runtime.aggregate import knot_composites
@@ -53,14 +53,12 @@ from ..runtime.autocast import current_autocast
 from ..runtime.checks import check_placement, nonfinite_input, step_value_flags
 from ..runtime.collectives import agree
 from ..runtime.module_state import CallState, StateReader
-from ..runtime.rollout_passes import shifted_call
-from ..runtime.first_order import serve_output
 from ..runtime.module_tree import module_tree
-from ..runtime.weights import noise_levels
 from .plan import PlannedWindow, TrajectoryPlan
 from .ranks import agree_on_hit
 from .rerun import live_dropouts, rerun_calls
-from .roles import StepVisit, StepwiseOwner
+from .roles import StepVisit, StepwiseOwner, detached, input_versions
+from .serving import FirstOrderServing, Prefetched
 from .slicing import RowSlice, assemble, call_rows, take_rows
 from .tap import float_leaves, tap_output
 
@@ -84,7 +82,7 @@ class WindowRun:
         return [v for v in self.visits.values() if not v.exact]
 
 
-class TrajectoryRun:
+class TrajectoryRun(FirstOrderServing):
     def __init__(self, owner: StepwiseOwner, plan: TrajectoryPlan):
         self.owner = owner
         self.plan = plan
@@ -186,7 +184,7 @@ class TrajectoryRun:
         if self.owner.options.check_inputs:
             self._check_inputs(call, step)
         visit = StepVisit(step, call, self._state(), rng_states(call.args, call.kwargs, devices=self.devices),
-                          _input_versions(call), where, rows=rows if role != "interior" else None)
+                          input_versions(call), where, rows=rows if role != "interior" else None)
         self._expected(visit)
         win.visits[step] = visit
         self.latest = visit
@@ -204,18 +202,20 @@ class TrajectoryRun:
             visit.probe_graph = self.probe.interior_forward(call)
             out = self._cached(call)
             if out is None:
-                out = tree_map(_detached, visit.probe_graph)
+                out = tree_map(detached, visit.probe_graph)
         if out is None and role == "interior" and self._first_order_candidate(win):
             out = self._serve_first_order(win, visit, call, forward)
+        if out is None and role == "knot" and hold and self._first_order_candidate(win):
+            out = self.forward_knot_with_others(win, visit, call, forward)
         if out is None:
             out = self._forward_held(visit, forward) if hold else self._forward_without_grad(call, forward)
         if self.probe is not None and role == "interior" and self._first_order_window(win) and self._serves_first_order(win):
             # a probed trajectory is not served: the probe measures what serving would have given (served_probe.py)
             terms = self._first_order_terms(win, visit, call)
             if terms is not None:
-                self.probe.served.note(win, visit, terms, tree_map(_detached, out))
+                self.probe.served.note(win, visit, terms, tree_map(detached, out))
         if role == "knot" and visit.now is None and self._first_order_window(win) and self._serves_first_order(win):
-            visit.now = tree_map(_detached, out)
+            visit.now = tree_map(detached, out)
         # whether the call drew random numbers, whichever API drew (a dropout module, F.dropout, attention's
         # dropout_p): then its re-run runs alone from its RNG states (rerun.py). A few microseconds a call
         visit.drew = visit.drew or rng_drawn(visit.rng)
@@ -372,16 +372,8 @@ class TrajectoryRun:
         module's latest forward is the one with grad) and a call with grad on the others."""
         call, rows, counts = visit.call, visit.rows, self.owner.counts
         if rows is None:
-            if self.owner.cache is not None and self.owner.distributed:
-                # every step's call takes part in one agreement on the cache (_cached): on the deferred
-                # schedule each rank visits its steps in its own order, and this rank's knot meets
-                # another rank's interior step
-                agree_on_hit(False, group=self.owner.engine.process_group())
-            out = forward(*call.args, **call.kwargs)
-            check_output_requires_grad(self.owner.module, out)
-            visit.held = out
-            counts.grad_forwards += 1
-            return out
+            visit.held = self._forward_with_grad(call, forward)
+            return visit.held
         unbatched = self.owner.options.unbatched
         free = self._forward_without_grad(call_rows(call, rows.runs(False), unbatched), forward)
         if rng_drawn(visit.rng):
@@ -402,7 +394,19 @@ class TrajectoryRun:
         visit.held = out
         counts.grad_forwards += 1
         counts.sliced_steps += 1
-        return assemble([(rows.runs(False), free), (rows.runs(True), tree_map(_detached, out))])
+        return assemble([(rows.runs(False), free), (rows.runs(True), tree_map(detached, out))])
+
+    def _forward_with_grad(self, call: DitCall, forward: Callable) -> Any:
+        """``call``'s forward with grad, whole."""
+        if self.owner.cache is not None and self.owner.distributed:
+            # every step's call takes part in one agreement on the cache (_cached): on the deferred
+            # schedule each rank visits its steps in its own order, and this rank's knot meets
+            # another rank's interior step
+            agree_on_hit(False, group=self.owner.engine.process_group())
+        out = forward(*call.args, **call.kwargs)
+        check_output_requires_grad(self.owner.module, out)
+        self.owner.counts.grad_forwards += 1
+        return out
 
     def _cached(self, call: DitCall) -> Any | None:
         """``call``'s output from the rollout cache (runtime/rollout_cache.py), or None. Under DDP/FSDP
@@ -426,171 +430,6 @@ class TrajectoryRun:
         if out is not None:
             self.owner.counts.cached_forwards += 1
         return out
-
-    # --- off-policy serving (runtime/first_order.py) ---------------------------------------------
-    def _first_order_window(self, win: WindowRun) -> bool:
-        """Whether ``win`` could be served first-order, from what every rank shares (the settings, the
-        agreed plan, the window's demotions, the guard's agreed figures: served_probe.py)."""
-        cache = self.owner.cache
-        return (cache is not None and cache.first_order and not win.exact and not win.planned.exact
-                and self.owner.backward is BackwardMode.JOINT and not self.deferred
-                and self.owner.first_order_stopped is None)
-
-    def _first_order_candidate(self, win: WindowRun) -> bool:
-        """Whether ``win``'s interior steps are asked whether they can be served first-order: a window
-        that could be, outside a probed trajectory (agreed). Under DDP/FSDP/DeepSpeed each such call
-        takes part in one agreement (``_serve_first_order``)."""
-        return self.probe is None and self._first_order_window(win)
-
-    def _serves_first_order(self, win: WindowRun) -> bool:
-        """Whether this rank's cache may serve ``win``'s interior steps first-order now: its rows are the
-        recording's before optimizer steps it accounts for, and the window stays above ``min_sigma``."""
-        cache = self.owner.cache
-        if not cache.serves_stale():
-            return False
-        lowest = float(noise_levels(self.plan.times[list(win.planned.steps)]).min())
-        if lowest < cache.min_sigma:
-            self.owner.note_once(f"first-order-sigma-{win.planned.index}", (
-                f"rollout_cache='first_order': window {win.planned.index} reaches σ = {lowest:.3g} < "
-                f"min_sigma = {cache.min_sigma:g}, so its off-policy interior steps run their forwards (served "
-                f"there, the PPO loss's upstream gradients measured cosine 0.6-0.99 to the true ones after 1-2 "
-                f"optimizer steps on the digits base; above it >= 0.9999 after 8: docs/stepwise.md)"))
-            return False
-        return True
-
-    def _stale_rows(self, call: DitCall, cache) -> tuple[Any, list[int]] | None:
-        pending = cache.stale_prepare(call)
-        if pending is None:
-            return None
-        rows = self._read(pending.rows)           # one host read, with the run's pending flags
-        return (pending.table, rows) if all(r >= 0 for r in rows) else None
-
-    def _serve_first_order(self, win: WindowRun, visit: StepVisit, call: DitCall, forward: Callable) -> Any | None:
-        """``visit``'s output as its recorded one plus the knots' change since (first_order.py), its
-        knots forwarded first where the loop has not reached them; None (the forward runs) where a row
-        or a knot's row is not linked, or the window's knots are not the planned ones. Under DDP/FSDP/
-        DeepSpeed a forward is collective, so every rank serves, and forwards its knots early, only if
-        every rank can (one all-reduce per interior call)."""
-        counts = self.owner.counts
-        serves = self._serves_first_order(win)
-        terms = self._first_order_terms(win, visit, call) if serves else None
-        if self.owner.distributed and not agree_on_hit(terms is not None, group=self.owner.engine.process_group()):
-            terms = None
-        if terms is None:
-            if serves:                 # this rank could serve the window: a row not linked, or a rank that cannot
-                counts.first_order_missed += 1
-            return None
-        table, rows, knots, weights = terms
-        now = [self._knot_now(win, step, knot_rows, forward, knot_call) for step, knot_call, knot_rows in knots]
-        then = [table.output(knot_rows) for _, _, knot_rows in knots]
-        counts.first_order_served += 1
-        return serve_output(table.output(rows), then, now, weights, len(rows))
-
-    def _first_order_terms(self, win: WindowRun, visit: StepVisit, call: DitCall):
-        """(the recording's table, ``call``'s recorded rows, each knot's (step, call on the recorded rows
-        or None, recorded rows), the interpolation weights), or None where a row or a knot's row is not
-        linked, the knots are not the planned ones, or a knot's output now could not be had: no forward
-        runs here, so that the ranks agree before any does."""
-        found = self._stale_rows(call, self.owner.cache)
-        steps = list(win.planned.steps)
-        positions, phi = self.owner.basis.sample(self.plan.times[steps])       # (S, K, Bd), declared times
-        if found is None or tuple(positions) != win.planned.knots:
-            return None
-        table, rows = found
-        knots = []
-        for s in (steps[p] for p in positions):
-            linked = self._knot_rows(win, visit, call, table, rows, s)
-            if linked is None or not self._knot_available(win, s, linked[1], linked[0]):
-                return None
-            knots.append((s, linked[0], linked[1]))
-        weights = phi[steps.index(visit.step)].repeat(1, len(rows) // phi.shape[-1])    # (K, call batch)
-        return table, rows, knots, weights
-
-    def _knot_rows(self, win: WindowRun, visit: StepVisit, call: DitCall, table, rows: list[int], knot: int):
-        """(the knot's call on the recorded rows, or None where the knot's visit has one; the recorded
-        rows of the same samples at ``knot``), or None where they cannot be linked. Through the
-        rollout's passes (rollout_passes.py); else, where the loop calls the DiT on views of its stored
-        steps (``latents[:, j]``, the timestep a column of the declared tensor), on the same views moved
-        to the knot's index, looked up in the recording (one host read, once per window)."""
-        linked = win.linked.get(knot)
-        if linked is not None:
-            return linked
-        tile, rest = divmod(len(rows), self.plan.times.shape[1])
-        knot_rows = None
-        # the declared timesteps in the units the DiT is called with, or as noise levels (0..1000 vs σ)
-        for times in (self.plan.times[knot], noise_levels(self.plan.times[knot])) if not rest else ():
-            knot_rows = knot_rows or table.passes.knot_rows(rows, times.repeat(tile).tolist())
-        knot_call = None
-        if knot_rows is not None:
-            knot_call = table.passes.call_of_rows(knot_rows, tuple(self.owner.options.unbatched))
-        elif self.plan.match_view(call) == visit.step:
-            knot_call = shifted_call(call, knot - visit.step)
-            found = None if knot_call is None else self._stale_rows(knot_call, self.owner.cache)
-            knot_rows = None if found is None or found[0] is not table else found[1]
-        if knot_rows is None or knot_call is None:
-            return None
-        win.linked[knot] = (knot_call, knot_rows)
-        return win.linked[knot]
-
-    def knot_output_known(self, win: WindowRun, step: int, knot_rows: list[int]) -> bool:
-        """Whether the loop computed knot ``step``'s output now on ``knot_rows`` (served_probe.py)."""
-        return self._knot_available(win, step, knot_rows, None)
-
-    def _knot_available(self, win: WindowRun, step: int, knot_rows: list[int], call: DitCall | None) -> bool:
-        """Whether ``_knot_now`` has knot ``step``'s output on ``knot_rows``: its visit's or an early
-        forward's on those rows, or ``call`` to make one (a host read where the visit's rows are unread)."""
-        visited = win.visits.get(step)
-        if visited is not None:
-            if visited.recorded_rows is None:
-                found = self._stale_rows(visited.call, self.owner.cache)
-                visited.recorded_rows = [] if found is None else found[1]
-            return visited.now is not None and visited.recorded_rows == knot_rows
-        ahead = win.prefetched.get(step)
-        if ahead is not None:
-            return ahead.rows == knot_rows
-        return call is not None
-
-    def _knot_now(self, win: WindowRun, step: int, knot_rows: list[int], forward: Callable,
-                  call: DitCall | None = None) -> Any:
-        """The visible output now of knot ``step`` on the recorded rows ``knot_rows`` (``_knot_available``
-        said there is one): its visit's, or an early forward's, else a forward made now of ``call`` (the
-        recording's inputs of those rows), kept for the loop's own call of the knot (``_take_prefetched``)."""
-        visited = win.visits.get(step)
-        if visited is not None:
-            return visited.now
-        ahead = win.prefetched.get(step)
-        if ahead is not None:
-            return ahead.now
-        rows = self._slice(call)
-        visit = StepVisit(step, call, self._state(), rng_states(call.args, call.kwargs, devices=self.devices),
-                          _input_versions(call), "(a knot forwarded before its step)", rows=rows)
-        out = self._forward_held(visit, forward)
-        visit.drew = rng_drawn(visit.rng)
-        visit.now, visit.recorded_rows = tree_map(_detached, out), knot_rows
-        win.prefetched[step] = Prefetched(visit, knot_rows, out)
-        self.owner.counts.prefetched_knots += 1
-        return visit.now
-
-    def _take_prefetched(self, win: WindowRun, visit: StepVisit, ahead: "Prefetched", call: DitCall):
-        """The loop's own call of a knot forwarded before its step: its visit and visible output are the
-        early forward's if the call's rows are the recorded ones it ran on (one host read); else the window
-        runs exactly (its interior steps re-run with grad in its backward), announced; under DDP/FSDP/
-        DeepSpeed on every rank if on any (one all-reduce)."""
-        found = self._stale_rows(call, self.owner.cache) if self.owner.cache.serves_stale() else None
-        same = found is not None and found[1] == ahead.rows
-        if self.owner.distributed:          # every rank takes its early forward, or every rank runs exactly
-            same = agree_on_hit(same, group=self.owner.engine.process_group())
-        if same:
-            early = ahead.visit
-            early.where, early.inputs, early.state = visit.where, visit.inputs, visit.state
-            win.visits[visit.step] = self.latest = early
-            return early, ahead.out
-        self.owner.safety.warn(
-            f"step {visit.step} (a knot of window {win.planned.index}) was forwarded before the loop reached it, on "
-            f"the rollout's inputs of its samples, to serve the window's interior steps first-order; the loop's call "
-            f"of it has other inputs: window {win.planned.index} runs exactly")
-        self.owner.safety.demote(self, win)
-        return visit, None
 
     def _forward_without_grad(self, call: DitCall, forward: Callable) -> Any:
         """A no-grad forward of ``call``: from the rollout cache when it has the call at these
@@ -946,22 +785,4 @@ def _trained_call(visit: StepVisit, unbatched) -> DitCall:
     return visit.call if visit.rows is None else call_rows(visit.call, visit.rows.runs(True), unbatched)
 
 
-def _detached(x):
-    return x.detach() if isinstance(x, torch.Tensor) else x
-
-
-def _input_versions(call: DitCall) -> list:
-    return [(x, version_counter(x)) for x in tree_flatten((call.args, call.kwargs))[0] if isinstance(x, torch.Tensor)]
-
-
 __all__ = ["StepVisit", "TrajectoryRun", "WindowRun"]
-
-
-class Prefetched:
-    """A knot forwarded before the loop's call of it (``TrajectoryRun._knot_now``): its visit (graph
-    held), the recorded rows it ran on, and its visible output."""
-
-    def __init__(self, visit: StepVisit, rows: list[int], out: Any):
-        self.visit, self.rows, self.out = visit, rows, out
-        self.now = visit.now
-

@@ -29,6 +29,7 @@ class StepwiseCounts:
     recoveries: int = 0           # sliced rows re-run with grad: their cotangent was not zero
     first_order_served: int = 0   # interior steps served off-policy: recorded output + the knots' change
     prefetched_knots: int = 0     # knots forwarded before their step, for first-order serving
+    batched_knot_forwards: int = 0  # first-order serving: forwards running a window's knots together (serving.py)
     first_order_missed: int = 0   # interior steps off-policy that ran their forward (a row not linked)
 
 
@@ -66,7 +67,8 @@ class StepwiseReport:
             if k.get("first_order"):
                 lines.append(f"  off-policy serving (first_order, at most {k['max_optimizer_steps']} optimizer steps "
                              f"since the recording): {c.first_order_served} interior steps served first-order, "
-                             f"{c.prefetched_knots} knots forwarded before their step, {c.first_order_missed} missed "
+                             f"{c.prefetched_knots} knots forwarded before their step ({c.batched_knot_forwards} forwards running a "
+                             f"window's knots together), {c.first_order_missed} missed "
                              f"(forward run); {k['optimizer_steps']} optimizer steps since the recording")
             if k.get("served_figures"):
                 f = k["served_figures"]

@@ -71,10 +71,41 @@ def test_off_policy_interior_steps_are_served(name):
     assert (c["first_order_served"], c["nograd_forwards"]) == (4, 0)
     assert ref["nograd_forwards"] == 4 and ref["first_order_served"] == 0
     assert c["prefetched_knots"] >= 1 and c["first_order_missed"] == 0
-    assert c["grad_forwards"] == ref["grad_forwards"]       # an early knot forward replaces the knot's own
+    # each off-policy window's knots run as one forward (serving.py): one forward fewer per window
+    assert c["batched_knot_forwards"] == 2 and c["grad_forwards"] == ref["grad_forwards"] - 2, (c, ref)
     assert torch.equal(served[0], forwarded[0])               # on-policy: the same
     for a, b in zip(served[1:], forwarded[1:]):
         assert _cosine(a, b) > 0.9999 and rel_err(a, b) > 0   # first-order: close, not equal
+
+
+@pytest.mark.parametrize("name", sorted(LOOPS))
+def test_knots_forwarded_together_give_the_gradient_of_knots_forwarded_one_by_one(name):
+    """An off-policy window's knots run as ONE forward of their batch-concatenated inputs (MixGRPO: the loop's
+    call of the first knot takes the other along; DanceGRPO's random order: an interior step reached first
+    fetches both). ``Options(batch_knots=False)`` runs them one by one: the same gradient up to fp32
+    summation order (a weight gradient summed over both knots' rows in one product instead of two; <= 256
+    terms at 6e-8 each bounds it well under 1e-5), one forward fewer per window."""
+    module, epoch, kwargs = LOOPS[name]
+    runs = {}
+    for together in (True, False):
+        run = module.setup(**kwargs, stepwise=dict(window=4, weights="t", rollout_cache="first_order",
+                                                   options=jaggc.Options(batch_knots=together)))
+        seen = []
+        run.optimizer.register_step_pre_hook(lambda o, a, k: seen.append(grads(run.transformer).clone()))
+        epoch(run, seed=3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            module.train_jaggc(run)
+        runs[together] = (seen, vars(jaggc.stepwise(run.transformer).counts).copy())
+        jaggc.stepwise(run.transformer).close()
+    (together, c), (apart, ref) = runs[True], runs[False]
+    assert c["batched_knot_forwards"] == 2 and ref["batched_knot_forwards"] == 0, (c, ref)
+    # one forward fewer per off-policy window, and for the on-policy trajectory's knots re-run in its backward
+    # (batched too by default: rerun.py)
+    assert c["grad_forwards"] == ref["grad_forwards"] - 3 and c["first_order_served"] == ref["first_order_served"] == 4
+    assert len(together) == len(apart) == 3
+    for a, b in zip(together, apart):
+        assert rel_err(a, b) < 1e-5
 
 
 def test_served_outputs_are_the_formula_computed_apart():
