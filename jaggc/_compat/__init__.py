@@ -46,7 +46,7 @@ from .autograd import (
     rng_drawn, rng_states, rng_states_restored, run_after_backward)
 from .fsdp_slots import GradSlot, fsdp2_sharded_parameters, fsdp_gradient_slots, fsdp_version, reshard_fully_sharded
 from .tripwire import TripFlag, lay_tripwire, lift_tripwire, local_shard
-from .deepspeed import DEEPSPEED_TESTED, deepspeed_internals_missing, deepspeed_version, accumulation_taps, intercept_zero_grad, is_deepspeed_engine, zero12_managed, Zero3Partitions, zero3_numel, zero3_partitioned, zero_data_parallel_group, zero_ready_buckets, zero_torch_optimizer
+from .deepspeed import DEEPSPEED_TESTED, after_zero_optimizer_step, zero_optimizer_steps, deepspeed_internals_missing, deepspeed_version, accumulation_taps, intercept_zero_grad, is_deepspeed_engine, zero12_managed, Zero3Partitions, zero3_numel, zero3_partitioned, zero_data_parallel_group, zero_ready_buckets, zero_torch_optimizer
 
 __all__ = [
     "DEEPSPEED_TESTED", "deepspeed_internals_missing", "deepspeed_version",
@@ -55,7 +55,7 @@ __all__ = [
     "compiled_inner_module", "compiler_disable", "copy_input_codegen", "detect_fake_mode",
     "dispatch_mode_base", "dynamo_real_stack", "dynamo_recompile_limits", "dynamo_unique_graphs",
     "dynamo_unsupported_types", "fake_mode_accepts_real_tensors", "fake_mode_suspended",
-    "flat_apply_function", "flat_apply_inputs", "fsdp2_sharded_parameters", "fsdp_gradient_slots", "fsdp_version", "fx_patches_reverted", "accumulation_taps", "intercept_zero_grad", "is_deepspeed_engine", "zero_data_parallel_group",
+    "flat_apply_function", "flat_apply_inputs", "fsdp2_sharded_parameters", "fsdp_gradient_slots", "fsdp_version", "fx_patches_reverted", "accumulation_taps", "after_zero_optimizer_step", "intercept_zero_grad", "zero_optimizer_steps", "is_deepspeed_engine", "zero_data_parallel_group",
     "backward_task_id", "in_backward", "is_fake", "is_flat_apply_node", "keystr", "lookup_dynamo_backend", "module_call_impl",
     "module_hook_keys", "new_fake_mode", "nonstrict_trace", "queue_backward_callback",
     "recompile_limit_types", "recompile_reason", "storage_refs", "reshard_fully_sharded", "RngStates", "accelerator_devices", "rng_drawn", "rng_states", "rng_states_restored", "run_after_backward",

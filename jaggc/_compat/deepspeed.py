@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import weakref
 from typing import Callable
 
 import torch
@@ -100,6 +101,55 @@ def zero_ready_buckets(engine: nn.Module) -> None:
 def zero_torch_optimizer(engine: nn.Module):
     """The torch optimizer a ZeRO optimizer steps on its fp32 partitions (``.optimizer``), or None."""
     return getattr(engine.optimizer, "optimizer", None)
+
+
+def zero_optimizer_steps(engine: nn.Module) -> int:
+    """How many times the DeepSpeed optimizer's ``step`` has run since jaggc first asked (``engine.step()``
+    calls it at each accumulation boundary; its instance ``step`` is wrapped at the first call). ZeRO-1/2
+    (and stage 0's fp16/bf16 wrapper) step a torch optimizer on fp32 copies and then write them into the
+    module's parameters through ``.data`` and collectives, which bump no version counter of the
+    parameters: the count is what tells a rollout cache that they moved (measured on DeepSpeed 0.18:
+    ``p._version`` unchanged by ``engine.step()`` on ZeRO-1/2, the values changed)."""
+    return _counted_step(engine.optimizer).count
+
+
+def after_zero_optimizer_step(engine: nn.Module, fn: Callable[[], None]) -> None:
+    """Call ``fn()`` each time the DeepSpeed optimizer's ``step`` returns (``zero_optimizer_steps``),
+    while ``fn`` lives (held weakly: a bound method by its object)."""
+    ref = weakref.WeakMethod(fn) if hasattr(fn, "__self__") else weakref.ref(fn)
+    _counted_step(engine.optimizer).after.append(ref)
+
+
+def _counted_step(optimizer) -> "_CountedStep":
+    counted = optimizer.__dict__.get("step")
+    if not isinstance(counted, _CountedStep):
+        counted = optimizer.__dict__["step"] = _CountedStep(optimizer, optimizer.__dict__.get("step", _UNSET))
+    return counted
+
+
+class _CountedStep:
+    """A DeepSpeed optimizer's instance ``step`` slot while counted (``zero_optimizer_steps``): the step it
+    had, then the count and the callbacks. A step that raises is counted (it may have written some
+    parameters) and calls no callback."""
+
+    def __init__(self, owner, previous):
+        self.previous = previous
+        self.original = owner.step if previous is _UNSET else previous
+        self.count = 0
+        self.after: list = []
+
+    def __call__(self, *args, **kwargs):
+        try:
+            out = self.original(*args, **kwargs)
+        finally:
+            self.count += 1
+        for ref in list(self.after):
+            fn = ref()
+            if fn is None:
+                self.after.remove(ref)
+            else:
+                fn()
+        return out
 
 
 def intercept_zero_grad(engine: nn.Module, before: Callable[[str], None]) -> Callable[[], None]:

@@ -49,7 +49,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .._compat import (DEEPSPEED_TESTED, Zero3Partitions, deepspeed_internals_missing, deepspeed_version,
+from .._compat import (DEEPSPEED_TESTED, after_zero_optimizer_step, zero_optimizer_steps, Zero3Partitions, deepspeed_internals_missing, deepspeed_version,
                        fsdp2_sharded_parameters, fsdp_gradient_slots, fsdp_version, intercept_zero_grad, is_deepspeed_engine, zero12_managed,
                        zero3_numel, zero3_partitioned, zero_data_parallel_group, zero_ready_buckets,
                        zero_torch_optimizer)
@@ -245,6 +245,27 @@ class Engine:
             return list(module.parameters())
         sharded = fsdp2_sharded_parameters(module)
         return [sharded.get(id(p), p) for p in module.parameters()]
+
+    @property
+    def steps_through_copies(self) -> bool:
+        """The engine's optimizer steps fp32 copies of the parameters and writes them back without bumping
+        the parameters' version counters (DeepSpeed's ZeRO optimizers, stage 0's fp16/bf16 wrapper):
+        its steps are counted instead (``optimizer_generation``)."""
+        return self.kind.deepspeed and self.wrapper is not None and zero_torch_optimizer(self.wrapper) is not None
+
+    def optimizer_generation(self) -> int | None:
+        """How many steps the engine's optimizer made (``steps_through_copies``), None elsewhere (there
+        the parameters' version counters show every step)."""
+        return zero_optimizer_steps(self.wrapper) if self.steps_through_copies else None
+
+    def after_optimizer_step(self, fn) -> bool:
+        """Have ``fn()`` run when a step of the engine's optimizer has written the parameters (weakly
+        held); True where it will (``steps_through_copies``: torch's global post-hook fires before
+        DeepSpeed writes its copies back), False elsewhere (that hook is the step's end)."""
+        if not self.steps_through_copies:
+            return False
+        after_zero_optimizer_step(self.wrapper, fn)
+        return True
 
     def watched_parameters(self, module: nn.Module):
         """What a stepwise ledger reads to see a parameter written (``named_parameters()``): the module,

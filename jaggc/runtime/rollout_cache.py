@@ -14,7 +14,11 @@ binds it (``canonical_call``), so a keyword passed by position, or a default pas
 call. A lookup returns an output only if every row is found AND the DiT's parameters and buffers
 are exactly those of the recording: each one's in-place version counter (bumped by optimizer steps
 and any in-place write) and identity are compared, and a mismatch drops the cache, so the runtime
-falls back to real forwards. A recording made after the parameters changed starts the cache anew
+falls back to real forwards. An engine whose optimizer writes the parameters without bumping their
+version counters (DeepSpeed's ZeRO-1/2: fp32 copies written back through ``.data`` and collectives)
+has its optimizer's steps counted instead (``Engine.optimizer_generation``); its ``engine.module`` does
+not lead to the engine, so a cache of it needs ``engine=`` (``jaggc.stepwise`` passes its own) and
+refuses without. A recording made after the parameters changed starts the cache anew
 (the next rollout).
 
 The fingerprint is computed where the inputs are, without copying them to the host: what is no
@@ -69,9 +73,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._compat import local_shard, tree_flatten, tree_unflatten, version_counter
+from .._compat import local_shard, tree_flatten, tree_unflatten, version_counter, zero12_managed
 from .calls import DitCall, batch_size, batched_time, get_time, resolve_time_arg, set_time
-from .engines import engine_of
+from ..errors import JaggUnsupportedError
+from .engines import EngineKind, engine_of
 from .function_state import FunctionStateReader
 from .module_state import output_key, unwrap
 from .rollout_passes import PassIndex
@@ -115,6 +120,8 @@ class RolloutCache:
     max_optimizer_steps: int = 8
     min_sigma: float = 0.5           # first_order: a window reaching a lower σ is not served (stepwise_settings.py)
     max_served_error: float = 0.25   # first_order: the guard's bound on served outputs (steps/served_probe.py)
+    engine: Any = None               # the DiT's engine where the DiT does not lead to it: DeepSpeed's (the engine
+                                     # or its Engine entry, runtime/engines.py), whose engine.module the loop calls
     stats: RolloutCacheStats = field(default_factory=RolloutCacheStats)
     # private state, not constructor arguments: (state, host key) -> _Table of rows, the parameter
     # versions the rows were recorded at, the bytes held
@@ -127,8 +134,8 @@ class RolloutCache:
     _explained: tuple | None = field(default=None, init=False, repr=False)
     _steps: int = field(default=0, init=False, repr=False)
     _tainted: bool = field(default=False, init=False, repr=False)
-    # the DiT's engine where it swaps the registered parameters (FSDP2), else False; None: not read yet
-    _engine_swaps: Any = field(default=None, init=False, repr=False)
+    # the DiT's engine entry (runtime/engines.py); None: not read yet (read at the first use after each clear())
+    _engine: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         if self.first_order:
@@ -136,15 +143,29 @@ class RolloutCache:
             # (optimizer_hook.py) for every optimizer that steps this module's parameters
             self._watch = _OptimizerWatch(self)
 
+    def engine_entry(self):
+        """The DiT's engine entry: ``engine``'s where given, else the one the DiT leads to. Refused where the
+        DiT is a module DeepSpeed's ZeRO manages whose engine is not given (its steps would go unseen)."""
+        if self._engine is None:
+            given = self.engine
+            engine = engine_of(given) if isinstance(given, nn.Module) else given if given is not None else engine_of(self.dit)
+            if engine.kind is EngineKind.NONE and zero12_managed(unwrap(self.dit)):
+                raise JaggUnsupportedError(
+                    "a RolloutCache of the module a DeepSpeed ZeRO engine manages (engine.module): ZeRO's optimizer writes "
+                    "its steps into the parameters without bumping their version counters, so the cache could serve "
+                    "outputs of parameters the optimizer has moved since. Pass the engine: RolloutCache(engine.module, "
+                    "engine=engine, ...) (jaggc.stepwise(engine, rollout_cache=...) does this itself)")
+            self._engine = engine
+        return self._engine
+
     def _versions_now(self) -> tuple:
-        """``parameter_versions`` of the DiT, through its engine's lasting parameters where its engine
-        swaps them (runtime/engines.py; the engine read at the first use after each ``clear()``)."""
-        if self._engine_swaps is None:
-            engine = engine_of(self.dit)
-            self._engine_swaps = engine if engine.swaps_parameters else False
-        if self._engine_swaps is False:
-            return parameter_versions(self.dit)
-        return parameter_versions(self.dit, self._engine_swaps.lasting_parameters(self.dit))
+        """``parameter_versions`` of the DiT, through its engine's lasting parameters where its engine swaps
+        them (FSDP2), with its engine optimizer's step count where that writes the parameters unseen
+        (DeepSpeed's ZeRO: ``Engine.optimizer_generation``)."""
+        engine = self.engine_entry()
+        versions = parameter_versions(self.dit, engine.lasting_parameters(self.dit) if engine.swaps_parameters else None)
+        generation = engine.optimizer_generation()
+        return versions if generation is None else versions + (("engine optimizer steps", generation),)
 
     def __len__(self) -> int:
         return sum(t.rows for t in self._rows.values())
@@ -179,7 +200,7 @@ class RolloutCache:
         self._reader = None
         self.stats.recorded_rows = 0
         self._explained, self._steps, self._tainted = None, 0, False
-        self._engine_swaps = None
+        self._engine = None
 
     # --- off-policy serving: the optimizer steps since the recording ---------------------------
     def before_optimizer_step(self) -> None:
@@ -403,20 +424,23 @@ class PendingLookup:
 
 
 class _OptimizerWatch:
-    """Forwards the global optimizer hooks to a first-order cache (held by it; it holds the cache weakly)."""
+    """Forwards the global optimizer hooks to a first-order cache (held by it; it holds the cache weakly).
+    Where the DiT's engine writes a step's parameters after torch's post-hook fired (DeepSpeed's ZeRO
+    optimizer: the torch optimizer steps fp32 copies, then ZeRO writes them back), the step's end is
+    the engine optimizer's (``Engine.after_optimizer_step``)."""
 
     def __init__(self, cache: "RolloutCache"):
         from .optimizer_hook import register_after_optimizer_step, register_before_optimizer_step
 
         self.cache = weakref.ref(cache)
+        self.engine = cache.engine_entry()
+        self.engine_ends_steps = self.engine.after_optimizer_step(self._engine_stepped)
         register_before_optimizer_step(self)
         register_after_optimizer_step(self)
 
     def _mine(self, optimizer) -> "RolloutCache | None":
-        from .optimizer_hook import steps_parameters_of
-
         cache = self.cache()
-        return cache if cache is not None and steps_parameters_of(optimizer, cache.dit) else None
+        return cache if cache is not None and self.engine.steps(optimizer, cache.dit) else None
 
     def before_optimizer_step(self, optimizer) -> None:
         cache = self._mine(optimizer)
@@ -425,6 +449,11 @@ class _OptimizerWatch:
 
     def after_optimizer_step(self, optimizer) -> None:
         cache = self._mine(optimizer)
+        if cache is not None and not self.engine_ends_steps:
+            cache.after_optimizer_step()
+
+    def _engine_stepped(self) -> None:
+        cache = self.cache()
         if cache is not None:
             cache.after_optimizer_step()
 

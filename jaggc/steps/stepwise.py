@@ -78,7 +78,7 @@ class Stepwise:
         self.cfg_slice, self.rollout_cache = bool(cfg_slice), rollout_cache
         self.guard = guard
         self.slicer = SliceLearner() if cfg_slice else None
-        self.cache = build_rollout_cache(module, rollout_cache, self.options)
+        self.cache = build_rollout_cache(module, rollout_cache, self.options, self.engine)
         self.served_figures: list = []               # the guard's measures of serving (served_probe.py)
         self.first_order_stopped: str | None = None  # why the guard stopped off-policy serving
         self.ledger = Ledger(self.engine.watched_parameters(module), watch_grads=self.engine.grad_in_dot_grad)

@@ -98,8 +98,9 @@ class FirstOrder:
     max_served_error: float = DEFAULT_MAX_SERVED_ERROR
 
 
-def build_rollout_cache(module: nn.Module, setting, options: Options) -> RolloutCache | None:
-    """The rollout cache of ``stepwise(rollout_cache=setting)`` (None: off)."""
+def build_rollout_cache(module: nn.Module, setting, options: Options, engine=None) -> RolloutCache | None:
+    """The rollout cache of ``stepwise(rollout_cache=setting)`` (None: off); ``engine``: the stepwise's engine
+    entry (runtime/engines.py: DeepSpeed's is not reachable from ``engine.module``)."""
     if setting is False or setting is None:
         return None
     first_order = None
@@ -118,7 +119,7 @@ def build_rollout_cache(module: nn.Module, setting, options: Options) -> Rollout
                             max_bytes=first_order.max_bytes, first_order=True,
                             max_optimizer_steps=first_order.max_optimizer_steps,
                             min_sigma=float(first_order.min_sigma),
-                            max_served_error=float(first_order.max_served_error))
+                            max_served_error=float(first_order.max_served_error), engine=engine)
     if setting is True:
         max_bytes = DEFAULT_CACHE_BYTES
     elif isinstance(setting, int) and not isinstance(setting, bool) and setting > 0:
@@ -127,7 +128,8 @@ def build_rollout_cache(module: nn.Module, setting, options: Options) -> Rollout
         raise JaggInputError(f"stepwise(rollout_cache={setting!r}): pass True (a {DEFAULT_CACHE_BYTES // 2**30} GiB "
                              f"bound), the bound in bytes (a positive int), or 'first_order' / "
                              f"jaggc.FirstOrder(max_optimizer_steps=...) to serve off-policy steps too")
-    return RolloutCache(module, time_arg=options.time_arg, unbatched=tuple(options.unbatched), max_bytes=max_bytes)
+    return RolloutCache(module, time_arg=options.time_arg, unbatched=tuple(options.unbatched), max_bytes=max_bytes,
+                        engine=engine)
 
 
 def supported_engine(module: nn.Module) -> Engine:

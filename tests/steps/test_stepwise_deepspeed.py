@@ -14,7 +14,10 @@ a random order per rank (the deferred schedule: every window inside the last ste
   jaggc (``reference_jagg`` on an unwrapped copy), to 1e-5 in fp32 (two fp32 summation orders: the
   joint backward's against the reference's, and ZeRO's bucketed all-reduce against the test's);
   and the parameters after the step are SGD's step on the clipped reference gradient (1e-5);
-* ``rollout_cache=True`` on ZeRO-2, both orders: forwards served, the same gradient;
+* ``rollout_cache=True`` on ZeRO-2, both orders: forwards served, the same gradient; on ZeRO-1/2 with an
+  engine step after the first of two recorded trajectories: the second is not served by the plain cache
+  (ZeRO's step bumps no version counter: its steps are counted), and ``"first_order"`` serves it (cosine
+  > 0.9999 to the forwards'); a cache of ``engine.module`` without its engine is refused;
 * bf16 on ZeRO-2 at W=2: ZeRO's reduced gradient is the unchanged loop's;
 * ``backward="lowmem"`` and ``"per_window"`` on ZeRO-2 in both orders: the same gradient;
 * collectives per trajectory counted beside the unchanged loop's;
@@ -398,6 +401,46 @@ W2_CASES = [(stage, order, trajectories, clip) for stage in (1, 2) for order, tr
             (("sigma", 1, 1.0), ("random", 2, 0.0))]
 
 
+def off_policy_loop(base, stage: int, rank: int, rollout_cache) -> dict:
+    """Two trajectories recorded by one rollout, then trained with an engine step after each (the boundary is
+    one trajectory's steps): the second is off-policy. ZeRO writes its step into the parameters without
+    bumping their version counters (runtime/engines.py ``steps_through_copies``). The reduced gradient at
+    each boundary, the counts, the parameters after."""
+    from deepspeed.utils import safe_get_full_grad
+
+    engine = _engine(copy.deepcopy(base), stage, 2, 1.0, gas=T)
+    cond, trajs = _inputs(base, rank, 2)
+    jaggc.stepwise(engine, window=4, weights="t", rollout_cache=rollout_cache)
+    with torch.no_grad():
+        for ts, zs, _ in trajs:
+            for j in range(T):
+                engine(hidden_states=zs[j], timestep=ts[:, j], return_dict=False, **cond)
+    grads = []
+    for ts, zs, gs in trajs:
+        for n, j in enumerate(jaggc.stepwise(engine).steps(list(range(T)), ts)):
+            out = engine(hidden_states=zs[j], timestep=ts[:, j], return_dict=False, **cond)[0]
+            engine.backward(_loss(out.float(), gs[j]))
+            if n == T - 1:
+                grads.append({name: safe_get_full_grad(p).detach().clone() for name, p in engine.module.named_parameters()})
+            engine.step()
+    counts = vars(jaggc.stepwise(engine).counts).copy()
+    jaggc.stepwise(engine).close()
+    return dict(grads=grads, counts=counts, params={n: p.detach().clone() for n, p in engine.module.named_parameters()})
+
+
+def bare_module_cache(base) -> str | None:
+    """A rollout cache of ``engine.module`` without its ZeRO engine: refused (its steps would go unseen)."""
+    from jaggc.runtime.rollout_cache import RolloutCache
+
+    engine = _engine(copy.deepcopy(base), 2, 1, 1.0)
+    RolloutCache(engine.module, first_order=True, engine=engine)       # with the engine: accepted
+    try:
+        RolloutCache(engine.module, first_order=True)
+    except JaggUnsupportedError as e:
+        return str(e)
+    return None
+
+
 def rank_body(rank: int, world: int) -> dict:
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
@@ -417,6 +460,10 @@ def rank_body(rank: int, world: int) -> dict:
             out[("mode",) + case] = (run_loop(base, *case[:4], rank, 4, backward=case[4]), refs[case[2]])
         for order in ("sigma", "random"):
             out[("cache", order)] = run_loop(base, 2, order, 1, 1.0, rank, 4, rollout_cache=True)
+        for stage in (1, 2):
+            for cache in (True, "first_order"):
+                out[("off_policy", stage, cache)] = off_policy_loop(base, stage, rank, cache)
+        out["bare_module_cache"] = bare_module_cache(base)
         out["bf16"] = (run_loop(base, 2, "sigma", 1, 1.0, rank, None, bf16=True),
                        run_loop(base, 2, "sigma", 1, 1.0, rank, 2, bf16=True))
         for stage in (1, 2):
@@ -708,6 +755,41 @@ def test_bf16_w2_reduced_gradient_is_the_unchanged_loops(rank_results):
         unchanged, stepwise = res["bf16"]
         assert _rel(stepwise["grad"], unchanged["grad"]) < 2 ** -8, _rel(stepwise["grad"], unchanged["grad"])
         print(f"bf16 ZeRO-2 W=2 reduced gradient vs unchanged: {_rel(stepwise['grad'], unchanged['grad']):.3g}")
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_an_engine_step_ends_on_policy_serving(rank_results, stage):
+    """ZeRO's step writes the parameters through fp32 copies, bumping no version counter: the cache counts the
+    engine optimizer's steps instead, so after the first boundary's step the plain cache serves nothing
+    (every rank runs the second trajectory's interior forwards; before this, 4 calls were served: the
+    second trajectory's from the rollout's outputs of parameters the step had moved)."""
+    for res in rank_results:
+        c = res[("off_policy", stage, True)]["counts"]
+        assert c["cached_forwards"] == 2 and c["nograd_forwards"] == 2, c
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_first_order_serving_on_zero(rank_results, stage):
+    """``rollout_cache="first_order"`` on ZeRO-1/2: the engine optimizer's step is the optimizer step serving
+    accounts for (its end is the ZeRO step's, after the copies are written back), so the second trajectory's
+    2 interior steps are served on both ranks, its knots one forward; its gradient has cosine > 0.9999 to the
+    forwards' and the first (on-policy) trajectory's is theirs (fp32, one summation order); the ranks'
+    parameters stay equal."""
+    for res in rank_results:
+        served, forwarded = res[("off_policy", stage, "first_order")], res[("off_policy", stage, True)]
+        c = served["counts"]
+        assert (c["cached_forwards"], c["first_order_served"], c["nograd_forwards"]) == (2, 2, 0), c
+        assert c["batched_knot_forwards"] == 1 and c["first_order_missed"] == 0, c
+        assert _rel(served["grads"][0], forwarded["grads"][0]) <= 1e-6
+        a, b = (torch.cat([g[k].double().reshape(-1) for k in sorted(g)]) for g in (served["grads"][1], forwarded["grads"][1]))
+        assert torch.nn.functional.cosine_similarity(a, b, 0) > 0.9999 and _rel(served["grads"][1], forwarded["grads"][1]) > 0
+    a, b = (rank_results[r][("off_policy", stage, "first_order")]["params"] for r in (0, 1))
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_a_cache_of_the_engines_module_without_the_engine_is_refused(rank_results):
+    for res in rank_results:
+        assert res["bare_module_cache"] is not None and "engine=engine" in res["bare_module_cache"]
 
 
 @pytest.mark.parametrize("order", ["sigma", "random"])
