@@ -79,6 +79,7 @@ from ..errors import JaggUnsupportedError
 from .engines import EngineKind, engine_of
 from .function_state import FunctionStateReader
 from .module_state import output_key, unwrap
+from .module_tree import module_tree
 from .rollout_passes import PassIndex
 
 
@@ -87,9 +88,13 @@ def parameter_versions(dit: nn.Module, params: list[torch.Tensor] | None = None)
     computed with). ``params``: the parameters as the tensors that last (``Engine.lasting_parameters``:
     FSDP2's sharded DTensors), each with its local shard's version beside its own (an optimizer's
     foreach step may write the shard alone)."""
+    tree = module_tree(dit)            # listed once while unchanged (module_tree.py)
     if params is None:
-        return tuple((id(t), version_counter(t)) for t in (*dit.parameters(), *dit.buffers()))
-    return tuple((id(t), version_counter(t), version_counter(local_shard(t))) for t in (*params, *dit.buffers()))
+        return tuple((id(t), version_counter(t)) for t in (*tree.parameters, *tree.buffers))
+    return tuple((id(t), version_counter(t), version_counter(local_shard(t))) for t in (*params, *tree.buffers))
+
+
+_UNREAD = object()
 
 
 @dataclass
@@ -136,6 +141,8 @@ class RolloutCache:
     _tainted: bool = field(default=False, init=False, repr=False)
     # the DiT's engine entry (runtime/engines.py); None: not read yet (read at the first use after each clear())
     _engine: Any = field(default=None, init=False, repr=False)
+    # inside versions_held: the versions read (_UNREAD: not yet); None outside
+    _held: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         if self.first_order:
@@ -158,10 +165,32 @@ class RolloutCache:
             self._engine = engine
         return self._engine
 
+    @contextlib.contextmanager
+    def versions_held(self):
+        """Within it, the parameters' versions are read once: one DiT call's bookkeeping asks several times
+        (on-policy, off-policy, a knot's rows), and nothing between those asks writes a parameter (the
+        per-step path wraps each call: steps/stepwise_install.py). Nested: the outer one holds."""
+        if self._held is not None:
+            yield
+            return
+        self._held = _UNREAD
+        try:
+            yield
+        finally:
+            self._held = None
+
     def _versions_now(self) -> tuple:
         """``parameter_versions`` of the DiT, through its engine's lasting parameters where its engine swaps
         them (FSDP2), with its engine optimizer's step count where that writes the parameters unseen
-        (DeepSpeed's ZeRO: ``Engine.optimizer_generation``)."""
+        (DeepSpeed's ZeRO: ``Engine.optimizer_generation``); inside ``versions_held``, read once."""
+        if self._held is not None and self._held is not _UNREAD:
+            return self._held
+        versions = self._read_versions()
+        if self._held is _UNREAD:
+            self._held = versions
+        return versions
+
+    def _read_versions(self) -> tuple:
         engine = self.engine_entry()
         versions = parameter_versions(self.dit, engine.lasting_parameters(self.dit) if engine.swaps_parameters else None)
         generation = engine.optimizer_generation()

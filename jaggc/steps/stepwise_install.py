@@ -86,7 +86,10 @@ class InstalledForward:
                 # the original parameters new gradient views (run.py's outside_step)
                 return owner._run.outside_step(lambda: self.original(*args, **kwargs), frame_location(user_frame()))
             return self.original(*args, **kwargs)
-        return owner._run.call(DitCall(tuple(args), dict(kwargs)), self.original, frame_location(user_frame()))
+        if owner.cache is None:
+            return owner._run.call(DitCall(tuple(args), dict(kwargs)), self.original, frame_location(user_frame()))
+        with owner.cache.versions_held():   # read once per call (runtime/rollout_cache.py)
+            return owner._run.call(DitCall(tuple(args), dict(kwargs)), self.original, frame_location(user_frame()))
 
     def __deepcopy__(self, memo):
         copied = memo.get(id(self.module))
