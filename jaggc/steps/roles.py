@@ -67,6 +67,7 @@ class StepwiseOwner(Protocol):
     safety: Any             # safety.Safety
     ddp: nn.Module | None
     fsdp: int
+    fsdp1: bool             # FSDP1: its forward hands the parameters new views of its flat gradient
     distributed: bool
     notes: list[str]
 

@@ -228,10 +228,12 @@ class TrajectoryRun(FirstOrderServing):
             self.owner.counts.exact_steps += 1
         if self.probe is not None:
             self.probe.read_before()
-        # before the step the ledger looked at .grad; what the module's own forward did to it since
-        # (FSDP1 writes original parameters' gradients back into its flat gradient and hands out new
-        # views) is no write of the loop's (on_grads looks again when the step's gradient arrives)
-        self.owner.ledger.snapshot_grads()
+        # before the step the ledger looked at .grad; what FSDP1's own forward did to it since (it writes
+        # original parameters' gradients back into its flat gradient and hands out new views) is no write
+        # of the loop's (on_grads looks again when the step's gradient arrives). No other engine's forward
+        # touches .grad: there the ledger's look before the step still holds
+        if self.owner.fsdp1:
+            self.owner.ledger.snapshot_grads()
         tapped, visit.index = tap_output(out, lambda grads, v=visit: self.on_grads(v, grads), self.tap_params)
         self._judge()
         return tapped

@@ -8,7 +8,8 @@ own calls of them where it made them, else forwards made early on the recording'
 samples, kept for the loop's own calls (``Prefetched``).
 
 A window's knots that need a forward run as ONE forward with grad on their batch-concatenated inputs
-where they batch (no CFG slice on them, no live dropout, compatible calls), as the on-policy path
+where they batch (no live dropout, compatible calls; under the CFG slice one forward of their rows
+without grad and one of their rows with grad), as the on-policy path
 re-runs them in the window's backward (rerun.py): the loop's call of the first knot it reaches takes
 the window's other knot along (in a window below ``min_sigma`` too, whose interior steps run their
 forwards), and an interior step served before either knot is reached fetches both. On a
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
+import torch
+
 from .._compat import rng_drawn, rng_states, tree_map
 from ..backward_modes import BackwardMode
 from ..errors import JaggInputError
@@ -33,6 +36,7 @@ from ..runtime.rollout_passes import shifted_call
 from ..runtime.weights import noise_levels
 from .ranks import agree_on_hit
 from .roles import StepVisit, detached, input_versions
+from .slicing import assemble, call_rows
 
 if TYPE_CHECKING:
     from .run import WindowRun
@@ -168,29 +172,28 @@ class FirstOrderServing:
     # --- a window's knots forwarded together (module docstring) ----------------------------------
     def forward_knot_with_others(self, win: WindowRun, visit: StepVisit, call: DitCall, forward: Callable) -> Any | None:
         """The loop's call of a knot of a window off-policy, run with the window's knots the loop has not
-        reached (on the recording's inputs of the same samples) as ONE forward with grad; the others'
-        outputs are kept for the loop's own calls of them. Whether or not the window's interior steps are
-        served (a window below ``min_sigma`` runs their forwards, and its knots batch all the same). None
-        where the rows are not the recording's at accounted optimizer steps, a knot's rows are not linked
-        or the calls do not batch: the knot then runs alone. Under DDP/FSDP/DeepSpeed every rank batches
-        only if every rank can."""
+        reached (on the recording's inputs of the same samples) as ONE forward with grad (and one without,
+        on the rows the CFG slice runs without grad); the others' outputs are kept for the loop's own calls
+        of them. Whether or not the window's interior steps are served (a window below ``min_sigma`` runs
+        their forwards, and its knots batch all the same). None where the rows are not the recording's at
+        accounted optimizer steps, a knot's rows are not linked or the calls do not batch: the knot then
+        runs alone. Under DDP/FSDP/DeepSpeed every rank batches only if every rank can."""
         steps = list(win.planned.steps)
         knots = [steps[p] for p in win.planned.knots]
         if all(s in win.visits or s in win.prefetched for s in knots if s != visit.step):
             return None                 # (the same on every rank: the ranks visit their steps in one order)
-        others = self._knots_to_fetch(win, visit, call, knots) if visit.rows is None else None
-        batched = None if others is None else self._batched_knots([(visit.step, call)] + [k[:2] for k in others])
-        if self.owner.distributed and not agree_on_hit(batched is not None, group=self.owner.engine.process_group()):
-            batched = None
-        if batched is None:
+        others = self._knots_to_fetch(win, visit, call, knots)
+        batch = None if others is None else self._knot_batch([(visit.step, call)] + [k[:2] for k in others])
+        if self.owner.distributed and not agree_on_hit(batch is not None, group=self.owner.engine.process_group()):
+            batch = None
+        if batch is None:
             return None
-        outs = split_output(self._forward_with_grad(batched, forward), 1 + len(others), batch_size(call))
-        visit.held = outs[0]
+        (held, visible), *rest = self._forward_knot_batch(batch, forward)
+        visit.held = held
         visit.recorded_rows = self._stale_rows(call, self.owner.cache)[1]
-        for (step, knot_call, knot_rows), out in zip(others, outs[1:]):
-            self._keep_early(win, step, knot_call, knot_rows, out, visit.rng)
-        self.owner.counts.batched_knot_forwards += 1
-        return outs[0]
+        for (step, knot_call, knot_rows), (held_k, visible_k) in zip(others, rest):
+            self._keep_early(win, step, knot_call, knot_rows, held_k, visible_k, batch.rows, visit.rng)
+        return visible
 
     def _knots_to_fetch(self, win: WindowRun, visit: StepVisit, call: DitCall, knots: list[int]):
         """[(step, call on the recorded rows, recorded rows)] of ``win``'s knots other than ``visit``'s
@@ -216,29 +219,41 @@ class FirstOrderServing:
 
     def _fetch_knots_together(self, win: WindowRun, knots: list, forward: Callable) -> None:
         """Two or more of ``win``'s knots ((step, call on the recorded rows, recorded rows)) not reached by
-        the loop, forwarded now as one forward where they batch (``_knot_now`` then finds them); else left
-        to ``_knot_now``, one by one. Agreed under DDP/FSDP/DeepSpeed (``knots`` is alike on every rank)."""
+        the loop, forwarded now together where they batch (``_knot_now`` then finds them); else left to
+        ``_knot_now``, one by one. Agreed under DDP/FSDP/DeepSpeed (``knots`` is alike on every rank)."""
         if len(knots) < 2:
             return
-        batched = self._batched_knots([(s, c) for s, c, _ in knots])
-        if self.owner.distributed and not agree_on_hit(batched is not None, group=self.owner.engine.process_group()):
-            batched = None
-        if batched is None:
+        batch = self._knot_batch([(s, c) for s, c, _ in knots])
+        if self.owner.distributed and not agree_on_hit(batch is not None, group=self.owner.engine.process_group()):
+            batch = None
+        if batch is None:
             return
-        rng = rng_states(batched.args, batched.kwargs, devices=self.devices)
-        outs = split_output(self._forward_with_grad(batched, forward), len(knots), batch_size(knots[0][1]))
-        for (step, knot_call, knot_rows), out in zip(knots, outs):
-            self._keep_early(win, step, knot_call, knot_rows, out, rng)
-        self.owner.counts.batched_knot_forwards += 1
+        rng = rng_states(batch.calls[-1].args, batch.calls[-1].kwargs, devices=self.devices)
+        for (step, knot_call, knot_rows), (held, visible) in zip(knots, self._forward_knot_batch(batch, forward)):
+            self._keep_early(win, step, knot_call, knot_rows, held, visible, batch.rows, rng)
 
-    def _batched_knots(self, calls: list[tuple[int, DitCall]]) -> DitCall | None:
-        """One call of ``calls``' ((step, call)) batch-concatenated inputs, or None where they must run one
-        by one: batching off (``Options(batch_knots=False)``), live dropout (a batch draws other masks),
-        a call under the CFG slice, other batch sizes, or inputs that do not concatenate."""
+    def _knot_batch(self, calls: list[tuple[int, DitCall]]) -> "_KnotBatch | None":
+        """``calls``' ((step, call)) batch-concatenated inputs: one call, or under the CFG slice one of the
+        rows without grad and one of the rows with; None where they must run one by one: batching off
+        (``Options(batch_knots=False)``), live dropout (a batch draws other masks), other batch sizes or
+        slices, or inputs that do not concatenate."""
         options = self.owner.options
         if (not options.batch_knots or self.draws or any(m.training for m in self.dropouts)
-                or len({batch_size(c) for _, c in calls}) != 1 or any(self._slice(c) is not None for _, c in calls)):
+                or len({batch_size(c) for _, c in calls}) != 1):
             return None
+        slices = {self._slice(c) for _, c in calls}
+        if len(slices) != 1:
+            return None
+        rows = slices.pop()
+        parts = ([calls] if rows is None else
+                 [[(s, call_rows(c, rows.runs(grad), options.unbatched)) for s, c in calls] for grad in (False, True)])
+        concatenated = [self._concat(part) for part in parts]
+        if any(c is None for c in concatenated):
+            return None
+        return _KnotBatch(rows, concatenated, len(calls))
+
+    def _concat(self, calls: list[tuple[int, DitCall]]) -> DitCall | None:
+        options = self.owner.options
         steps = [s for s, _ in calls]
         # the recording's calls are bound as the DiT's forward binds them (rollout_cache.canonical_call): the
         # loop's call so bound too is the same call, where its own form does not concatenate with theirs
@@ -250,12 +265,33 @@ class FirstOrderServing:
                 continue
         return None
 
-    def _keep_early(self, win: WindowRun, step: int, call: DitCall, knot_rows: list[int], out: Any, rng) -> None:
-        """Knot ``step``'s output ``out`` (with grad, a part of a batched forward) kept for the loop's call."""
-        visit = StepVisit(step, call, self._state(), rng, input_versions(call), "(a knot forwarded before its step)")
-        visit.held, visit.drew = out, rng_drawn(rng)
-        visit.now, visit.recorded_rows = tree_map(detached, out), knot_rows
-        win.prefetched[step] = Prefetched(visit, knot_rows, out)
+    def _forward_knot_batch(self, batch: "_KnotBatch", forward: Callable) -> list[tuple[Any, Any]]:
+        """Per call of ``batch``: (its output with grad, to hold; what the loop sees). Under the CFG slice the
+        rows without grad run first (the module's latest forward is then the one with grad, as in
+        ``_forward_held``), and each call's two parts are put back in row order."""
+        counts, n = self.owner.counts, batch.count
+        counts.batched_knot_forwards += 1
+        if batch.rows is None:
+            outs = split_output(self._forward_with_grad(batch.calls[0], forward), n, batch_size(batch.calls[0]) // n)
+            return [(out, out) for out in outs]
+        free_call, trained_call = batch.calls
+        with torch.no_grad():
+            free = split_output(forward(*free_call.args, **free_call.kwargs), n, batch_size(free_call) // n)
+        counts.nograd_forwards += 1
+        trained = split_output(self._forward_with_grad(trained_call, forward), n, batch_size(trained_call) // n)
+        counts.sliced_steps += n
+        runs_free, runs_trained = batch.rows.runs(False), batch.rows.runs(True)
+        return [(t, assemble([(runs_free, f), (runs_trained, tree_map(detached, t))])) for f, t in zip(free, trained)]
+
+    def _keep_early(self, win: WindowRun, step: int, call: DitCall, knot_rows: list[int], held: Any, visible: Any,
+                    rows, rng) -> None:
+        """Knot ``step``'s output (``held``: with grad, a part of a batched forward; ``visible``: what the loop
+        will see) kept for the loop's call; ``rows``: its CFG slice, or None."""
+        visit = StepVisit(step, call, self._state(), rng, input_versions(call), "(a knot forwarded before its step)",
+                          rows=rows)
+        visit.held, visit.drew = held, rng_drawn(rng)
+        visit.now, visit.recorded_rows = tree_map(detached, visible), knot_rows
+        win.prefetched[step] = Prefetched(visit, knot_rows, visible)
         self.owner.counts.prefetched_knots += 1
 
     def _knot_now(self, win: WindowRun, step: int, knot_rows: list[int], forward: Callable,
@@ -299,6 +335,14 @@ class FirstOrderServing:
             f"of it has other inputs: window {win.planned.index} runs exactly")
         self.owner.safety.demote(self, win)
         return visit, None
+
+
+class _KnotBatch:
+    """Knot calls run together (``FirstOrderServing._knot_batch``): their CFG slice (None: whole calls),
+    the concatenated call(s) (one; or the rows without grad, then those with), how many calls."""
+
+    def __init__(self, rows, calls: list[DitCall], count: int):
+        self.rows, self.calls, self.count = rows, calls, count
 
 
 class Prefetched:

@@ -166,14 +166,15 @@ def _flux_call(model, run, state, t):
                      joint_attention_kwargs=None, return_dict=False)[0]
 
 
-def _flow_grpo_two_halves(**where) -> tuple:
+def _flow_grpo_two_halves(caches=("first_order", True), options=None, **where) -> tuple:
     """Flow-GRPO's loop under accelerate, CFG and the slice, two optimizer steps per epoch, with
     ``rollout_cache="first_order"`` and ``True``: ((grads at each step, counts) of each)."""
     config = fg.TrainConfig(gradient_accumulation_steps=1, max_grad_norm=1e12)
     out = {}
-    for cache in ("first_order", True):
+    for cache in caches:
         run = fg.setup(num_steps=6, batch=2, trajectories=2, config=config, **where,
-                       stepwise=dict(window=4, weights="t", cfg_slice=True, rollout_cache=cache))
+                       stepwise=dict(window=4, weights="t", cfg_slice=True, rollout_cache=cache,
+                                     **({} if options is None else dict(options=options))))
         model = run.accelerator.unwrap_model(run.transformer)
         seen = []
         run.optimizer.optimizer.register_step_pre_hook(lambda o, a, k, seen=seen, m=model: seen.append(grads(m).clone()))
@@ -183,15 +184,30 @@ def _flow_grpo_two_halves(**where) -> tuple:
             fg.train_jaggc(run)
         out[cache] = (seen, vars(jaggc.stepwise(run.transformer).counts).copy(), run.accelerator.mixed_precision)
         jaggc.stepwise(run.transformer).close()
-    return out["first_order"], out[True]
+    return tuple(out[c] for c in caches)
 
 
 def test_flow_grpo_with_cfg_serves_its_second_half():
     """Flow-GRPO's loop under accelerate, CFG and the slice, two optimizer steps per epoch: the second
     minibatch's interior steps are served first-order."""
     (served, c, _), (forwarded, ref, _) = _flow_grpo_two_halves()
-    assert c["first_order_served"] == 2 and c["nograd_forwards"] == ref["nograd_forwards"] - 2
+    # 2 interior forwards served, and the two knots' rows without grad (the slice's) run as one forward,
+    # as their rows with grad do (serving.py)
+    assert c["first_order_served"] == 2 and c["batched_knot_forwards"] == 1, c
+    assert c["nograd_forwards"] == ref["nograd_forwards"] - 3 and c["grad_forwards"] == ref["grad_forwards"] - 1, (c, ref)
     assert torch.equal(served[0], forwarded[0]) and _cosine(served[1], forwarded[1]) > 0.9999
+
+
+def test_knots_under_the_cfg_slice_forwarded_together_give_the_gradient_of_one_by_one():
+    """Under the CFG slice an off-policy window's two knots run as two forwards (their rows without grad,
+    then their rows with grad) instead of four; ``Options(batch_knots=False)`` runs them one by one: the same
+    gradient up to fp32 summation order (as for MixGRPO and DanceGRPO above)."""
+    (together, c, _), = _flow_grpo_two_halves(caches=("first_order",))
+    (apart, ref, _), = _flow_grpo_two_halves(caches=("first_order",), options=jaggc.Options(batch_knots=False))
+    assert c["batched_knot_forwards"] == 1 and ref["batched_knot_forwards"] == 0, (c, ref)
+    assert c["first_order_served"] == ref["first_order_served"] == 2
+    for a, b in zip(together, apart):                # (the on-policy half's knot re-runs batch, or not, too)
+        assert rel_err(a, b) < 1e-5
 
 
 def test_flow_grpo_in_bf16_under_a_live_cpu_autocast_serves_its_second_half():
@@ -202,7 +218,7 @@ def test_flow_grpo_in_bf16_under_a_live_cpu_autocast_serves_its_second_half():
 
     (served, c, precision), (forwarded, ref, _) = _flow_grpo_two_halves(where=Where("tiny", dtype=torch.bfloat16))
     assert precision == "bf16"
-    assert c["first_order_served"] == 2 and c["nograd_forwards"] == ref["nograd_forwards"] - 2, (c, ref)
+    assert c["first_order_served"] == 2 and c["nograd_forwards"] == ref["nograd_forwards"] - 3, (c, ref)
     assert torch.equal(served[0], forwarded[0])
     # measured 0.990 (fp32, the test above: > 0.9999): the correction is the difference of the knots' bf16
     # outputs now and then, each carrying bf16's rounding (docs/stepwise.md, "In bf16"); the bound says
