@@ -19,6 +19,7 @@ from .._compat import tree_flatten, version_counter
 from ..backward_modes import BackwardMode
 from ..runtime.calls import DitCall
 from ..runtime.module_state import CallState, StateReader
+from .plan import PlannedWindow
 
 
 @dataclass
@@ -50,6 +51,28 @@ def detached(x):
 def input_versions(call: DitCall) -> list:
     """(tensor, version) of ``call``'s tensor inputs (``StepVisit.inputs``)."""
     return [(x, version_counter(x)) for x in tree_flatten((call.args, call.kwargs))[0] if isinstance(x, torch.Tensor)]
+
+
+class WindowRun:
+    """One planned window of a trajectory at run time: its steps' visits, and what serving it needs."""
+
+    def __init__(self, planned: PlannedWindow):
+        self.planned = planned
+        self.visits: dict[int, StepVisit] = {}
+        self.exact = planned.exact
+        self.done = False
+        self.dropped: set[int] = set()     # steps a zero_grad wiped before the window completed
+        self.jagg = False                  # its backward sends knot composites (window_entries)
+        self.prefetched: dict = {}     # knots forwarded before their step (serving.py's Prefetched)
+        self.linked: dict[int, tuple] = {}            # a knot's (call, recorded rows) for first-order serving
+
+    @property
+    def open(self) -> bool:
+        """Visited steps still waiting to contribute to ``.grad``."""
+        return not self.done and any(not v.exact for v in self.visits.values())
+
+    def pending(self) -> list[StepVisit]:
+        return [v for v in self.visits.values() if not v.exact]
 
 
 class StepwiseOwner(Protocol):
@@ -90,4 +113,4 @@ class RunOfSteps(Protocol):
     devices: tuple
 
 
-__all__ = ["RunOfSteps", "StepVisit", "StepwiseOwner", "detached", "input_versions"]
+__all__ = ["RunOfSteps", "StepVisit", "StepwiseOwner", "WindowRun", "detached", "input_versions"]

@@ -54,33 +54,13 @@ from ..runtime.checks import check_placement, nonfinite_input, step_value_flags
 from ..runtime.collectives import agree
 from ..runtime.module_state import CallState, StateReader
 from ..runtime.module_tree import module_tree
-from .plan import PlannedWindow, TrajectoryPlan
+from .plan import TrajectoryPlan
 from .ranks import agree_on_hit
 from .rerun import live_dropouts, rerun_calls
-from .roles import StepVisit, StepwiseOwner, detached, input_versions
-from .serving import FirstOrderServing, Prefetched
+from .roles import StepVisit, StepwiseOwner, WindowRun, detached, input_versions
+from .serving import FirstOrderServing
 from .slicing import RowSlice, assemble, call_rows, take_rows
 from .tap import float_leaves, tap_output
-
-class WindowRun:
-    def __init__(self, planned: PlannedWindow):
-        self.planned = planned
-        self.visits: dict[int, StepVisit] = {}
-        self.exact = planned.exact
-        self.done = False
-        self.dropped: set[int] = set()     # steps a zero_grad wiped before the window completed
-        self.jagg = False                  # its backward sends knot composites (window_entries)
-        self.prefetched: dict[int, Prefetched] = {}   # knots forwarded before their step (first_order.py)
-        self.linked: dict[int, tuple] = {}            # a knot's (call, recorded rows) for first-order serving
-
-    @property
-    def open(self) -> bool:
-        """Visited steps still waiting to contribute to ``.grad``."""
-        return not self.done and any(not v.exact for v in self.visits.values())
-
-    def pending(self) -> list[StepVisit]:
-        return [v for v in self.visits.values() if not v.exact]
-
 
 class TrajectoryRun(FirstOrderServing):
     def __init__(self, owner: StepwiseOwner, plan: TrajectoryPlan):

@@ -22,7 +22,7 @@ agreed (one all-reduce of a flag), so the ranks run the same forwards in the sam
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
@@ -35,11 +35,8 @@ from ..runtime.rollout_cache import canonical_call
 from ..runtime.rollout_passes import shifted_call
 from ..runtime.weights import noise_levels
 from .ranks import agree_on_hit
-from .roles import StepVisit, detached, input_versions
+from .roles import StepVisit, WindowRun, detached, input_versions
 from .slicing import assemble, call_rows
-
-if TYPE_CHECKING:
-    from .run import WindowRun
 
 
 class FirstOrderServing:
