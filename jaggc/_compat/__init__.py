@@ -40,7 +40,7 @@ from .tracing import (
 from .modules import (
     MODULE_CALL_SLOT, apply_activation_checkpointing, compiled_inner_module, module_call_impl,
     module_hook_keys)
-from .tensors import dispatch_mode_base, storage_refs, version_counter, written_arguments
+from .tensors import dispatch_mode_base, storage_refs, version_counter, version_counters, written_arguments
 from .autograd import (
     RngStates, accelerator_devices, backward_accumulates_everywhere, backward_task_id, in_backward, queue_backward_callback,
     rng_drawn, rng_states, rng_states_restored, run_after_backward)
@@ -61,5 +61,5 @@ __all__ = [
     "recompile_limit_types", "recompile_reason", "storage_refs", "reshard_fully_sharded", "RngStates", "accelerator_devices", "rng_drawn", "rng_states", "rng_states_restored", "run_after_backward",
     "traced_input_value", "tree_flatten", "tree_flatten_with_path", "tree_map", "tree_unflatten",
     "TripFlag", "lay_tripwire", "lift_tripwire", "local_shard",
-    "unwrap_backend_error", "version_counter", "written_arguments", "zero12_managed", "Zero3Partitions", "zero3_numel", "zero3_partitioned", "zero_ready_buckets", "zero_torch_optimizer",
+    "unwrap_backend_error", "version_counter", "version_counters", "written_arguments", "zero12_managed", "Zero3Partitions", "zero3_numel", "zero3_partitioned", "zero_ready_buckets", "zero_torch_optimizer",
 ]

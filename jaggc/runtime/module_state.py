@@ -16,6 +16,8 @@ differ, for error messages.
 
 from __future__ import annotations
 
+import weakref
+
 import contextlib
 from dataclasses import dataclass
 
@@ -94,17 +96,31 @@ def module_state(module: nn.Module, *, hooks: bool = True) -> ModuleState:
     )
 
 
+_READERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # ModuleTree -> StateReader
+
+
 class StateReader:
     """``module_state(module, hooks=False)`` read many times over a stretch in which the module's
     structure does not change (one trajectory of a per-step loop): its submodules, parameters and
     peft layers are listed once, so a read is three flag sweeps (a tenth of ``module_state``'s time
     on a Flux DiT)."""
 
-    def __init__(self, module: nn.Module):
-        tree = module_tree(module)
+    def __init__(self, module: nn.Module, tree=None):
+        tree = module_tree(module) if tree is None else tree
         self.modules = tree.modules
         self.params = tree.parameters
         self.tuners = [(i, m) for i, m in enumerate(self.modules) if is_tuner_layer(m)]
+
+    @classmethod
+    def of(cls, module: nn.Module, tree=None) -> "StateReader":
+        """``module``'s reader, the same one while its tree is the same listing (module_tree.py): a per-step
+        loop makes one per trajectory, and listing the peft layers of a DiT costs a walk of every module.
+        ``tree``: ``module_tree(module)`` as just checked."""
+        tree = module_tree(module) if tree is None else tree
+        reader = _READERS.get(tree)
+        if reader is None:
+            reader = _READERS[tree] = cls(module, tree)
+        return reader
 
     def read(self) -> ModuleState:
         return ModuleState(

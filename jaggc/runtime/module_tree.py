@@ -18,6 +18,7 @@ read fresh by its users: ``requires_grad`` (``trainable``), devices.
 from __future__ import annotations
 
 import weakref
+from operator import is_
 
 from torch import nn
 
@@ -52,12 +53,8 @@ class ModuleTree:
 
 
 def _same(now: dict, then: tuple) -> bool:
-    if len(now) != len(then):
-        return False
-    for a, b in zip(now.values(), then):
-        if a is not b:
-            return False
-    return True
+    # by identity, in C (map over operator.is_): no ``==``, which a tensor would answer elementwise
+    return len(now) == len(then) and all(map(is_, now.values(), then))
 
 
 _TREES: "weakref.WeakKeyDictionary[nn.Module, ModuleTree]" = weakref.WeakKeyDictionary()

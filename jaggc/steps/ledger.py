@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .._compat import TripFlag, lay_tripwire, lift_tripwire, local_shard, version_counter
+from .._compat import TripFlag, lay_tripwire, lift_tripwire, local_shard, version_counter, version_counters
 from ..runtime.module_tree import module_tree
 
 
@@ -57,39 +57,46 @@ class GradKey:
     __slots__ = ("root", "ptr", "version")
 
     def __init__(self, grad: torch.Tensor):
-        local = _local(grad)
-        root = local._base if local._base is not None and grad is local else grad
-        self.root = weakref.ref(root)
+        # _local and _version inlined: a key per trainable gradient per look is the ledger's main cost
+        local = grad if type(grad) in _PLAIN else local_shard(grad)
+        base = local._base
+        self.root = weakref.ref(base if base is not None and grad is local else grad)
         self.ptr = local.data_ptr()
-        self.version = _version(grad)
+        self.version = version_counter(local) if local is grad else (version_counter(grad), version_counter(local))
 
     def same(self, grad: torch.Tensor | None) -> bool:
         if grad is None:
             return False
         # GradKey(grad)'s fields, without building one (a weak reference per gradient and look)
-        local = _local(grad)
-        root = local._base if local._base is not None and grad is local else grad
-        return self.root() is root and self.ptr == local.data_ptr() and self.version == _version(grad)
+        local = grad if type(grad) in _PLAIN else local_shard(grad)
+        base = local._base
+        if self.root() is not (base if base is not None and grad is local else grad) or self.ptr != local.data_ptr():
+            return False
+        return self.version == (version_counter(local) if local is grad else (version_counter(grad), version_counter(local)))
 
 
 class Ledger:
-    def __init__(self, module: nn.Module, *, watch_grads: bool = True):
-        # the module's tree as last listed while unchanged (module_tree.py); ZeRO-3's partitions walked
-        tree = module_tree(module) if isinstance(module, nn.Module) else None
+    def __init__(self, module: nn.Module, *, watch_grads: bool = True, tree=None):
+        # the module's tree as last listed while unchanged (module_tree.py; ``tree``: that listing as just
+        # checked); ZeRO-3's partitions walked
+        tree = tree if tree is not None else module_tree(module) if isinstance(module, nn.Module) else None
         self.named = list(tree.named_parameters if tree is not None else module.named_parameters())
         # DeepSpeed ZeRO-2 keeps the gradient in its own partitions and empties ``.grad`` after every
         # backward (runtime/engines.py): there ``.grad`` says nothing and is not watched
         self.trainable = [(n, p) for n, p in self.named if p.requires_grad] if watch_grads else []
-        self.marks = GradMarks(self.trainable, _canaries(tree.modules if tree is not None else list(module.modules()),
-                                                         self.trainable))
+        self.marks = GradMarks(self.trainable, _canaries_of(tree, module, self.trainable))
         # FSDP2's gradients (DTensors) are also compared by value at their canaries: a foreach op
         # (clip_grad_norm_'s multiply, an optimizer's foreach zero_grad) writes their local shards and
         # bumps no version of either (torch 2.13). A copy per canary shard, small (module docstring)
         self.values: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        params = [p for _, p in self.named]
+        self._plain = params if all(type(p) in _PLAIN for p in params) else None
         self.params = self._param_state()
         self.grads = self._grad_state()
 
     def _param_state(self):
+        if self._plain is not None:             # plain tensors: both read in C (a look per step and tensor)
+            return list(zip(version_counters(self._plain), map(torch.Tensor.data_ptr, self._plain)))
         return [(version_counter(p), _local(p).data_ptr()) for _, p in self.named]
 
     def _grad_state(self) -> list[GradKey | None]:
@@ -218,6 +225,21 @@ class GradMarks:
             if entry is not None and entry[0] is g and _version(g) == entry[1]:
                 return True
         return False
+
+
+_CANARIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # ModuleTree -> (trainable ids, canaries)
+
+
+def _canaries_of(tree, module, trainable: list[tuple[str, torch.Tensor]]) -> list[int]:
+    """``_canaries`` of the module, kept while its tree is the same listing and the same parameters train (a
+    ledger is made per trajectory; the walk over every module's parameters is most of its cost)."""
+    if tree is None:
+        return _canaries(list(module.modules()), trainable)
+    ids = tuple(id(p) for _, p in trainable)
+    kept = _CANARIES.get(tree)
+    if kept is None or kept[0] != ids:
+        kept = _CANARIES[tree] = (ids, _canaries(tree.modules, trainable))
+    return list(kept[1])
 
 
 def _canaries(modules: list[nn.Module], trainable: list[tuple[str, torch.Tensor]]) -> list[int]:

@@ -73,11 +73,12 @@ class TrajectoryRun(FirstOrderServing):
         # DDP/FSDP with steps out of σ order on some rank: every backward in the last step's (ranks.py)
         self.deferred = owner.distributed and not plan.in_sigma_order
         self.latest: StepVisit | None = None         # the visit that made the module's latest forward
-        self.states = StateReader(owner.module)       # the module's state at each call, for its re-run
+        tree = module_tree(owner.module)              # listed once while unchanged (module_tree.py)
+        self.tree = tree                              # (the ledger's too, stepwise.py: one check per trajectory)
+        self.states = StateReader.of(owner.module, tree)   # the module's state at each call, for its re-run
         self.dropouts = live_dropouts(self.states.modules)
         # the accelerator devices of the module's parameters and buffers, whose generators a call may
         # draw from besides its inputs' (each call's RNG states: rng_states)
-        tree = module_tree(owner.module)              # listed once while unchanged (module_tree.py)
         self.devices = accelerator_devices(None, tree.parameters, tree.buffers)
         self.draws = False                           # a call of this trajectory drew random numbers (no CFG slice)
         self.checked_placement = False               # device/dtype of the calls' inputs: checked once

@@ -198,8 +198,9 @@ class Stepwise:
             # ones: the ledger reads the parameters at rest (FSDPModule.reshard frees the gathered copies)
             reshard_fully_sharded(self.module)
         # its parameters as they are now (an adapter added since)
-        self.ledger = Ledger(self.engine.watched_parameters(self.module),
-                             watch_grads=self.engine.grad_in_dot_grad)
+        watched = self.engine.watched_parameters(self.module)
+        self.ledger = Ledger(watched, watch_grads=self.engine.grad_in_dot_grad,
+                             tree=run.tree if watched is self.module and not self.fsdp else None)   # (resharded above)
         return Trajectory(self, run)
 
     def _warn_all_exact(self, plan: TrajectoryPlan) -> None:

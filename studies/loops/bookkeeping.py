@@ -14,6 +14,7 @@ taps, the safety checks); divided by the parameter tensors it says how it grows 
 
     python -m jaggc_studies.loops.bookkeeping --layers 4,8,16 --rounds 7 [--profile]
     python -m jaggc_studies.loops.bookkeeping --layers 4 --wide 8 --batch 16   # the digits-wide base's DiT
+    python -m jaggc_studies.loops.bookkeeping --layers 4 --wide 8 --batch 16 --direct --rounds 5
 
 ``--wide K``: the feed-forwards widened K times (``jaggc_studies.fewsteps.wide``, the few-step study's
 ``digits-wide`` base at K = 8); ``--batch``: the rows per pass (16: that study's minibatch).
@@ -65,14 +66,17 @@ def trajectory(dit, cond, zs, gs, sigmas, *, stepwise: bool) -> None:
 
 
 def passes(dit, cond, zs, gs, sigmas) -> None:
-    """The DiT passes the joint form runs for one W-step window: 2 (F + B) + (W − 2) F without grad."""
+    """The DiT passes the joint form runs for one W-step window: 2 (F + B) + (W − 2) F without grad, and
+    the loop's own loss backward at the interior steps (a backward call through the loss alone, which the
+    loop makes at every step with or without jaggc)."""
     ts = (1000 * sigmas)[:, None].expand(WINDOW, BATCH)
     for k in (0, WINDOW - 1):
         v = dit(hidden_states=zs[k], timestep=ts[k], return_dict=False, **cond)[0]
         (v * gs[k]).sum().backward()
-    with torch.no_grad():
-        for k in range(1, WINDOW - 1):
-            dit(hidden_states=zs[k], timestep=ts[k], return_dict=False, **cond)
+    for k in range(1, WINDOW - 1):
+        with torch.no_grad():
+            v = dit(hidden_states=zs[k], timestep=ts[k], return_dict=False, **cond)[0]
+        (v.requires_grad_() * gs[k]).sum().backward()
     dit.zero_grad()
 
 
@@ -104,6 +108,68 @@ def measure(layers: int, rounds: int, wide: int = 1) -> dict:
                 per_tensor_us=1e6 * statistics.median(extra) / tensors)
 
 
+def direct(layers: int, wide: int = 1, trajectories: int = 40, rounds: int = 5) -> dict:
+    """jaggc's own time per trajectory, timed inside the loops themselves (low noise: no difference of two
+    loops' totals). Per loop, its process time minus the time inside the DiT's forward (every call: the
+    loop's, jaggc's interior ones without grad) and inside the DiT's backward passes: for the unchanged loop
+    each step's ``backward()``, for jaggc's the ``torch.autograd.backward`` nested in the loop's backward
+    (its joint backward). The unchanged loop's remainder is the loop's own work (the loss ops, ``zero_grad``,
+    Python); jaggc's bookkeeping is its loop's remainder minus that (it still holds the autograd engine's
+    entry for each step's ``backward()`` through jaggc's tap, tens of microseconds each). Median over
+    ``rounds`` rounds of ``trajectories`` trajectories of each loop, interleaved."""
+    clock = {"forward": 0.0, "outer": 0.0, "inner": 0.0}
+    depth = [0]
+    real_backward = torch.autograd.backward
+
+    def timed_backward(*args, **kwargs):
+        depth[0] += 1
+        start = time.process_time()
+        try:
+            return real_backward(*args, **kwargs)
+        finally:
+            depth[0] -= 1
+            if depth[0] < 2:                          # 0: a step's backward() returned; 1: one nested in it
+                clock["outer" if depth[0] == 0 else "inner"] += time.process_time() - start
+
+    def timed(dit):
+        inner_forward = dit.forward
+
+        def timed_forward(*args, **kwargs):
+            start = time.process_time()
+            try:
+                return inner_forward(*args, **kwargs)
+            finally:
+                clock["forward"] += time.process_time() - start
+
+        dit.forward = timed_forward                   # before the install: jaggc's original forward is it
+        return dit
+
+    unchanged, cond, zs, gs, sigmas = problem(layers, wide=wide)
+    unchanged = timed(unchanged)
+    twin = timed(problem(layers, wide=wide)[0])
+    jaggc.stepwise(twin, window=WINDOW, weights="t")
+    own = {"unchanged": [], "jaggc": []}
+    torch.autograd.backward = timed_backward
+    try:
+        for r in range(rounds + 1):
+            for label, dit in (("unchanged", unchanged), ("jaggc", twin))[::1 if r % 2 else -1]:
+                clock.update(forward=0.0, outer=0.0, inner=0.0)
+                start = time.process_time()
+                for _ in range(trajectories):
+                    trajectory(dit, cond, zs, gs, sigmas, stepwise=label == "jaggc")
+                total = time.process_time() - start
+                dit_backward = clock["outer"] if label == "unchanged" else clock["inner"]
+                if r:                                 # round 0 warms up
+                    own[label].append((total - clock["forward"] - dit_backward) / trajectories)
+    finally:
+        torch.autograd.backward = real_backward
+        jaggc.stepwise(twin).close()
+    extra = [j - u for j, u in zip(own["jaggc"], own["unchanged"])]
+    return dict(layers=layers, wide=wide, batch=BATCH, tensors=sum(1 for p in twin.parameters() if p.requires_grad),
+                loop_own_ms=1e3 * statistics.median(own["unchanged"]), jaggc_own_ms=1e3 * statistics.median(own["jaggc"]),
+                bookkeeping_ms=1e3 * statistics.median(extra), bookkeeping_range_ms=[1e3 * min(extra), 1e3 * max(extra)])
+
+
 def profile(layers: int, trajectories: int = 40) -> str:
     dit, cond, zs, gs, sigmas = problem(layers)
     jaggc.stepwise(dit, window=WINDOW, weights="t")
@@ -128,6 +194,7 @@ def main(argv=None) -> None:
     p.add_argument("--profile", action="store_true", help="cProfile jaggc's trajectories at the first depth")
     p.add_argument("--wide", type=int, default=1, help="widen the feed-forwards K times (digits-wide: 8)")
     p.add_argument("--batch", type=int, default=BATCH, help="rows per pass")
+    p.add_argument("--direct", action="store_true", help="jaggc's own time timed inside its loop (direct())")
     args = p.parse_args(argv)
     BATCH = args.batch
     torch.set_num_threads(1)
@@ -135,7 +202,10 @@ def main(argv=None) -> None:
         warnings.simplefilter("ignore")
         depths = [int(x) for x in args.layers.split(",")]
         for layers in depths:
-            print(json.dumps(measure(layers, args.rounds, args.wide)), flush=True)
+            if args.direct:
+                print(json.dumps(direct(layers, args.wide, rounds=args.rounds)), flush=True)
+            else:
+                print(json.dumps(measure(layers, args.rounds, args.wide)), flush=True)
         if args.profile:
             print(profile(depths[0]))
 
