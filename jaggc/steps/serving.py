@@ -179,7 +179,7 @@ class FirstOrderServing:
         knots = [steps[p] for p in win.planned.knots]
         if all(s in win.visits or s in win.prefetched for s in knots if s != visit.step):
             return None                 # (the same on every rank: the ranks visit their steps in one order)
-        others = self._knots_to_fetch(win, visit, call, knots)
+        rows, others = self._knots_to_fetch(win, visit, call, knots)
         batch = None if others is None else self._knot_batch([(visit.step, call)] + [k[:2] for k in others])
         if self.owner.distributed and not agree_on_hit(batch is not None, group=self.owner.engine.process_group()):
             batch = None
@@ -187,22 +187,22 @@ class FirstOrderServing:
             return None
         (held, visible), *rest = self._forward_knot_batch(batch, forward)
         visit.held = held
-        visit.recorded_rows = self._stale_rows(call, self.owner.cache)[1]
+        visit.recorded_rows = rows
         for (step, knot_call, knot_rows), (held_k, visible_k) in zip(others, rest):
             self._keep_early(win, step, knot_call, knot_rows, held_k, visible_k, batch.rows, visit.rng)
         return visible
 
     def _knots_to_fetch(self, win: WindowRun, visit: StepVisit, call: DitCall, knots: list[int]):
-        """[(step, call on the recorded rows, recorded rows)] of ``win``'s knots other than ``visit``'s
-        that the loop has not reached, linked through the recording of ``call``'s rows; None where the
-        rows may not be served now (``serves_stale``) or a knot's rows cannot be linked."""
+        """(``call``'s recorded rows, [(step, call on the recorded rows, recorded rows)] of ``win``'s knots
+        other than ``visit``'s that the loop has not reached, linked through the recording of those rows);
+        (None, None) where the rows may not be served now (``serves_stale``) or a knot's cannot be linked."""
         if not self.owner.cache.serves_stale():
-            return None
+            return None, None
         found = self._stale_rows(call, self.owner.cache)
         steps = list(win.planned.steps)
         positions, _ = self.owner.basis.sample(self.plan.times[steps])
         if found is None or tuple(positions) != win.planned.knots:
-            return None
+            return None, None
         table, rows = found
         others = []
         for s in knots:
@@ -210,9 +210,9 @@ class FirstOrderServing:
                 continue
             linked = self._knot_rows(win, visit, call, table, rows, s)
             if linked is None:
-                return None
+                return None, None
             others.append((s, linked[0], linked[1]))
-        return others or None
+        return (rows, others) if others else (None, None)
 
     def _fetch_knots_together(self, win: WindowRun, knots: list, forward: Callable) -> None:
         """Two or more of ``win``'s knots ((step, call on the recorded rows, recorded rows)) not reached by
