@@ -133,7 +133,6 @@ class _CountedStep:
     parameters) and calls no callback."""
 
     def __init__(self, owner, previous):
-        self.previous = previous
         self.original = owner.step if previous is _UNSET else previous
         self.count = 0
         self.after: list = []

@@ -16,9 +16,8 @@ differ, for error messages.
 
 from __future__ import annotations
 
-import weakref
-
 import contextlib
+import weakref
 from dataclasses import dataclass
 
 from torch import nn

@@ -57,22 +57,24 @@ class GradKey:
     __slots__ = ("root", "ptr", "version")
 
     def __init__(self, grad: torch.Tensor):
-        # _local and _version inlined: a key per trainable gradient per look is the ledger's main cost
-        local = grad if type(grad) in _PLAIN else local_shard(grad)
-        base = local._base
-        self.root = weakref.ref(base if base is not None and grad is local else grad)
-        self.ptr = local.data_ptr()
-        self.version = version_counter(local) if local is grad else (version_counter(grad), version_counter(local))
+        root, self.ptr, self.version = _key_parts(grad)
+        self.root = weakref.ref(root)
 
     def same(self, grad: torch.Tensor | None) -> bool:
         if grad is None:
             return False
         # GradKey(grad)'s fields, without building one (a weak reference per gradient and look)
-        local = grad if type(grad) in _PLAIN else local_shard(grad)
-        base = local._base
-        if self.root() is not (base if base is not None and grad is local else grad) or self.ptr != local.data_ptr():
-            return False
-        return self.version == (version_counter(local) if local is grad else (version_counter(grad), version_counter(local)))
+        root, ptr, version = _key_parts(grad)
+        return self.root() is root and self.ptr == ptr and self.version == version
+
+
+def _key_parts(grad: torch.Tensor) -> tuple:
+    """(the storage's owner, the address, ``_version``) of a gradient, in one call: a key per trainable
+    gradient per look is the ledger's main cost (``_local`` and ``_version`` inlined)."""
+    local = grad if type(grad) in _PLAIN else local_shard(grad)
+    base = local._base
+    version = version_counter(local) if local is grad else (version_counter(grad), version_counter(local))
+    return (base if base is not None and grad is local else grad), local.data_ptr(), version
 
 
 class Ledger:

@@ -6,6 +6,7 @@ an EMA copy) is never a path into the ``Stepwise``."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import weakref
 
@@ -86,9 +87,8 @@ class InstalledForward:
                 # the original parameters new gradient views (run.py's outside_step)
                 return owner._run.outside_step(lambda: self.original(*args, **kwargs), frame_location(user_frame()))
             return self.original(*args, **kwargs)
-        if owner.cache is None:
-            return owner._run.call(DitCall(tuple(args), dict(kwargs)), self.original, frame_location(user_frame()))
-        with owner.cache.versions_held():   # read once per call (runtime/rollout_cache.py)
+        # the rollout cache's parameter versions read once per call (runtime/rollout_cache.py)
+        with owner.cache.versions_held() if owner.cache is not None else contextlib.nullcontext():
             return owner._run.call(DitCall(tuple(args), dict(kwargs)), self.original, frame_location(user_frame()))
 
     def __deepcopy__(self, memo):
