@@ -42,7 +42,7 @@ from .modules import (
     module_hook_keys)
 from .tensors import dispatch_mode_base, storage_refs, version_counter, version_counters, written_arguments
 from .autograd import (
-    RngStates, accelerator_devices, backward_accumulates_everywhere, backward_task_id, in_backward, queue_backward_callback,
+    RngStates, accelerator_devices, accelerator_devices_of, backward_accumulates_everywhere, backward_task_id, in_backward, queue_backward_callback,
     rng_drawn, rng_states, rng_states_restored, run_after_backward)
 from .fsdp_slots import GradSlot, fsdp2_sharded_parameters, fsdp_gradient_slots, fsdp_version, reshard_fully_sharded
 from .tripwire import TripFlag, lay_tripwire, lift_tripwire, local_shard
@@ -58,7 +58,7 @@ __all__ = [
     "flat_apply_function", "flat_apply_inputs", "fsdp2_sharded_parameters", "fsdp_gradient_slots", "fsdp_version", "fx_patches_reverted", "accumulation_taps", "after_zero_optimizer_step", "intercept_zero_grad", "zero_optimizer_steps", "is_deepspeed_engine", "zero_data_parallel_group",
     "backward_task_id", "in_backward", "is_fake", "is_flat_apply_node", "keystr", "lookup_dynamo_backend", "module_call_impl",
     "module_hook_keys", "new_fake_mode", "nonstrict_trace", "queue_backward_callback",
-    "recompile_limit_types", "recompile_reason", "storage_refs", "reshard_fully_sharded", "RngStates", "accelerator_devices", "rng_drawn", "rng_states", "rng_states_restored", "run_after_backward",
+    "recompile_limit_types", "recompile_reason", "storage_refs", "reshard_fully_sharded", "RngStates", "accelerator_devices", "accelerator_devices_of", "rng_drawn", "rng_states", "rng_states_restored", "run_after_backward",
     "traced_input_value", "tree_flatten", "tree_flatten_with_path", "tree_map", "tree_unflatten",
     "TripFlag", "lay_tripwire", "lift_tripwire", "local_shard",
     "unwrap_backend_error", "version_counter", "version_counters", "written_arguments", "zero12_managed", "Zero3Partitions", "zero3_numel", "zero3_partitioned", "zero_ready_buckets", "zero_torch_optimizer",

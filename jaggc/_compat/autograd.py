@@ -4,6 +4,7 @@ backward now, and the RNG states a re-run of a call must draw from (and whether 
 from __future__ import annotations
 
 import contextlib
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -48,18 +49,26 @@ def accelerator_devices(module=None, *inputs) -> tuple:
     parameters and buffers, each once, in a fixed order: the devices whose generators a call of
     ``module`` on ``inputs`` may draw from. A module with parameters on a device its inputs are not
     on draws there too (a model split over devices, an input left on the CPU)."""
-    seen: dict = {}
     tensors = [x for x in tree_flatten(list(inputs))[0] if isinstance(x, torch.Tensor)]
     if module is not None:
         tensors += list(module.parameters()) + list(module.buffers())
-    for t in tensors:
-        device = t.device
-        if device.type in ("cpu", "meta") or device in seen:
+    return accelerator_devices_of(tensors)
+
+
+def accelerator_devices_of(tensors) -> tuple:
+    """``accelerator_devices`` of these tensors themselves (a module's listed parameters and buffers: no
+    flattening), their devices read in C."""
+    seen: dict = {}
+    for device in set(map(_DEVICE, tensors)):
+        if device.type in ("cpu", "meta"):
             continue
         if device.index is None:
             device = torch.device(device.type, _device_module(device.type).current_device())
         seen[device] = None
     return tuple(sorted(seen, key=lambda d: (d.type, d.index)))
+
+
+_DEVICE = operator.attrgetter("device")
 
 
 def _device_module(kind: str):

@@ -11,7 +11,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .._compat import fsdp_version, tree_flatten_with_path, tree_unflatten
+from .._compat import fsdp_version, tree_flatten_with_path, tree_unflatten, version_counter
 from ..errors import JaggInputError
 from .calls import DitCall, input_name, primary_input
 
@@ -88,11 +88,13 @@ def check_step_values(calls: Sequence[DitCall], steps: Sequence[int]) -> None:
         raise nonfinite_input(step, name)
 
 
-def step_value_flags(call: DitCall, step: int, *, meta: bool = True) -> list:
+def step_value_flags(call: DitCall, step: int, *, meta: bool = True, checked: dict | None = None) -> list:
     """A call's refusals that need no host read (an input that requires grad raises here), and its
     finiteness as device flags to read later: ``[(0-d bool tensor, (step, input name))]``, one per
     floating tensor input (``meta=False``: not for meta tensors, which hold no values; the stepwise
-    path, whose calls run, passes True). ``nonfinite_input`` is the refusal of a false flag."""
+    path, whose calls run, passes True). ``nonfinite_input`` is the refusal of a false flag.
+    ``checked``: the inputs flagged before ({id: (tensor, version)}, kept by the caller over a trajectory):
+    the same tensor unwritten since (a prompt's embeddings at every step) is not flagged again."""
     flags = []
     for name, t in _tensor_inputs(call):
         if t.requires_grad:
@@ -102,6 +104,11 @@ def step_value_flags(call: DitCall, step: int, *, meta: bool = True) -> list:
                 f"`.detach()`ed states and conditioning",
                 where=f"step {step}, input {name}")
         if t.is_floating_point() and (meta or t.device.type != "meta"):
+            if checked is not None:
+                seen = checked.get(id(t))
+                if seen is not None and seen[0] is t and seen[1] == version_counter(t):
+                    continue
+                checked[id(t)] = (t, version_counter(t))
             flags.append((torch.isfinite(t).all(), (step, name)))
     return flags
 

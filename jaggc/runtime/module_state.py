@@ -17,6 +17,7 @@ differ, for error messages.
 from __future__ import annotations
 
 import contextlib
+import operator
 import weakref
 from dataclasses import dataclass
 
@@ -122,12 +123,17 @@ class StateReader:
         return reader
 
     def read(self) -> ModuleState:
+        # the flags read in C (``map`` over attribute getters): a read per DiT call
         return ModuleState(
-            training=tuple(m.training for m in self.modules),
-            requires_grad=tuple(p.requires_grad for p in self.params),
+            training=tuple(map(_TRAINING, self.modules)),
+            requires_grad=tuple(map(_REQUIRES_GRAD, self.params)),
             adapters=tuple(adapter_state(i, m) for i, m in self.tuners),
             hooks=(),
         )
+
+
+_TRAINING = operator.attrgetter("training")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def difference(a: ModuleState, b: ModuleState) -> str:

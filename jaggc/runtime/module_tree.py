@@ -8,7 +8,7 @@ jaggc's bookkeeping on the digits DiT (docs/fewsteps.md, "Bookkeeping").
 
 ``module_tree(module)`` keeps the last listing per module and hands it out again while every module in
 it still holds the same children, parameters and buffers (by identity, each module's three dicts
-compared entry by entry: a flat loop, no recursion). Anything that changes the tree changes one of
+compared entry by entry: every dict's size and every entry read in C, no recursion). Anything that changes the tree changes one of
 those dicts: an adapter injected (peft sets new submodules), a parameter replaced
 (``module.weight = nn.Parameter(...)``, ``_parameters[name] = ...``), FSDP's swaps between sharded and
 unsharded parameters, a buffer reassigned. Then it is listed again. What the listing does not hold is
@@ -18,7 +18,8 @@ read fresh by its users: ``requires_grad`` (``trainable``), devices.
 from __future__ import annotations
 
 import weakref
-from operator import is_
+from itertools import chain
+from operator import attrgetter, is_
 
 from torch import nn
 
@@ -26,15 +27,14 @@ from torch import nn
 class ModuleTree:
     """One listing of ``module``'s tree (module docstring)."""
 
-    __slots__ = ("modules", "named_parameters", "buffers", "_dicts", "__weakref__")
+    __slots__ = ("modules", "named_parameters", "buffers", "_sizes", "_entries", "__weakref__")
 
     def __init__(self, module: nn.Module):
         self.modules: list[nn.Module] = list(module.modules())
         self.named_parameters: list[tuple[str, nn.Parameter]] = list(module.named_parameters())
         self.buffers = list(module.buffers())
-        # per module, the entries of its three dicts as listed, for ``current``
-        self._dicts = [(m, tuple(m._modules.values()), tuple(m._parameters.values()), tuple(m._buffers.values()))
-                       for m in self.modules]
+        # every module's three dicts' sizes and entries, in order, for ``current``
+        self._sizes, self._entries = _listing(self.modules)
 
     @property
     def parameters(self) -> list[nn.Parameter]:
@@ -46,15 +46,19 @@ class ModuleTree:
 
     def current(self) -> bool:
         """Whether a walk now would list the same objects (module docstring)."""
-        for m, children, params, buffers in self._dicts:
-            if not (_same(m._modules, children) and _same(m._parameters, params) and _same(m._buffers, buffers)):
-                return False
-        return True
+        sizes, entries = _listing(self.modules)
+        # by identity (map over operator.is_): no ``==``, which a tensor would answer elementwise
+        return sizes == self._sizes and all(map(is_, entries, self._entries))
 
 
-def _same(now: dict, then: tuple) -> bool:
-    # by identity, in C (map over operator.is_): no ``==``, which a tensor would answer elementwise
-    return len(now) == len(then) and all(map(is_, now.values(), then))
+_DICTS = attrgetter("_modules", "_parameters", "_buffers")
+
+
+def _listing(modules: list[nn.Module]) -> tuple[list[int], list]:
+    """The sizes of the modules' ``_modules``, ``_parameters`` and ``_buffers`` dicts, and their entries,
+    read in C (a Python loop over a DiT's modules was most of a trajectory's check)."""
+    dicts = list(chain.from_iterable(map(_DICTS, modules)))
+    return list(map(len, dicts)), list(chain.from_iterable(map(dict.values, dicts)))
 
 
 _TREES: "weakref.WeakKeyDictionary[nn.Module, ModuleTree]" = weakref.WeakKeyDictionary()

@@ -32,6 +32,8 @@ the sign bit: a write. When nothing is withheld any more, the marks nothing wrot
 
 from __future__ import annotations
 
+import itertools
+import operator
 import weakref
 from dataclasses import dataclass
 
@@ -51,30 +53,82 @@ class GradChange:
     name: str
 
 
-class GradKey:
-    """One gradient as the ledger last saw it: its storage's owner (weakly), address and version."""
+class GradKeys:
+    """Every trainable gradient as the ledger last saw it: which exist, and for those their storage's
+    owner (weakly), address and in-place version. The ledger looks at every trainable gradient three
+    times per step; one Python object per gradient and look was most of its cost, so plain tensors'
+    keys are read and compared list by list in C (``map`` over attribute getters), and only sharded
+    gradients (DTensors, FSDP2) go one by one."""
 
-    __slots__ = ("root", "ptr", "version")
+    __slots__ = ("where", "roots", "ptrs", "versions")
 
-    def __init__(self, grad: torch.Tensor):
-        root, self.ptr, self.version = _key_parts(grad)
-        self.root = weakref.ref(root)
+    def __init__(self, grads: list):
+        self.where, present, plain = _present(grads)
+        if plain:
+            roots, self.ptrs, self.versions = _plain_roots(present), _ptrs(present), version_counters(present)
+        else:
+            roots, self.ptrs, self.versions = (list(x) for x in zip(*map(_key_parts, present))) if present \
+                else ([], [], [])
+        self.roots = list(map(weakref.ref, roots))
 
-    def same(self, grad: torch.Tensor | None) -> bool:
-        if grad is None:
+    def same(self, grads: list) -> bool:
+        """Whether ``grads`` are the gradients of this look, unwritten."""
+        where, present, plain = _present(grads)
+        if where != self.where:
             return False
-        # GradKey(grad)'s fields, without building one (a weak reference per gradient and look)
+        if plain:
+            return (_ptrs(present) == self.ptrs and version_counters(present) == self.versions
+                    and all(map(operator.is_, map(weakref.ref.__call__, self.roots), _plain_roots(present))))
+        return all(map(self._same_at, range(len(present)), present))
+
+    def differing(self, grads: list) -> list[int]:
+        """The positions whose gradient is not this look's (the slow path, once something changed)."""
+        out, k = [], 0
+        for i, (was, g) in enumerate(zip(self.where, grads)):
+            if not was:
+                if g is not None:
+                    out.append(i)
+                continue
+            if g is None or not self._same_at(k, g):
+                out.append(i)
+            k += 1
+        return out
+
+    def _same_at(self, k: int, grad: torch.Tensor) -> bool:
         root, ptr, version = _key_parts(grad)
-        return self.root() is root and self.ptr == ptr and self.version == version
+        return self.roots[k]() is root and self.ptrs[k] == ptr and self.versions[k] == version
+
+
+def _present(grads: list) -> tuple[tuple, list, bool]:
+    """(which gradients exist, those gradients, whether all are plain tensors), read in C."""
+    where = tuple(map(operator.is_not, grads, itertools.repeat(None)))
+    present = list(itertools.compress(grads, where))
+    return where, present, set(map(type, present)) <= _PLAIN_TYPES
+
+
+def _plain_roots(grads: list) -> list:
+    """Each plain gradient's storage owner: the tensor, or the one it is a view of (FSDP1's
+    ``use_orig_params`` views of a flat gradient)."""
+    bases = list(map(_BASE, grads))
+    if bases.count(None) == len(bases):
+        return grads
+    return [g if b is None else b for g, b in zip(grads, bases)]
 
 
 def _key_parts(grad: torch.Tensor) -> tuple:
-    """(the storage's owner, the address, ``_version``) of a gradient, in one call: a key per trainable
-    gradient per look is the ledger's main cost (``_local`` and ``_version`` inlined)."""
+    """(the storage's owner, the address, ``_version``) of one gradient, a DTensor's by its local shard."""
     local = grad if type(grad) in _PLAIN else local_shard(grad)
     base = local._base
     version = version_counter(local) if local is grad else (version_counter(grad), version_counter(local))
     return (base if base is not None and grad is local else grad), local.data_ptr(), version
+
+
+_BASE = operator.attrgetter("_base")
+_GRAD = operator.attrgetter("grad")
+
+
+def _ptrs(tensors: list) -> list[int]:
+    return list(map(torch.Tensor.data_ptr, tensors))
 
 
 class Ledger:
@@ -86,6 +140,7 @@ class Ledger:
         # DeepSpeed ZeRO-2 keeps the gradient in its own partitions and empties ``.grad`` after every
         # backward (runtime/engines.py): there ``.grad`` says nothing and is not watched
         self.trainable = [(n, p) for n, p in self.named if p.requires_grad] if watch_grads else []
+        self._trainable_params = [p for _, p in self.trainable]
         self.marks = GradMarks(self.trainable, _canaries_of(tree, module, self.trainable))
         # FSDP2's gradients (DTensors) are also compared by value at their canaries: a foreach op
         # (clip_grad_norm_'s multiply, an optimizer's foreach zero_grad) writes their local shards and
@@ -101,13 +156,16 @@ class Ledger:
             return list(zip(version_counters(self._plain), map(torch.Tensor.data_ptr, self._plain)))
         return [(version_counter(p), _local(p).data_ptr()) for _, p in self.named]
 
-    def _grad_state(self) -> list[GradKey | None]:
+    def _grad_state(self) -> GradKeys:
         self.values = {}
         for i in self.marks.canaries:
             g = self.trainable[i][1].grad
             if g is not None and _local(g) is not g:
                 self.values[i] = (g, _local(g).detach().clone())
-        return [None if p.grad is None else GradKey(p.grad) for _, p in self.trainable]
+        return GradKeys(self._grads())
+
+    def _grads(self) -> list:
+        return list(map(_GRAD, self._trainable_params))
 
     def _written_in_place(self) -> str | None:
         """The first canary whose sharded gradient (a DTensor) holds other values than at the snapshot
@@ -131,14 +189,16 @@ class Ledger:
     def changed_parameter(self) -> str | None:
         """The name of the first parameter written since the snapshot, or None."""
         now = self._param_state()
+        if now == self.params:
+            return None
         return next((n for (n, _), a, b in zip(self.named, self.params, now) if a != b), None)
 
     def grad_change(self) -> GradChange | None:
         """How ``.grad`` changed since the snapshot (module docstring), or None. A reset empties
         every trainable gradient; any other change (a clip, a scaling, a reset of some gradients
         only, another tensor put in a ``.grad``) is a write."""
-        changed = [name for (name, p), before in zip(self.trainable, self.grads)
-                   if not (p.grad is None and before is None) and not (before is not None and before.same(p.grad))]
+        grads = self._grads()
+        changed = [] if self.grads.same(grads) else [self.trainable[i][0] for i in self.grads.differing(grads)]
         if not changed and self.marks.flag.tripped:
             # a canary's sharded gradient was read or written by an op that bumps no version (a clip)
             changed = [f"{self.trainable[self.marks.canaries[0]][0]} ({self.marks.flag.what})"]
@@ -155,6 +215,10 @@ class Ledger:
         """Mark every trainable gradient while some step's gradient is withheld, take the marks back
         once none is (module docstring); then accept ``.grad`` as it is."""
         if withheld:
+            if self.marks.active and not self.values and not self.marks.flag.tripped and self.grads.same(self._grads()):
+                # every gradient as the last look saw it, which was after the marks were made: they are in
+                # place (a mark is known by its tensor and version), and a new look would see the same
+                return
             self.marks.mark()
         else:
             self.marks.unmark()
@@ -220,6 +284,11 @@ class GradMarks:
                 _local(g).mul_(sign)
         self.made.clear()
         self.negated.clear()
+
+    @property
+    def active(self) -> bool:
+        """Whether marks are made (and not yet taken back)."""
+        return bool(self.made or self.negated)
 
     def _is_mark(self, i: int, g: torch.Tensor) -> bool:
         for table in (self.made, self.negated):
@@ -313,6 +382,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 _PLAIN = (torch.Tensor, nn.Parameter)
+_PLAIN_TYPES = frozenset(_PLAIN)
 
 
-__all__ = ["GradChange", "GradKey", "GradMarks", "Ledger"]
+__all__ = ["GradChange", "GradKeys", "GradMarks", "Ledger"]

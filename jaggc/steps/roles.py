@@ -65,6 +65,7 @@ class WindowRun:
         self.jagg = False                  # its backward sends knot composites (window_entries)
         self.prefetched: dict = {}     # knots forwarded before their step (serving.py's Prefetched)
         self.linked: dict[int, tuple] = {}            # a knot's (call, recorded rows) for first-order serving
+        self.interior_ahead: dict = {}     # interior steps forwarded together before their step (serving.py)
 
     @property
     def open(self) -> bool:

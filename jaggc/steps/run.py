@@ -39,11 +39,12 @@ touched run exactly (one warning), or the undeclared call is refused as before.
 from __future__ import annotations
 
 import functools
+from itertools import chain
 from typing import Any, Callable, Sequence
 
 import torch
 
-from .._compat import (accelerator_devices, backward_accumulates_everywhere, backward_task_id, in_backward, rng_drawn,
+from .._compat import (accelerator_devices_of, backward_accumulates_everywhere, backward_task_id, in_backward, rng_drawn,
                        rng_states, run_after_backward, tree_flatten, tree_map)
 from ..backward_modes import BackwardMode
 from ..errors import JaggInputError
@@ -60,7 +61,7 @@ from .rerun import live_dropouts, rerun_calls
 from .roles import StepVisit, StepwiseOwner, WindowRun, detached, input_versions
 from .serving import FirstOrderServing
 from .slicing import RowSlice, assemble, call_rows, take_rows
-from .tap import float_leaves, tap_output
+from .tap import float_leaves, parameters_anchor, tap_output
 
 class TrajectoryRun(FirstOrderServing):
     def __init__(self, owner: StepwiseOwner, plan: TrajectoryPlan):
@@ -79,15 +80,17 @@ class TrajectoryRun(FirstOrderServing):
         self.dropouts = live_dropouts(self.states.modules)
         # the accelerator devices of the module's parameters and buffers, whose generators a call may
         # draw from besides its inputs' (each call's RNG states: rng_states)
-        self.devices = accelerator_devices(None, tree.parameters, tree.buffers)
+        self.devices = accelerator_devices_of(chain(tree.parameters, tree.buffers))
         self.draws = False                           # a call of this trajectory drew random numbers (no CFG slice)
         self.checked_placement = False               # device/dtype of the calls' inputs: checked once
+        self.checked_inputs: dict = {}               # inputs flagged for finiteness (checks.step_value_flags)
         self.probe = None                            # the guard's probe of this trajectory (steps/probe.py)
         self.backward_steps = 0                      # steps whose backward began
         self.dropped = False                         # refused: the owner forgot it (Stepwise.drop)
         self.no_grad_pass = False                    # declared without grad: its calls record (stepwise.py)
         # the tap's parameter inputs (tap.py), where no DDP/FSDP hooks their gradient accumulators
-        self.tap_params = [] if owner.distributed or owner.engine.hooks_accumulators else tree.trainable()
+        self._tap_params = [] if owner.distributed or owner.engine.hooks_accumulators else tree.trainable()
+        self._tap_anchor = None
         self._after_task = None                      # the backward pass an after_backward is queued in
         self._exact_task = None                      # the backward pass an exact step's DiT backward ran in
         self._completion_queued = False              # the deferred schedule's end is queued (on_grads)
@@ -186,6 +189,8 @@ class TrajectoryRun(FirstOrderServing):
                 out = tree_map(detached, visit.probe_graph)
         if out is None and role == "interior" and self._first_order_candidate(win):
             out = self._serve_first_order(win, visit, call, forward)
+            if out is None:
+                out = self.forward_interior_together(win, visit, call, forward)
         if out is None and role == "knot" and hold and self._first_order_candidate(win):
             out = self.forward_knot_with_others(win, visit, call, forward)
         if out is None:
@@ -215,7 +220,9 @@ class TrajectoryRun(FirstOrderServing):
         # touches .grad: there the ledger's look before the step still holds
         if self.owner.fsdp1:
             self.owner.ledger.snapshot_grads()
-        tapped, visit.index = tap_output(out, lambda grads, v=visit: self.on_grads(v, grads), self.tap_params)
+        if self._tap_anchor is None and self._tap_params:
+            self._tap_anchor = parameters_anchor(self._tap_params)       # tap.py: one per trajectory
+        tapped, visit.index = tap_output(out, lambda grads, v=visit: self.on_grads(v, grads), self._tap_anchor)
         self._judge()
         return tapped
 
@@ -437,7 +444,7 @@ class TrajectoryRun(FirstOrderServing):
         if not self.checked_placement:
             check_placement(self.owner.module, call, f"step {step}", dtypes=False)
             self.checked_placement = True
-        for flag, where in step_value_flags(call, step):
+        for flag, where in step_value_flags(call, step, checked=self.checked_inputs):
             self.pending.append(("finite", where, flag))
 
     def _exact_call(self, win: WindowRun, step: int, call: DitCall, forward: Callable, where: str) -> Any:

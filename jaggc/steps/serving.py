@@ -16,6 +16,10 @@ forwards), and an interior step served before either knot is reached fetches bot
 latency-bound device a forward and backward of 2B cost far less than two of B (this CPU: 1.3-1.5x
 less at the 10m Flux study size), which is what off-policy windows lacked against on-policy ones.
 
+A window below ``min_sigma`` off-policy runs its interior steps' forwards; those run together too, one
+forward without grad at the loop's first call of an interior step (the others on the recording's inputs of
+the same samples), each kept for the loop's own call, which takes it where its rows are the ones it ran on.
+
 Under DDP/FSDP/DeepSpeed a forward is collective: every decision that changes which forwards run is
 agreed (one all-reduce of a flag), so the ranks run the same forwards in the same order.
 """
@@ -229,14 +233,89 @@ class FirstOrderServing:
         for (step, knot_call, knot_rows), (held, visible) in zip(knots, self._forward_knot_batch(batch, forward)):
             self._keep_early(win, step, knot_call, knot_rows, held, visible, batch.rows, rng)
 
+    # --- a window's interior steps forwarded together, below min_sigma (module docstring) ----------------
+    def forward_interior_together(self, win: WindowRun, visit: StepVisit, call: DitCall, forward: Callable) -> Any | None:
+        """The loop's call of an interior step of an off-policy window whose interior steps run their forwards
+        (below ``min_sigma``): its output forwarded before, together with it, if the call's rows are the
+        recorded ones that forward ran on; else, at the window's first such call, one forward without grad of
+        it and the window's interior steps the loop has not reached (on the recording's inputs of the same
+        samples), theirs kept. None: the forward runs alone (rows not the recording's, a step not linked, calls
+        that do not batch). Under DDP/FSDP/DeepSpeed every decision is agreed."""
+        cache, distributed = self.owner.cache, self.owner.distributed
+        ahead = win.interior_ahead.pop(visit.step, None)
+        if ahead is not None:                 # (alike on every rank: the batching was agreed)
+            found = self._stale_rows(call, cache) if cache.serves_stale() else None
+            same = found is not None and found[1] == ahead[0]
+            if distributed:
+                same = agree_on_hit(same, group=self.owner.engine.process_group())
+            if not same:
+                self.owner.note_once(f"interior-ahead-{win.planned.index}", (
+                    f"step {visit.step} (an interior step of window {win.planned.index}) was forwarded with the "
+                    f"window's other interior steps on the rollout's inputs of its samples; the loop's call of it "
+                    f"has other inputs, so its own forward ran too"))
+            return ahead[1] if same else None
+        if win.interior_ahead:
+            return None                       # a batch ran at an earlier interior call, without this step
+        others = self._interior_to_fetch(win, visit, call) if self._interior_forwards_run(win) else None
+        batch = None if others is None else self._batch_calls([(visit.step, call)] + [(s, c) for s, c, _ in others])
+        if distributed and not agree_on_hit(batch is not None, group=self.owner.engine.process_group()):
+            batch = None
+        if batch is None:
+            return None
+        with torch.no_grad():
+            out = forward(*batch.args, **batch.kwargs)
+        counts = self.owner.counts
+        counts.nograd_forwards += 1
+        counts.batched_interior_forwards += 1
+        outs = split_output(out, len(others) + 1, batch_size(call))
+        for (step, _, rows), out_k in zip(others, outs[1:]):
+            win.interior_ahead[step] = (rows, out_k)
+        return outs[0]
+
+    def _interior_forwards_run(self, win: WindowRun) -> bool:
+        """Whether ``win`` is off-policy at optimizer steps the cache accounts for, with its interior steps run
+        as forwards because it reaches below ``min_sigma`` (``_serves_first_order`` said so)."""
+        cache = self.owner.cache
+        return (cache.serves_stale()
+                and float(noise_levels(self.plan.times[list(win.planned.steps)]).min()) < cache.min_sigma)
+
+    def _interior_to_fetch(self, win: WindowRun, visit: StepVisit, call: DitCall) -> list | None:
+        """[(step, call on the recorded rows, recorded rows)] of ``win``'s interior steps other than ``visit``'s
+        that the loop has not reached, linked through the recording of ``call``'s rows; None where there are
+        none, the call's rows are not recorded or a step's cannot be linked."""
+        found = self._stale_rows(call, self.owner.cache)
+        if found is None:
+            return None
+        table, rows = found
+        knots = {win.planned.steps[p] for p in win.planned.knots}
+        others = []
+        for s in win.planned.steps:
+            if s == visit.step or s in knots or s in win.visits:
+                continue
+            linked = self._knot_rows(win, visit, call, table, rows, s)
+            if linked is None:
+                return None
+            others.append((s, linked[0], linked[1]))
+        return others or None
+
+    def _batch_calls(self, calls: list[tuple[int, DitCall]]) -> DitCall | None:
+        """``calls``' ((step, call)) batch-concatenated inputs as one call, None where they must run one by
+        one (``_batchable``)."""
+        return self._concat(calls) if self._batchable(calls) else None
+
+    def _batchable(self, calls: list[tuple[int, DitCall]]) -> bool:
+        """Whether ``calls`` may run as one forward: batching on (``Options(batch_knots=True)``), no live
+        dropout (a batch draws other masks), one batch size."""
+        return (self.owner.options.batch_knots and not self.draws and not any(m.training for m in self.dropouts)
+                and len({batch_size(c) for _, c in calls}) == 1)
+
     def _knot_batch(self, calls: list[tuple[int, DitCall]]) -> "_KnotBatch | None":
         """``calls``' ((step, call)) batch-concatenated inputs: one call, or under the CFG slice one of the
         rows without grad and one of the rows with; None where they must run one by one: batching off
         (``Options(batch_knots=False)``), live dropout (a batch draws other masks), other batch sizes or
         slices, or inputs that do not concatenate."""
         options = self.owner.options
-        if (not options.batch_knots or self.draws or any(m.training for m in self.dropouts)
-                or len({batch_size(c) for _, c in calls}) != 1):
+        if not self._batchable(calls):
             return None
         slices = {self._slice(c) for _, c in calls}
         if len(slices) != 1:

@@ -30,6 +30,7 @@ class StepwiseCounts:
     first_order_served: int = 0   # interior steps served off-policy: recorded output + the knots' change
     prefetched_knots: int = 0     # knots forwarded before their step, for first-order serving
     batched_knot_forwards: int = 0  # first-order serving: forwards running a window's knots together (serving.py)
+    batched_interior_forwards: int = 0  # off-policy windows below min_sigma: forwards running their interior steps together
     first_order_missed: int = 0   # interior steps off-policy that ran their forward (a row not linked)
 
 
@@ -68,7 +69,8 @@ class StepwiseReport:
                 lines.append(f"  off-policy serving (first_order, at most {k['max_optimizer_steps']} optimizer steps "
                              f"since the recording): {c.first_order_served} interior steps served first-order, "
                              f"{c.prefetched_knots} knots forwarded before their step ({c.batched_knot_forwards} forwards running a "
-                             f"window's knots together), {c.first_order_missed} missed "
+                             f"window's knots together, {c.batched_interior_forwards} running a window's interior steps together), "
+                             f"{c.first_order_missed} missed "
                              f"(forward run); {k['optimizer_steps']} optimizer steps since the recording")
             if k.get("served_figures"):
                 f = k["served_figures"]

@@ -15,6 +15,7 @@ taps, the safety checks); divided by the parameter tensors it says how it grows 
     python -m jaggc_studies.loops.bookkeeping --layers 4,8,16 --rounds 7 [--profile]
     python -m jaggc_studies.loops.bookkeeping --layers 4 --wide 8 --batch 16   # the digits-wide base's DiT
     python -m jaggc_studies.loops.bookkeeping --layers 4 --wide 8 --batch 16 --direct --rounds 5
+    python -m jaggc_studies.loops.bookkeeping --layers 4 --wide 8 --batch 16 --direct --rounds 5 --iteration blocks
 
 ``--wide K``: the feed-forwards widened K times (``jaggc_studies.fewsteps.wide``, the few-step study's
 ``digits-wide`` base at K = 8); ``--batch``: the rows per pass (16: that study's minibatch).
@@ -108,7 +109,7 @@ def measure(layers: int, rounds: int, wide: int = 1) -> dict:
                 per_tensor_us=1e6 * statistics.median(extra) / tensors)
 
 
-def direct(layers: int, wide: int = 1, trajectories: int = 40, rounds: int = 5) -> dict:
+def direct(layers: int, wide: int = 1, trajectories: int = 40, rounds: int = 5, iteration=None) -> dict:
     """jaggc's own time per trajectory, timed inside the loops themselves (low noise: no difference of two
     loops' totals). Per loop, its process time minus the time inside the DiT's forward (every call: the
     loop's, jaggc's interior ones without grad) and inside the DiT's backward passes: for the unchanged loop
@@ -116,7 +117,9 @@ def direct(layers: int, wide: int = 1, trajectories: int = 40, rounds: int = 5) 
     (its joint backward). The unchanged loop's remainder is the loop's own work (the loss ops, ``zero_grad``,
     Python); jaggc's bookkeeping is its loop's remainder minus that (it still holds the autograd engine's
     entry for each step's ``backward()`` through jaggc's tap, tens of microseconds each). Median over
-    ``rounds`` rounds of ``trajectories`` trajectories of each loop, interleaved."""
+    ``rounds`` rounds of ``trajectories`` trajectories of each loop, interleaved. ``iteration``: a callable
+    returning one training iteration's CPU seconds (``study_iteration``), timed twice per round between the
+    loops: the bookkeeping's share of an iteration is then measured in one run, on one machine state."""
     clock = {"forward": 0.0, "outer": 0.0, "inner": 0.0}
     depth = [0]
     real_backward = torch.autograd.backward
@@ -149,6 +152,7 @@ def direct(layers: int, wide: int = 1, trajectories: int = 40, rounds: int = 5) 
     twin = timed(problem(layers, wide=wide)[0])
     jaggc.stepwise(twin, window=WINDOW, weights="t")
     own = {"unchanged": [], "jaggc": []}
+    iterations = []
     torch.autograd.backward = timed_backward
     try:
         for r in range(rounds + 1):
@@ -161,13 +165,38 @@ def direct(layers: int, wide: int = 1, trajectories: int = 40, rounds: int = 5) 
                 dit_backward = clock["outer"] if label == "unchanged" else clock["inner"]
                 if r:                                 # round 0 warms up
                     own[label].append((total - clock["forward"] - dit_backward) / trajectories)
+            if iteration is not None:
+                times = [iteration() for _ in range(2)]
+                if r:
+                    iterations += times
     finally:
         torch.autograd.backward = real_backward
         jaggc.stepwise(twin).close()
     extra = [j - u for j, u in zip(own["jaggc"], own["unchanged"])]
-    return dict(layers=layers, wide=wide, batch=BATCH, tensors=sum(1 for p in twin.parameters() if p.requires_grad),
-                loop_own_ms=1e3 * statistics.median(own["unchanged"]), jaggc_own_ms=1e3 * statistics.median(own["jaggc"]),
-                bookkeeping_ms=1e3 * statistics.median(extra), bookkeeping_range_ms=[1e3 * min(extra), 1e3 * max(extra)])
+    out = dict(layers=layers, wide=wide, batch=BATCH, tensors=sum(1 for p in twin.parameters() if p.requires_grad),
+               loop_own_ms=1e3 * statistics.median(own["unchanged"]), jaggc_own_ms=1e3 * statistics.median(own["jaggc"]),
+               bookkeeping_ms=1e3 * statistics.median(extra), bookkeeping_range_ms=[1e3 * min(extra), 1e3 * max(extra)])
+    if iterations:
+        # the study runs one trajectory per minibatch, two minibatches per iteration
+        out.update(iteration_s=statistics.median(iterations), iteration_range_s=[min(iterations), max(iterations)],
+                   share_of_iteration=2 * statistics.median(extra) / statistics.median(iterations))
+    return out
+
+
+def study_iteration(trainable: str, schedule: str = "mix4+jagg4"):
+    """One iteration of ``jaggc study fewsteps --base digits-wide`` training ``schedule`` (rollout, reward,
+    two minibatches through ``jaggc.stepwise``), as a callable returning its CPU seconds. The bookkeeping
+    loops train every parameter tensor (122), at least as many as either of the study's trainable sets
+    (``attention``: 62; ``blocks``: 106), so their bookkeeping is an upper bound of the study's."""
+    from jaggc_studies.fewsteps.bases import load_base
+    from jaggc_studies.fewsteps.schedules import parse_schedule
+    from jaggc_studies.fewsteps.study import FewStepsOptions
+    from jaggc_studies.fewsteps.trainer import FewStepTrainer
+
+    base, kwargs, _ = load_base("digits-wide")
+    options = FewStepsOptions(base="digits-wide", trainable=trainable)
+    trainer = FewStepTrainer(base, options.config(0), schedule=parse_schedule(schedule), **kwargs)
+    return lambda: trainer.step()["cpu_s"]
 
 
 def profile(layers: int, trajectories: int = 40) -> str:
@@ -195,6 +224,9 @@ def main(argv=None) -> None:
     p.add_argument("--wide", type=int, default=1, help="widen the feed-forwards K times (digits-wide: 8)")
     p.add_argument("--batch", type=int, default=BATCH, help="rows per pass")
     p.add_argument("--direct", action="store_true", help="jaggc's own time timed inside its loop (direct())")
+    p.add_argument("--iteration", choices=("attention", "blocks"),
+                   help="with --direct: also time the digits-wide study's mix4+jagg4 iteration with this trainable "
+                        "set, interleaved, and give the bookkeeping's share of it")
     args = p.parse_args(argv)
     BATCH = args.batch
     torch.set_num_threads(1)
@@ -203,7 +235,8 @@ def main(argv=None) -> None:
         depths = [int(x) for x in args.layers.split(",")]
         for layers in depths:
             if args.direct:
-                print(json.dumps(direct(layers, args.wide, rounds=args.rounds)), flush=True)
+                iteration = study_iteration(args.iteration) if args.iteration else None
+                print(json.dumps(direct(layers, args.wide, rounds=args.rounds, iteration=iteration)), flush=True)
             else:
                 print(json.dumps(measure(layers, args.rounds, args.wide)), flush=True)
         if args.profile:

@@ -108,6 +108,58 @@ def test_knots_forwarded_together_give_the_gradient_of_knots_forwarded_one_by_on
         assert rel_err(a, b) < 1e-5
 
 
+def _below_min_sigma(name: str, together: bool, change=None):
+    """``name``'s loop with every window below ``min_sigma`` (1.0): its off-policy interior steps run their
+    forwards; ((gradients at each optimizer step), counts, warnings)."""
+    module, epoch, kwargs = LOOPS[name]
+    run = module.setup(**kwargs, stepwise=dict(window=4, weights="t", rollout_cache=jaggc.FirstOrder(min_sigma=1.0),
+                                               options=jaggc.Options(batch_knots=together)))
+    seen = []
+    run.optimizer.register_step_pre_hook(lambda o, a, k: seen.append(grads(run.transformer).clone()))
+    epoch(run, seed=3)
+    if change is not None:
+        change(run)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module.train_jaggc(run)
+    counts = vars(jaggc.stepwise(run.transformer).counts).copy()
+    jaggc.stepwise(run.transformer).close()
+    return seen, counts, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("name", sorted(LOOPS))
+def test_interior_forwards_below_min_sigma_run_together(name):
+    """A window off-policy below ``min_sigma`` runs its interior steps' forwards: as ONE forward without grad
+    (the loop's first interior call takes the other along, on the recording's inputs of its samples; the
+    loop's call of the other takes that output, its rows checked). ``batch_knots=False``: one by one, the same
+    gradient up to fp32 summation order (as the knots above), one forward more per off-policy window."""
+    together, c, _ = _below_min_sigma(name, True)
+    apart, ref, _ = _below_min_sigma(name, False)
+    assert c["first_order_served"] == ref["first_order_served"] == 0
+    assert (c["batched_interior_forwards"], ref["batched_interior_forwards"]) == (2, 0), (c, ref)
+    assert (c["nograd_forwards"], ref["nograd_forwards"]) == (2, 4), (c, ref)
+    assert len(together) == len(apart) == 3
+    for a, b in zip(together, apart):
+        assert rel_err(a, b) < 1e-5
+
+
+def test_an_interior_step_called_on_other_inputs_runs_its_own_forward():
+    """The loop calls an interior step that was forwarded with the other on other states than the
+    recording's: its own forward runs (announced), and the gradient is the one-by-one loop's on those states."""
+    def change(run):
+        sample = run.samples_batched_list[1]
+        changed = sample["latents"].clone()
+        changed[:, run.train_timesteps[2]] += 1e-3      # the second interior step's stored state
+        sample["latents"] = changed
+
+    together, c, notes = _below_min_sigma("mix_grpo", True, change)
+    apart, ref, _ = _below_min_sigma("mix_grpo", False, change)
+    assert any("has other inputs, so its own forward ran too" in n for n in notes), notes
+    assert c["batched_interior_forwards"] == 2 and c["nograd_forwards"] == ref["nograd_forwards"] - 1 == 3, (c, ref)
+    for a, b in zip(together, apart):
+        assert rel_err(a, b) < 1e-5
+
+
 def test_served_outputs_are_the_formula_computed_apart():
     """MixGRPO, σ order: the loop-visible outputs of the interior steps of the off-policy trajectory
     against recorded + (1 − λ)(v_a now − v_a then) + λ(v_b now − v_b then), each term computed here."""

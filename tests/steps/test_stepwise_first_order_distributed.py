@@ -13,6 +13,8 @@ an optimizer step after every sample (the second sample's trajectory one step af
   stay equal;
 * rank 1's recording dropped after the rollout: neither rank serves, both run the forwards (the
   same counts on both ranks), and the gradients equal the plain cache's;
+* every window below ``min_sigma``: the off-policy window's two interior forwards run as one on both ranks
+  (agreed), the gradients those of the plain cache's forwards one by one (fp32 summation order);
 * the guard probing every second trajectory: the probed off-policy one measures serving over both
   ranks (the same figures on both), the others are served.
 
@@ -77,6 +79,8 @@ def rank_body(rank: int, world: int) -> dict:
             out[(wrapper, cache)] = mix_case(rank, world, wrapper, cache)
     out["unrecorded"] = mix_case(rank, world, "ddp", "first_order", one_rank_unrecorded=True)
     for wrapper in ("ddp", "fsdp2"):
+        out[("below", wrapper)] = mix_case(rank, world, wrapper, jaggc.FirstOrder(min_sigma=1.0))
+    for wrapper in ("ddp", "fsdp2"):
         out[("guarded", wrapper)] = guarded_case(rank, world, wrapper)
     return out
 
@@ -128,6 +132,17 @@ def test_a_rank_that_cannot_serve_makes_every_rank_forward(rank_results):
         assert c["nograd_forwards"] == 4 and c["cached_forwards"] == 0, c
     for a, b in zip(rank_results[0]["unrecorded"]["grads"], rank_results[1]["unrecorded"]["grads"]):
         assert _rel(a, b) == 0
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_every_rank_runs_the_interior_forwards_below_min_sigma_together(rank_results, wrapper):
+    for res in rank_results:
+        below, forwarded = res[("below", wrapper)], res[(wrapper, True)]
+        c, ref = below["counts"], forwarded["counts"]
+        assert (c["first_order_served"], c["batched_interior_forwards"], c["nograd_forwards"]) == (0, 1, 1), c
+        assert ref["nograd_forwards"] == 2, ref
+        for a, b in zip(below["grads"], forwarded["grads"]):
+            assert _rel(a, b) < 1e-5
 
 
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
