@@ -60,10 +60,11 @@ class GradKeys:
     keys are read and compared list by list in C (``map`` over attribute getters), and only sharded
     gradients (DTensors, FSDP2) go one by one."""
 
-    __slots__ = ("where", "roots", "ptrs", "versions")
+    __slots__ = ("where", "roots", "ptrs", "versions", "plain")
 
     def __init__(self, grads: list):
         self.where, present, plain = _present(grads)
+        self.plain = plain                       # every gradient a plain tensor (no DTensor)
         if plain:
             roots, self.ptrs, self.versions = _plain_roots(present), _ptrs(present), version_counters(present)
         else:
@@ -157,12 +158,14 @@ class Ledger:
         return [(version_counter(p), _local(p).data_ptr()) for _, p in self.named]
 
     def _grad_state(self) -> GradKeys:
+        keys = GradKeys(self._grads())
         self.values = {}
-        for i in self.marks.canaries:
-            g = self.trainable[i][1].grad
-            if g is not None and _local(g) is not g:
-                self.values[i] = (g, _local(g).detach().clone())
-        return GradKeys(self._grads())
+        if not keys.plain:
+            for i in self.marks.canaries:
+                g = self.trainable[i][1].grad
+                if g is not None and _local(g) is not g:
+                    self.values[i] = (g, _local(g).detach().clone())
+        return keys
 
     def _grads(self) -> list:
         return list(map(_GRAD, self._trainable_params))

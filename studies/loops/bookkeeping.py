@@ -41,12 +41,18 @@ WINDOW = 4
 BATCH = 64
 
 
-def problem(layers: int, seed: int = 0, wide: int = 1):
+def problem(layers: int, seed: int = 0, wide: int = 1, trainable: str | None = None):
+    """(DiT, conditioning, states, upstream gradients, noise levels); ``trainable``: the digits trainer's
+    trained set (``trainable_parameters``: "attention", "blocks"), None: every parameter."""
     dit = build_dit(seed=seed, config=dict(DIGITS_CONFIG, num_layers=layers))
     if wide > 1:
         from jaggc_studies.fewsteps.wide import widen_feedforward
 
         widen_feedforward(dit, wide)
+    if trainable is not None:
+        from jaggc_studies.digits.trainer import trainable_parameters
+
+        trainable_parameters(dit, trainable)
     g = torch.Generator().manual_seed(seed + 1)
     labels = torch.arange(BATCH) % 10
     cond = class_conditioning(labels)
@@ -109,7 +115,8 @@ def measure(layers: int, rounds: int, wide: int = 1) -> dict:
                 per_tensor_us=1e6 * statistics.median(extra) / tensors)
 
 
-def direct(layers: int, wide: int = 1, trajectories: int = 40, rounds: int = 5, iteration=None) -> dict:
+def direct(layers: int, wide: int = 1, trajectories: int = 40, rounds: int = 5, iteration=None,
+           trainable: str | None = None) -> dict:
     """jaggc's own time per trajectory, timed inside the loops themselves (low noise: no difference of two
     loops' totals). Per loop, its process time minus the time inside the DiT's forward (every call: the
     loop's, jaggc's interior ones without grad) and inside the DiT's backward passes: for the unchanged loop
@@ -119,7 +126,8 @@ def direct(layers: int, wide: int = 1, trajectories: int = 40, rounds: int = 5, 
     entry for each step's ``backward()`` through jaggc's tap, tens of microseconds each). Median over
     ``rounds`` rounds of ``trajectories`` trajectories of each loop, interleaved. ``iteration``: a callable
     returning one training iteration's CPU seconds (``study_iteration``), timed twice per round between the
-    loops: the bookkeeping's share of an iteration is then measured in one run, on one machine state."""
+    loops: the bookkeeping's share of an iteration is then measured in one run, on one machine state.
+    ``trainable``: the loops train that set (``problem``), as the study's iteration does."""
     clock = {"forward": 0.0, "outer": 0.0, "inner": 0.0}
     depth = [0]
     real_backward = torch.autograd.backward
@@ -147,9 +155,9 @@ def direct(layers: int, wide: int = 1, trajectories: int = 40, rounds: int = 5, 
         dit.forward = timed_forward                   # before the install: jaggc's original forward is it
         return dit
 
-    unchanged, cond, zs, gs, sigmas = problem(layers, wide=wide)
+    unchanged, cond, zs, gs, sigmas = problem(layers, wide=wide, trainable=trainable)
     unchanged = timed(unchanged)
-    twin = timed(problem(layers, wide=wide)[0])
+    twin = timed(problem(layers, wide=wide, trainable=trainable)[0])
     jaggc.stepwise(twin, window=WINDOW, weights="t")
     own = {"unchanged": [], "jaggc": []}
     iterations = []
@@ -186,8 +194,8 @@ def direct(layers: int, wide: int = 1, trajectories: int = 40, rounds: int = 5, 
 def study_iteration(trainable: str, schedule: str = "mix4+jagg4"):
     """One iteration of ``jaggc study fewsteps --base digits-wide`` training ``schedule`` (rollout, reward,
     two minibatches through ``jaggc.stepwise``), as a callable returning its CPU seconds. The bookkeeping
-    loops train every parameter tensor (122), at least as many as either of the study's trainable sets
-    (``attention``: 62; ``blocks``: 106), so their bookkeeping is an upper bound of the study's."""
+    loops then train the same set (``direct(trainable=...)``: ``attention`` 62 parameter tensors, ``blocks`` 106,
+    of 122)."""
     from jaggc_studies.fewsteps.bases import load_base
     from jaggc_studies.fewsteps.schedules import parse_schedule
     from jaggc_studies.fewsteps.study import FewStepsOptions
@@ -225,8 +233,8 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=BATCH, help="rows per pass")
     p.add_argument("--direct", action="store_true", help="jaggc's own time timed inside its loop (direct())")
     p.add_argument("--iteration", choices=("attention", "blocks"),
-                   help="with --direct: also time the digits-wide study's mix4+jagg4 iteration with this trainable "
-                        "set, interleaved, and give the bookkeeping's share of it")
+                   help="with --direct: the loops train this set, and the digits-wide study's mix4+jagg4 iteration "
+                        "training it is timed interleaved: the bookkeeping's share of it")
     args = p.parse_args(argv)
     BATCH = args.batch
     torch.set_num_threads(1)
@@ -236,7 +244,8 @@ def main(argv=None) -> None:
         for layers in depths:
             if args.direct:
                 iteration = study_iteration(args.iteration) if args.iteration else None
-                print(json.dumps(direct(layers, args.wide, rounds=args.rounds, iteration=iteration)), flush=True)
+                print(json.dumps(direct(layers, args.wide, rounds=args.rounds, iteration=iteration,
+                                        trainable=args.iteration)), flush=True)
             else:
                 print(json.dumps(measure(layers, args.rounds, args.wide)), flush=True)
         if args.profile:
