@@ -300,14 +300,33 @@ class FirstOrderServing:
 
     def _batch_calls(self, calls: list[tuple[int, DitCall]]) -> DitCall | None:
         """``calls``' ((step, call)) batch-concatenated inputs as one call, None where they must run one by
-        one (``_batchable``)."""
-        return self._concat(calls) if self._batchable(calls) else None
+        one (``_batchable``; announced)."""
+        if not self._batchable(calls, "interior steps"):
+            return None
+        batch = self._concat(calls)
+        if batch is None:
+            self._not_batched("interior steps", calls, "their inputs do not concatenate along the batch")
+        return batch
 
-    def _batchable(self, calls: list[tuple[int, DitCall]]) -> bool:
+    def _batchable(self, calls: list[tuple[int, DitCall]], what: str) -> bool:
         """Whether ``calls`` may run as one forward: batching on (``Options(batch_knots=True)``), no live
-        dropout (a batch draws other masks), one batch size."""
-        return (self.owner.options.batch_knots and not self.draws and not any(m.training for m in self.dropouts)
-                and len({batch_size(c) for _, c in calls}) == 1)
+        dropout (a batch draws other masks), one batch size. Where they may not, other than by the option,
+        the slower path is announced once (``_not_batched``)."""
+        if not self.owner.options.batch_knots:
+            return False
+        if self.draws or any(m.training for m in self.dropouts):
+            return self._not_batched(what, calls, "the DiT draws random numbers (live dropout): a batch would "
+                                                   "draw other masks than the calls one by one")
+        if len({batch_size(c) for _, c in calls}) != 1:
+            return self._not_batched(what, calls, "their calls have different batch sizes")
+        return True
+
+    def _not_batched(self, what: str, calls: list[tuple[int, DitCall]], why: str) -> bool:
+        """Announce once per reason that a window's ``what`` (steps ``calls``) run one by one, slower."""
+        self.owner.note_once(f"not-batched-{what}-{why}", (
+            f"rollout_cache='first_order': the off-policy {what} {[s for s, _ in calls]} run one forward each, not "
+            f"one together, because {why}"))
+        return False
 
     def _knot_batch(self, calls: list[tuple[int, DitCall]]) -> "_KnotBatch | None":
         """``calls``' ((step, call)) batch-concatenated inputs: one call, or under the CFG slice one of the
@@ -315,16 +334,18 @@ class FirstOrderServing:
         (``Options(batch_knots=False)``), live dropout (a batch draws other masks), other batch sizes or
         slices, or inputs that do not concatenate."""
         options = self.owner.options
-        if not self._batchable(calls):
+        if not self._batchable(calls, "knots"):
             return None
         slices = {self._slice(c) for _, c in calls}
         if len(slices) != 1:
+            self._not_batched("knots", calls, "the CFG slice takes other rows of them")
             return None
         rows = slices.pop()
         parts = ([calls] if rows is None else
                  [[(s, call_rows(c, rows.runs(grad), options.unbatched)) for s, c in calls] for grad in (False, True)])
         concatenated = [self._concat(part) for part in parts]
         if any(c is None for c in concatenated):
+            self._not_batched("knots", calls, "their inputs do not concatenate along the batch")
             return None
         return _KnotBatch(rows, concatenated, len(calls))
 
