@@ -207,8 +207,8 @@ def study_iteration(trainable: str, schedule: str = "mix4+jagg4"):
     return lambda: trainer.step()["cpu_s"]
 
 
-def profile(layers: int, trajectories: int = 40) -> str:
-    dit, cond, zs, gs, sigmas = problem(layers)
+def profile(layers: int, trajectories: int = 40, wide: int = 1) -> str:
+    dit, cond, zs, gs, sigmas = problem(layers, wide=wide)
     jaggc.stepwise(dit, window=WINDOW, weights="t")
     for _ in range(2):
         trajectory(dit, cond, zs, gs, sigmas, stepwise=True)
@@ -249,7 +249,7 @@ def main(argv=None) -> None:
             else:
                 print(json.dumps(measure(layers, args.rounds, args.wide)), flush=True)
         if args.profile:
-            print(profile(depths[0]))
+            print(profile(depths[0], wide=args.wide))
 
 
 if __name__ == "__main__":
