@@ -66,7 +66,7 @@ class FirstOrderServing:
         cache = self.owner.cache
         if not cache.serves_stale():
             return False
-        lowest = float(noise_levels(self.plan.times[list(win.planned.steps)]).min())
+        lowest = self._lowest_sigma(win)
         if lowest < cache.min_sigma:
             self.owner.note_once(f"first-order-sigma-{win.planned.index}", (
                 f"rollout_cache='first_order': window {win.planned.index} reaches σ = {lowest:.3g} < "
@@ -277,7 +277,11 @@ class FirstOrderServing:
         as forwards because it reaches below ``min_sigma`` (``_serves_first_order`` said so)."""
         cache = self.owner.cache
         return (cache.serves_stale()
-                and float(noise_levels(self.plan.times[list(win.planned.steps)]).min()) < cache.min_sigma)
+                and self._lowest_sigma(win) < cache.min_sigma)
+
+    def _lowest_sigma(self, win: WindowRun) -> float:
+        """The lowest noise level ``win``'s declared steps reach (``min_sigma`` is compared with it)."""
+        return float(noise_levels(self.plan.times[list(win.planned.steps)]).min())
 
     def _interior_to_fetch(self, win: WindowRun, visit: StepVisit, call: DitCall) -> list | None:
         """[(step, call on the recorded rows, recorded rows)] of ``win``'s interior steps other than ``visit``'s
